@@ -1,0 +1,149 @@
+#include "experts/cpu/grouped_ffn.h"
+
+#include <algorithm>
+
+namespace moerun {
+namespace {
+
+constexpr int kMBlocksPerTask = 16;     // rows per task: 16 tiles (keeps a task's A in L2)
+constexpr int kColumnsPerTask = 256;    // output columns per task
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+GroupedFfn::GroupedFfn(const CpuKernels& kernels, ThreadPool* pool)
+    : kernels_(kernels), pool_(pool), scratch_(static_cast<size_t>(pool->size())) {}
+
+void GroupedFfn::BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm) {
+  tasks_.clear();
+  const int nr = kernels_.nr;
+  const int per_task = std::max(1, kColumnsPerTask / (first_gemm ? 2 * nr : nr));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const ExpertGroup& grp = groups[g];
+    if (grp.rows == 0) continue;
+    const int64_t mblocks = CeilDiv(grp.rows, kernels_.mr);
+    const int64_t units = first_gemm ? grp.weights->pairs : grp.weights->w2.panels();
+    for (int64_t m0 = 0; m0 < mblocks; m0 += kMBlocksPerTask) {
+      for (int64_t p0 = 0; p0 < units; p0 += per_task) {
+        tasks_.push_back(Task{static_cast<int32_t>(g), static_cast<int32_t>(m0),
+                              static_cast<int32_t>(std::min<int64_t>(kMBlocksPerTask, mblocks - m0)),
+                              static_cast<int32_t>(p0),
+                              static_cast<int32_t>(std::min<int64_t>(per_task, units - p0))});
+      }
+    }
+  }
+}
+
+void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_t ldx,
+                     const int32_t* row_token, float* y, int64_t ldy) {
+  const int mr = kernels_.mr;
+  const int nr = kernels_.nr;
+  const int64_t kc = kernels_.kc;
+  const size_t ng = groups.size();
+
+  // Layout of the packed inputs of both GEMMs: per group, its m-blocks of [k][mr].
+  apack_off_.assign(ng + 1, 0);
+  hpack_off_.assign(ng + 1, 0);
+  mblock_base_.assign(ng + 1, 0);
+  for (size_t g = 0; g < ng; ++g) {
+    const int64_t mblocks = CeilDiv(groups[g].rows, mr);
+    const int64_t hidden = groups[g].rows ? groups[g].weights->hidden : 0;
+    const int64_t inter = groups[g].rows ? groups[g].weights->inter : 0;
+    apack_off_[g + 1] = apack_off_[g] + mblocks * hidden * mr;
+    hpack_off_[g + 1] = hpack_off_[g] + mblocks * inter * mr;
+    mblock_base_[g + 1] = mblock_base_[g] + mblocks;
+  }
+  if (mblock_base_[ng] == 0) return;
+  apack_.Reserve(static_cast<size_t>(apack_off_[ng]) * sizeof(float));
+  hpack_.Reserve(static_cast<size_t>(hpack_off_[ng]) * sizeof(float));
+  float* apack = apack_.as<float>();
+  float* hpack = hpack_.as<float>();
+
+  // 1. Gather each group's rows into [k][mr] tiles.
+  pool_->ParallelFor(mblock_base_[ng], [&](int64_t t, int) {
+    const size_t g = static_cast<size_t>(
+        std::upper_bound(mblock_base_.begin(), mblock_base_.end(), t) - mblock_base_.begin() - 1);
+    const ExpertGroup& grp = groups[g];
+    const int64_t mb = t - mblock_base_[g];
+    const int64_t hidden = grp.weights->hidden;
+    float* dst = apack + apack_off_[g] + mb * hidden * mr;
+    const int64_t r0 = mb * mr;
+    const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - r0));
+    for (int i = 0; i < rows; ++i) {
+      const float* src = x + static_cast<int64_t>(row_token[grp.first_row + r0 + i]) * ldx;
+      for (int64_t k = 0; k < hidden; ++k) dst[k * mr + i] = src[k];
+    }
+  });
+
+  // 2. Gate and up projections with the activation, written as GEMM2's packed input.
+  BuildTasks(groups, /*first_gemm=*/true);
+  pool_->ParallelFor(static_cast<int64_t>(tasks_.size()), [&](int64_t ti, int worker) {
+    const Task& t = tasks_[static_cast<size_t>(ti)];
+    const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
+    const ExpertWeights& w = *grp.weights;
+    const int64_t hidden = w.hidden;
+    const int64_t ldc = 2 * static_cast<int64_t>(t.panels) * nr;
+    AlignedBuffer& scratch = scratch_[static_cast<size_t>(worker)];
+    scratch.Reserve(static_cast<size_t>(kMBlocksPerTask) * mr * ldc * sizeof(float));
+    float* c = scratch.as<float>();
+    const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
+    const int eb = w.w13.elem_bytes();
+    for (int64_t k0 = 0; k0 < hidden; k0 += kc) {
+      const int64_t klen = std::min(kc, hidden - k0);
+      for (int p = 0; p < 2 * t.panels; ++p) {
+        const uint8_t* b = w.w13.panel(2 * t.panel0 + p) + k0 * nr * eb;
+        for (int mb = 0; mb < t.mblocks; ++mb) {
+          const int64_t gmb = t.mblock0 + mb;
+          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+          kernels_.tile(rows, klen, a + (gmb * hidden + k0) * mr, b, w.w13.dtype(),
+                        c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc, k0 > 0);
+        }
+      }
+    }
+    float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
+    const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
+    for (int mb = 0; mb < t.mblocks; ++mb) {
+      const int64_t gmb = t.mblock0 + mb;
+      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+      kernels_.activate(grp.act, rows, t.panels, nr, c + static_cast<int64_t>(mb) * mr * ldc, ldc,
+                        w.bias_gate.empty() ? nullptr : w.bias_gate.data(),
+                        w.bias_up.empty() ? nullptr : w.bias_up.data(), j0, w.inter,
+                        h + gmb * w.inter * mr, mr);
+    }
+  });
+
+  // 3. Down projection straight into y.
+  BuildTasks(groups, /*first_gemm=*/false);
+  pool_->ParallelFor(static_cast<int64_t>(tasks_.size()), [&](int64_t ti, int) {
+    const Task& t = tasks_[static_cast<size_t>(ti)];
+    const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
+    const ExpertWeights& w = *grp.weights;
+    const int64_t inter = w.inter;
+    const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
+    const int eb = w.w2.elem_bytes();
+    float* ybase = y + grp.first_row * ldy;
+    for (int64_t k0 = 0; k0 < inter; k0 += kc) {
+      const int64_t klen = std::min(kc, inter - k0);
+      for (int p = 0; p < t.panels; ++p) {
+        const int64_t panel = t.panel0 + p;
+        const uint8_t* b = w.w2.panel(panel) + k0 * nr * eb;
+        for (int mb = 0; mb < t.mblocks; ++mb) {
+          const int64_t gmb = t.mblock0 + mb;
+          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+          kernels_.tile(rows, klen, a + (gmb * inter + k0) * mr, b, w.w2.dtype(),
+                        ybase + gmb * mr * ldy + panel * nr, ldy, k0 > 0);
+        }
+      }
+    }
+    if (!w.bias_down.empty()) {
+      const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
+      const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
+      const int rows = static_cast<int>(std::min<int64_t>(grp.rows - r0, t.mblocks * mr));
+      kernels_.add_bias(rows, static_cast<int64_t>(t.panels) * nr, w.bias_down.data() + col0,
+                        ybase + r0 * ldy + col0, ldy);
+    }
+  });
+}
+
+}  // namespace moerun

@@ -1,0 +1,64 @@
+// The per-ISA CPU kernels behind the grouped expert FFN, as a table of plain functions.
+//
+// Contract shared by every variant (this is what makes results batch-invariant and identical
+// across variants):
+//   - tile: for each row i < rows and column j < nr of one panel,
+//       c[i][j] = (accumulate ? c[i][j] : 0), then for k in order: c = fma(a[k][i], B[k][j], c)
+//     one fused multiply-add per k, in k order, in fp32; B widened exactly from F32/BF16/F16.
+//     A row's result depends on nothing but its own inputs (not on `rows` or its neighbours).
+//   - the elementwise functions use only +, -, *, / and comparisons (never fused), with the same
+//     exp approximation (ExpF in elementwise.h), so auto-vectorised code equals scalar code.
+// All functions are reentrant; they touch only the memory they are given.
+#pragma once
+
+#include <cstdint>
+
+#include "experts/cpu/isa.h"
+#include "runtime/dtype.h"
+
+namespace moerun {
+
+// The expert activation (applied to gate g and up u, after their biases).
+enum class ActKind {
+  kSwiGlu,         // silu(g) * u
+  kSwiGluClamped,  // min(silu(g), L) * clamp(u, -L, L)          (Step-3.5-Flash; L = 0: no clamp)
+  kGptOss,         // g' = min(g, L); u' = clamp(u, -L, L); (u' + 1) * g' * sigmoid(alpha * g')
+};
+
+struct ActParams {
+  ActKind kind = ActKind::kSwiGlu;
+  float limit = 0.0f;
+  float alpha = 1.702f;
+};
+
+struct CpuKernels {
+  Isa isa;
+  int mr;  // rows per tile
+  int nr;  // columns per panel
+  int kc;  // k block that keeps one panel block in L1
+
+  // c (ldc floats per row) for rows 1..mr; a packed [k][mr]; b one panel [k][nr] of b_type.
+  void (*tile)(int rows, int64_t k, const float* a, const void* b, DType b_type, float* c,
+               int64_t ldc, bool accumulate);
+
+  // Activation of a block of GEMM1 output. c holds, per row, `pairs` pairs of panels
+  // [gate panel q | up panel q] (2*pairs*nr floats, row stride ldc). Column j = q*nr + jj of the
+  // hidden layer (j0 + j overall) gets h = act(g + bias_g[j0+j], u + bias_u[j0+j]) (biases may be
+  // null). Only columns with j0 + j < inter are written, into `h` at h[(j0+j)*h_stride + row].
+  void (*activate)(const ActParams& p, int rows, int pairs, int nr, const float* c, int64_t ldc,
+                   const float* bias_g, const float* bias_u, int64_t j0, int64_t inter, float* h,
+                   int64_t h_stride);
+
+  // y[i][0..n) += bias[0..n) for `rows` rows of stride ldy.
+  void (*add_bias)(int rows, int64_t n, const float* bias, float* y, int64_t ldy);
+};
+
+const CpuKernels& KernelsFor(Isa isa);
+
+namespace kernels_internal {
+const CpuKernels& ScalarKernels();
+const CpuKernels& Avx2Kernels();
+const CpuKernels& Avx512Kernels();
+}  // namespace kernels_internal
+
+}  // namespace moerun

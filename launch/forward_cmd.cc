@@ -1,0 +1,160 @@
+#include "launch/forward_cmd.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "experts/cuda/cuda_device.h"
+#include "launch/layer_source.h"
+#include "runtime/log.h"
+#include "runtime/safetensors.h"
+#include "runtime/thread_pool.h"
+
+namespace moerun {
+namespace {
+
+struct ForwardFlags {
+  LayerFlags layer;
+  std::string input, output, check, device = "cpu";
+  double tolerance = 1e-5;
+};
+
+// Reads the F32 tensor `name` [T, hidden]; every value must be finite.
+Result<std::vector<float>> ReadMatrix(const std::string& path, const std::string& name,
+                                      int64_t hidden, int64_t* rows) {
+  MOERUN_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  MOERUN_ASSIGN_OR_RETURN(TensorRef t, file->Get(name));
+  const TensorInfo& info = *t.info;
+  if (info.dtype != DType::kF32) {
+    return Status::InvalidArgument(path + ": tensor '" + name + "' is " + DTypeName(info.dtype) +
+                                   "; it must be F32");
+  }
+  if (info.shape.size() != 2) {
+    return Status::InvalidArgument(path + ": tensor '" + name + "' must be 2-D [tokens, hidden], has " +
+                                   std::to_string(info.shape.size()) + " dimensions");
+  }
+  if (info.shape[1] != hidden) {
+    return Status::InvalidArgument(path + ": tensor '" + name + "' has hidden size " +
+                                   std::to_string(info.shape[1]) + " but the model's is " +
+                                   std::to_string(hidden));
+  }
+  *rows = info.shape[0];
+  std::vector<float> v(static_cast<size_t>(info.numel));
+  std::memcpy(v.data(), t.data, v.size() * sizeof(float));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(v[i])) {
+      return Status::InvalidArgument(path + ": tensor '" + name + "' holds a non-finite value (" +
+                                     std::to_string(v[i]) + ") at token " +
+                                     std::to_string(i / static_cast<size_t>(hidden)));
+    }
+  }
+  return v;
+}
+
+int Fail(const Status& s) {
+  spdlog::error("{}", s.ToString());
+  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
+}
+
+int RunForward(const ForwardFlags& f) {
+  if (f.device == "cuda") {
+    const CudaProbe probe = ProbeCuda();
+    if (probe.devices.empty()) {
+      return Fail(Status::InvalidArgument("--device cuda: no usable GPU: " + probe.error));
+    }
+    return Fail(Status::Unsupported("--device cuda: found " + probe.devices[0].name +
+                                    ", but this release computes MoE layers on the CPU only; "
+                                    "use --device cpu"));
+  }
+  if (f.device != "cpu") return Fail(Status::InvalidArgument("--device must be cpu or cuda"));
+
+  auto isa = ChooseIsa(f.layer.isa);
+  if (!isa.ok()) return Fail(isa.status());
+  const CpuKernels& kernels = KernelsFor(*isa);
+  ThreadPool pool(f.layer.threads);
+  auto weights = LoadLayerFromFlags(f.layer, kernels, pool.size());
+  if (!weights.ok()) return Fail(weights.status());
+  const MoeLayerWeights& w = **weights;
+  const int64_t hidden = w.spec.hidden;
+
+  int64_t tokens = 0;
+  auto x = ReadMatrix(f.input, "input", hidden, &tokens);
+  if (!x.ok()) return Fail(x.status());
+
+  MoeLayer layer(*weights, kernels, &pool);
+  std::vector<float> out(static_cast<size_t>(tokens * hidden));
+  const auto t0 = std::chrono::steady_clock::now();
+  if (Status s = layer.Forward(x->data(), tokens, out.data()); !s.ok()) return Fail(s);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+  std::map<std::string, F32Tensor> tensors;
+  tensors["output"] = F32Tensor{{tokens, hidden}, out};
+  const std::map<std::string, std::string> meta = {
+      {"producer", "moerun forward"},
+      {"layer", std::to_string(w.layer)},
+      {"model", f.layer.model.empty() ? "preset:" + f.layer.preset : f.layer.model}};
+  if (Status s = WriteSafetensorsF32(f.output, tensors, meta); !s.ok()) return Fail(s);
+
+  std::string line = "moerun forward: " + DescribeLayer(w) + " | " + std::to_string(tokens) +
+                     " tokens | cpu " + IsaName(*isa) + " x" + std::to_string(pool.size()) +
+                     " threads | " + fmt::format("{:.3f} ms", ms) + " | " + f.output;
+  int rc = 0;
+  if (!f.check.empty()) {
+    int64_t ref_rows = 0;
+    auto ref = ReadMatrix(f.check, "output", hidden, &ref_rows);
+    if (!ref.ok()) return Fail(ref.status());
+    if (ref_rows != tokens) {
+      return Fail(Status::InvalidArgument(f.check + ": 'output' has " + std::to_string(ref_rows) +
+                                          " rows, the input " + std::to_string(tokens)));
+    }
+    double num = 0, den = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double d = static_cast<double>(out[i]) - (*ref)[i];
+      num += d * d;
+      den += static_cast<double>((*ref)[i]) * (*ref)[i];
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    const bool pass = rel <= f.tolerance;
+    line += fmt::format(" | rel err vs {} {:.2e} ({} {:.0e})", f.check, rel,
+                        pass ? "within" : "EXCEEDS", f.tolerance);
+    rc = pass ? 0 : 3;
+  }
+  std::printf("%s\n", line.c_str());
+  return rc;
+}
+
+}  // namespace
+
+std::function<int()> AddForwardCommand(CLI::App& app) {
+  auto flags = std::make_shared<ForwardFlags>();
+  CLI::App* cmd = app.add_subcommand("forward", "Run one MoE layer over an input tensor");
+  auto* model = cmd->add_option("--model", flags->layer.model,
+                                "Hugging Face model folder (config.json + safetensors)");
+  auto* preset = cmd->add_option("--preset", flags->layer.preset,
+                                 "Real model shape with seeded random weights: mixtral-8x7b, "
+                                 "qwen3-30b-a3b, deepseek-v3, gpt-oss-20b, step-3.5-flash");
+  model->excludes(preset);
+  cmd->add_option("--seed", flags->layer.seed, "Preset weight seed")->default_val(1);
+  cmd->add_option("--experts", flags->layer.experts,
+                  "Preset expert count (default: as many as fit in 4 GB)");
+  cmd->add_option("--dtype", flags->layer.dtype, "Preset weight type: f32, bf16, f16")
+      ->default_val("f32");
+  cmd->add_option("--input", flags->input, "safetensors file with tensor 'input' [T, H] (F32)")
+      ->required();
+  cmd->add_option("--output", flags->output, "safetensors file to write 'output' [T, H] to")
+      ->required();
+  cmd->add_option("--layer", flags->layer.layer, "Decoder layer (default: the first MoE layer)");
+  cmd->add_option("--device", flags->device, "cpu or cuda")->default_val("cpu");
+  cmd->add_option("--threads", flags->layer.threads, "Worker threads (default: all cores)");
+  cmd->add_option("--isa", flags->layer.isa, "CPU kernels: scalar, avx2, avx512 (default: best)");
+  cmd->add_option("--check", flags->check,
+                  "safetensors file with the expected 'output': report the relative error "
+                  "(exit 3 if above --tolerance)");
+  cmd->add_option("--tolerance", flags->tolerance, "for --check")->default_val(1e-5);
+  return [flags, cmd]() -> int {
+    if (!cmd->parsed()) return -1;
+    return RunForward(*flags);
+  };
+}
+
+}  // namespace moerun

@@ -1,0 +1,81 @@
+// moebench: benchmarks that compare moerun against a baseline measured in the same run and
+// print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm), and
+// sgemm (the baseline's child process).
+#include <CLI/CLI.hpp>
+#include <sstream>
+
+#include "bench/layer_bench.h"
+#include "bench/sgemm_baseline.h"
+#include "runtime/log.h"
+
+int main(int argc, char** argv) {
+  try {
+    moerun::InitLogging(moerun::RankFromEnvironment(), "bench");
+    CLI::App app("moebench: moerun benchmarks (JSON, against a baseline in the same run)");
+    app.require_subcommand(1);
+
+    moerun::bench::LayerBenchFlags lf;
+    std::string tokens = "1,16,128,1024";
+    CLI::App* layer = app.add_subcommand("layer", "Time one MoE layer against its baselines");
+    auto* model = layer->add_option("--model", lf.layer.model, "Hugging Face model folder");
+    auto* preset = layer->add_option("--preset", lf.layer.preset,
+                                     "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, gpt-oss-20b, "
+                                     "step-3.5-flash");
+    model->excludes(preset);
+    layer->add_option("--seed", lf.layer.seed, "Preset seed")->default_val(1);
+    layer->add_option("--experts", lf.layer.experts, "Preset expert count (default: fit 4 GB)");
+    layer->add_option("--dtype", lf.layer.dtype, "Preset weights: f32, bf16, f16")->default_val("f32");
+    layer->add_option("--layer", lf.layer.layer, "Decoder layer (default: first MoE layer)");
+    layer->add_option("--tokens", tokens, "Comma-separated token counts")->default_val(tokens);
+    layer->add_option("--device", lf.device, "cpu or cuda")->default_val("cpu");
+    layer->add_option("--threads", lf.layer.threads, "Threads (default: all cores)");
+    layer->add_option("--isa", lf.layer.isa, "scalar, avx2, avx512 (default: best)");
+    layer->add_option("--min-time", lf.min_seconds, "Seconds per measurement")->default_val(1.0);
+    layer->add_option("--reference-tokens", lf.reference_tokens,
+                      "Tokens the reference loop times")->default_val(2);
+    layer->add_flag("--no-sgemm{false}", lf.sgemm, "Skip the OpenBLAS baseline");
+    layer->add_flag("--json", lf.json, "Print the JSON report on stdout");
+
+    std::string shapes;
+    int threads = 0;
+    double min_time = 1.0;
+    CLI::App* sgemm = app.add_subcommand("sgemm", "OpenBLAS sgemm baseline (child process)");
+    sgemm->add_option("--shapes", shapes, "MxNxK;MxNxK...")->required();
+    sgemm->add_option("--threads", threads);
+    sgemm->add_option("--min-time", min_time);
+
+    CLI11_PARSE(app, argc, argv);
+    if (layer->parsed()) {
+      lf.tokens.clear();
+      std::stringstream ss(tokens);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        try {
+          size_t used = 0;
+          const long long v = std::stoll(item, &used);
+          if (used != item.size()) throw std::invalid_argument(item);
+          lf.tokens.push_back(v);
+        } catch (const std::exception&) {
+          spdlog::error("--tokens: '{}' is not a number", item);
+          return 2;
+        }
+      }
+      return moerun::bench::RunLayerBench(lf);
+    }
+    if (sgemm->parsed()) {
+      auto s = moerun::bench::ShapesFromArg(shapes);
+      if (!s.ok()) {
+        spdlog::error("{}", s.status().ToString());
+        return 2;
+      }
+      return moerun::bench::RunSgemmChild(*s, threads, min_time);
+    }
+    return 2;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("out of memory");
+    return 1;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,60 @@
+// moerun: the expert-parallel MoE runtime. Subcommands: forward (one layer, one process).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+
+#include "experts/cpu/isa.h"
+#include "experts/cuda/cuda_device.h"
+#include "launch/forward_cmd.h"
+#include "moerun/build_info.h"
+#include "runtime/log.h"
+
+namespace {
+
+void PrintVersion() {
+  const auto& cpu = moerun::DetectCpu();
+  std::printf("moerun %s (%s, %s)\n", MOERUN_VERSION, MOERUN_BUILD_TYPE, MOERUN_CXX_COMPILER);
+  std::printf("backends built: cpu cuda=%d nccl=%d ucx=%d mpi=%d\n", MOERUN_HAVE_CUDA,
+              MOERUN_HAVE_NCCL, MOERUN_HAVE_UCX, MOERUN_HAVE_MPI);
+  std::printf("cpu: %s, kernels %s%s%s\n", cpu.brand.c_str(), moerun::IsaName(moerun::BestIsa()),
+              cpu.avx512_bf16 ? ", avx512-bf16" : "", cpu.amx_bf16 ? ", amx-bf16" : "");
+  const auto probe = moerun::ProbeCuda();
+  if (probe.devices.empty()) {
+    std::printf("gpu: none (%s)\n", probe.error.c_str());
+  } else {
+    for (const auto& d : probe.devices) {
+      std::printf("gpu %d: %s (sm_%d%d, %.0f GiB)\n", d.index, d.name.c_str(), d.sm_major,
+                  d.sm_minor, static_cast<double>(d.memory_bytes) / (1ull << 30));
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    moerun::InitLogging(moerun::RankFromEnvironment(), "main");
+    CLI::App app("moerun: expert-parallel Mixture-of-Experts runtime");
+    app.require_subcommand(0, 1);
+    bool version = false;
+    std::string log_level = "info";
+    app.add_flag("--version", version, "Print the build, CPU and GPU this binary sees");
+    app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+    auto forward = moerun::AddForwardCommand(app);
+    CLI11_PARSE(app, argc, argv);
+    moerun::InitLogging(moerun::RankFromEnvironment(), "main", log_level);
+    if (version) {
+      PrintVersion();
+      return 0;
+    }
+    if (const int rc = forward(); rc >= 0) return rc;
+    std::fprintf(stderr, "%s", app.help().c_str());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("out of memory");
+    return 1;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,73 @@
+// One MoE layer on this process's CPU: gate -> top-k -> grouped expert FFN -> combine.
+//
+// MoeLayerWeights is what a checkpoint or a preset yields (packed for one kernel variant); MoeLayer
+// runs it. Forward is batch-invariant: a token's output bits do not depend on the other tokens in
+// the batch, their order, or the thread count (see DESIGN.md). Buffers grow to the largest batch
+// seen and are reused. Forward is not reentrant: one call at a time per MoeLayer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "experts/cpu/aligned_buffer.h"
+#include "experts/cpu/expert_weights.h"
+#include "experts/cpu/grouped_ffn.h"
+#include "experts/cpu/kernels.h"
+#include "router/expert_groups.h"
+#include "runtime/model_spec.h"
+#include "runtime/status.h"
+#include "runtime/thread_pool.h"
+
+namespace moerun {
+
+struct MoeLayerWeights {
+  ModelSpec spec;
+  int layer = 0;
+  DType dtype = DType::kF32;  // type the expert weights are held in
+  // Router: N = num_experts (+1: the Qwen2-MoE shared-expert gate rides along as the last row).
+  PackedMatrix gate;
+  std::vector<float> gate_bias;       // router bias, padded to gate.n_padded(); or empty
+  std::vector<float> selection_bias;  // [num_experts] or empty
+  std::vector<ExpertWeights> experts;  // [num_experts]; unloaded experts have empty w13
+  std::optional<ExpertWeights> shared;
+
+  size_t ExpertBytes() const;
+};
+
+// Routing of the last batch, for statistics and tests.
+struct Routing {
+  std::vector<int32_t> ids;    // [T * k]
+  std::vector<float> weights;  // [T * k]
+};
+
+class MoeLayer {
+ public:
+  MoeLayer(std::shared_ptr<const MoeLayerWeights> weights, const CpuKernels& kernels,
+           ThreadPool* pool);
+
+  // x [tokens][hidden] -> out [tokens][hidden] (row-major, contiguous).
+  Status Forward(const float* x, int64_t tokens, float* out);
+
+  const MoeLayerWeights& weights() const { return *w_; }
+  const Routing& last_routing() const { return routing_; }
+  const CpuKernels& kernels() const { return kernels_; }
+  // FLOPs of one forward of `tokens` tokens (gate + routed experts + shared expert).
+  double Flops(int64_t tokens) const;
+
+ private:
+  std::shared_ptr<const MoeLayerWeights> w_;
+  const CpuKernels& kernels_;
+  ThreadPool* pool_;
+  GroupedFfn ffn_;
+  ExpertGroups groups_;
+  Routing routing_;
+  std::vector<float> shared_scale_;
+  std::vector<int32_t> rows_;
+  std::vector<ExpertGroup> ffn_groups_;
+  AlignedBuffer logits_, y_, apack_;
+  std::vector<std::vector<float>> gate_scratch_;
+};
+
+}  // namespace moerun

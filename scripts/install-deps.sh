@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages moerun needs to build, test and benchmark.
+# Idempotent: packages already present are skipped, so it is cheap to re-run.
+#   scripts/install-deps.sh          build + run dependencies
+#   scripts/install-deps.sh --test   plus what the test suite needs (clang for libFuzzer/sanitizers)
+set -euo pipefail
+
+want=(
+  build-essential cmake ninja-build pkg-config git
+  libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libyaml-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  libopenmpi-dev openmpi-bin libucx-dev
+)
+if [[ "${1:-}" == "--test" ]]; then
+  want+=(clang libclang-rt-14-dev clang-format python3)
+fi
+
+missing=()
+for p in "${want[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#want[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
