@@ -1,0 +1,721 @@
+// The binaries as users run them: `moerun forward` reproduces every golden fixture, and every kind
+// of bad input (files, configs, tensors, flags) ends in a non-zero exit with a message that names
+// the problem, never in a crash. `moebench layer` prints a JSON report.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "runtime/safetensors.h"
+#include "tests/unit/test_util.h"
+
+namespace moerun {
+namespace {
+
+namespace fs = std::filesystem;
+using ::moerun::testing::FixtureDir;
+using ::moerun::testing::MakeSafetensors;
+using ::moerun::testing::ProcessResult;
+using ::moerun::testing::ReadFile;
+using ::moerun::testing::RunProcess;
+using ::moerun::testing::TempDir;
+using ::moerun::testing::WriteFile;
+using json = nlohmann::json;
+
+// --- Editing safetensors files by hand -------------------------------------------------------------
+
+// A safetensors file split into its JSON header and its data buffer.
+struct RawFile {
+  json header;
+  std::string data;
+};
+
+RawFile ReadRaw(const std::string& path) {
+  const std::string bytes = ReadFile(path);
+  EXPECT_GE(bytes.size(), 8u) << path;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
+  RawFile f;
+  f.header = json::parse(bytes.substr(8, n));
+  f.data = bytes.substr(8 + n);
+  return f;
+}
+
+void WriteRaw(const std::string& path, const RawFile& f) {
+  WriteFile(path, MakeSafetensors(f.header.dump(), f.data));
+}
+
+// One tensor with its bytes; the file's tensors by name.
+struct Tensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+using Tensors = std::map<std::string, Tensor>;
+
+Tensors ReadTensors(const std::string& path) {
+  const RawFile f = ReadRaw(path);
+  Tensors out;
+  for (auto it = f.header.begin(); it != f.header.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    const auto begin = it->at("data_offsets")[0].get<size_t>();
+    const auto end = it->at("data_offsets")[1].get<size_t>();
+    out[it.key()] = Tensor{it->at("dtype").get<std::string>(),
+                           it->at("shape").get<std::vector<int64_t>>(),
+                           f.data.substr(begin, end - begin)};
+  }
+  return out;
+}
+
+// Lays the tensors out contiguously, in name order.
+void WriteTensors(const std::string& path, const Tensors& tensors) {
+  RawFile f;
+  f.header = json::object();
+  f.header["__metadata__"] = {{"format", "pt"}};
+  for (const auto& [name, t] : tensors) {
+    f.header[name] = {{"dtype", t.dtype},
+                      {"shape", t.shape},
+                      {"data_offsets", {f.data.size(), f.data.size() + t.bytes.size()}}};
+    f.data += t.bytes;
+  }
+  WriteRaw(path, f);
+}
+
+std::string F32Bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+// Writes `input` [rows, cols] (F32) to `path`, values from a fixed formula.
+void WriteInput(const std::string& path, int64_t rows, int64_t cols,
+                const std::string& name = "input") {
+  std::vector<float> v(static_cast<size_t>(rows * cols));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.37f * static_cast<float>(i)) * 1.5f;
+  const Status s = WriteSafetensorsF32(path, {{name, F32Tensor{{rows, cols}, v}}});
+  ASSERT_TRUE(s.ok()) << s.ToString();
+}
+
+json ReadJson(const std::string& path) { return json::parse(ReadFile(path)); }
+void WriteJson(const std::string& path, const json& j) { WriteFile(path, j.dump(2)); }
+
+// --- Running the binaries ---------------------------------------------------------------------------
+
+ProcessResult Moerun(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {MOERUN_BIN};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunProcess(argv);
+}
+
+ProcessResult Moebench(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {MOEBENCH_BIN};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunProcess(argv);
+}
+
+bool Contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+void ExpectNoCrash(const ProcessResult& r) {
+  for (const char* crash : {"Segmentation", "Aborted", "terminate called", "core dumped",
+                            "AddressSanitizer", "runtime error:", "test harness: killed"}) {
+    EXPECT_FALSE(Contains(r.output, crash)) << "output has \"" << crash << "\":\n" << r.output;
+  }
+}
+
+// A clean failure: exit status > 0 (not a signal), no crash, a message with every fragment.
+void ExpectFailure(const ProcessResult& r, const std::vector<std::string>& fragments) {
+  EXPECT_GT(r.exit_code, 0) << r.output;
+  ExpectNoCrash(r);
+  for (const auto& f : fragments) {
+    EXPECT_TRUE(Contains(r.output, f)) << "output lacks \"" << f << "\":\n" << r.output;
+  }
+}
+
+void ExpectSuccess(const ProcessResult& r) {
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  ExpectNoCrash(r);
+}
+
+constexpr char kQwen[] = "qwen3_moe";
+constexpr char kExpert2Up[] = "model.layers.0.mlp.experts.2.up_proj.weight";
+
+// Each test gets a scratch folder; models are copied into it and then broken.
+class CliTest : public ::testing::Test {
+ protected:
+  // A copy of fixture `name` (config.json and model.safetensors) in the scratch folder.
+  std::string CopyFixture(const std::string& name) {
+    const std::string dst = tmp_.File(name);
+    fs::create_directories(dst);
+    for (const char* file : {"config.json", "model.safetensors"}) {
+      fs::copy_file(FixtureDir(name) + "/" + file, dst + "/" + file);
+    }
+    return dst;
+  }
+
+  static std::string Golden(const std::string& name) {
+    return FixtureDir(name) + "/golden.safetensors";
+  }
+
+  std::string Output() const { return tmp_.File("out.safetensors"); }
+
+  // `moerun forward --model DIR --input <golden of fixture> --output OUT [extra...]`.
+  ProcessResult Forward(const std::string& model, const std::string& fixture,
+                        const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> args = {"forward", "--model",  model,   "--input",
+                                     Golden(fixture), "--output", Output()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Moerun(args);
+  }
+
+  // Copies fixture `name`, edits its model.safetensors header with `edit`, and runs it.
+  template <typename Edit>
+  ProcessResult ForwardWithEditedHeader(const std::string& name, Edit edit) {
+    const std::string dir = CopyFixture(name);
+    RawFile f = ReadRaw(dir + "/model.safetensors");
+    edit(f);
+    WriteRaw(dir + "/model.safetensors", f);
+    return Forward(dir, name);
+  }
+
+  // Copies fixture `name`, edits its tensors with `edit`, and runs it.
+  template <typename Edit>
+  ProcessResult ForwardWithEditedTensors(const std::string& name, Edit edit) {
+    const std::string dir = CopyFixture(name);
+    Tensors t = ReadTensors(dir + "/model.safetensors");
+    edit(t);
+    WriteTensors(dir + "/model.safetensors", t);
+    return Forward(dir, name);
+  }
+
+  // Copies fixture `name`, edits its config.json with `edit`, and runs it.
+  template <typename Edit>
+  ProcessResult ForwardWithEditedConfig(const std::string& name, Edit edit) {
+    const std::string dir = CopyFixture(name);
+    json config = ReadJson(dir + "/config.json");
+    edit(config);
+    WriteJson(dir + "/config.json", config);
+    return Forward(dir, name);
+  }
+
+  TempDir tmp_;
+};
+
+// --- Golden fixtures -------------------------------------------------------------------------------
+
+class CliGoldenTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CliGoldenTest, ForwardMatchesTheGolden) {
+  TempDir tmp;
+  const std::string dir = FixtureDir(GetParam());
+  const ProcessResult r = Moerun({"forward", "--model", dir, "--input", dir + "/golden.safetensors",
+                                  "--output", tmp.File("out.safetensors"), "--check",
+                                  dir + "/golden.safetensors"});
+  ExpectSuccess(r);
+  EXPECT_TRUE(Contains(r.output, "within")) << r.output;
+  EXPECT_FALSE(Contains(r.output, "EXCEEDS")) << r.output;
+  // The output file holds the same tensor, close to the golden.
+  int64_t rows = 0, cols = 0;
+  const auto out = moerun::testing::ReadF32(tmp.File("out.safetensors"), "output", &rows, &cols);
+  const auto want = moerun::testing::ReadF32(dir + "/golden.safetensors", "output");
+  EXPECT_LE(moerun::testing::RelativeError(out, want), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CliGoldenTest,
+                         ::testing::ValuesIn(moerun::testing::FixtureNames()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+TEST_F(CliTest, CheckReportsAMismatchWithExitCode3) {
+  // Mixtral's output checked against Qwen3's golden (same hidden size and token count).
+  const ProcessResult r =
+      Forward(FixtureDir("mixtral"), kQwen, {"--check", Golden(kQwen)});
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  ExpectNoCrash(r);
+  EXPECT_TRUE(Contains(r.output, "EXCEEDS")) << r.output;
+}
+
+TEST_F(CliTest, ShardedCheckpointMatchesTheGolden) {
+  const std::string dir = tmp_.File("sharded");
+  fs::create_directories(dir);
+  fs::copy_file(FixtureDir(kQwen) + "/config.json", dir + "/config.json");
+  const Tensors all = ReadTensors(FixtureDir(kQwen) + "/model.safetensors");
+  Tensors shard[2];
+  json weight_map = json::object();
+  int i = 0;
+  for (const auto& [name, t] : all) {
+    const int s = i++ % 2;
+    shard[s][name] = t;
+    weight_map[name] = "model-0000" + std::to_string(s + 1) + "-of-00002.safetensors";
+  }
+  WriteTensors(dir + "/model-00001-of-00002.safetensors", shard[0]);
+  WriteTensors(dir + "/model-00002-of-00002.safetensors", shard[1]);
+  WriteJson(dir + "/model.safetensors.index.json",
+            {{"metadata", json::object()}, {"weight_map", weight_map}});
+  const ProcessResult r = Forward(dir, kQwen, {"--check", Golden(kQwen)});
+  ExpectSuccess(r);
+  EXPECT_TRUE(Contains(r.output, "within")) << r.output;
+}
+
+// --- Broken model files ------------------------------------------------------------------------------
+
+TEST_F(CliTest, TruncatedModelFile) {
+  const std::string dir = CopyFixture(kQwen);
+  const std::string path = dir + "/model.safetensors";
+  fs::resize_file(path, fs::file_size(path) / 2);
+  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "truncated"});
+}
+
+TEST_F(CliTest, ModelFileCutInsideItsHeader) {
+  const std::string dir = CopyFixture(kQwen);
+  fs::resize_file(dir + "/model.safetensors", 100);
+  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "runs past the end", "truncated"});
+}
+
+TEST_F(CliTest, GarbledHeaderText) {
+  const std::string dir = CopyFixture(kQwen);
+  std::string bytes = ReadFile(dir + "/model.safetensors");
+  for (size_t i = 9; i < 40; ++i) bytes[i] = '#';
+  WriteFile(dir + "/model.safetensors", bytes);
+  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "not valid JSON"});
+}
+
+TEST_F(CliTest, GarbledHeaderLength) {
+  const std::string dir = CopyFixture(kQwen);
+  std::string bytes = ReadFile(dir + "/model.safetensors");
+  for (size_t i = 0; i < 8; ++i) bytes[i] = '\x7f';
+  WriteFile(dir + "/model.safetensors", bytes);
+  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "header length", "exceeds the limit"});
+}
+
+TEST_F(CliTest, HeaderNotStartingWithBrace) {
+  const std::string dir = CopyFixture(kQwen);
+  std::string bytes = ReadFile(dir + "/model.safetensors");
+  bytes[8] = '\x01';
+  WriteFile(dir + "/model.safetensors", bytes);
+  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "does not start with '{'"});
+}
+
+TEST_F(CliTest, TensorSpanPastTheEndOfTheData) {
+  const ProcessResult r = ForwardWithEditedHeader(kQwen, [](RawFile& f) {
+    f.header["extra"] = {{"dtype", "F32"},
+                         {"shape", {4}},
+                         {"data_offsets", {f.data.size(), f.data.size() + 16}}};
+  });
+  ExpectFailure(r, {"model.safetensors", "tensor 'extra'", "ends at data byte", "truncated"});
+}
+
+TEST_F(CliTest, OverlappingSpans) {
+  const ProcessResult r = ForwardWithEditedHeader(kQwen, [](RawFile& f) {
+    // Point a tensor at the bytes of the tensor at offset 0 (same size: [48, 64] vs [64, 48]).
+    std::string first;
+    for (auto it = f.header.begin(); it != f.header.end(); ++it) {
+      if (it.key() != "__metadata__" && it->at("data_offsets")[0].get<uint64_t>() == 0) {
+        first = it.key();
+      }
+    }
+    ASSERT_FALSE(first.empty());
+    ASSERT_NE(first, kExpert2Up);
+    f.header[kExpert2Up]["data_offsets"] = f.header[first]["data_offsets"];
+  });
+  ExpectFailure(r, {"model.safetensors", "overlaps"});
+}
+
+TEST_F(CliTest, UnknownDType) {
+  const ProcessResult r = ForwardWithEditedHeader(
+      kQwen, [](RawFile& f) { f.header[kExpert2Up]["dtype"] = "F33"; });
+  ExpectFailure(r, {"model.safetensors", kExpert2Up, "unknown dtype 'F33'"});
+}
+
+TEST_F(CliTest, ShapeNotMatchingItsSpan) {
+  const ProcessResult r = ForwardWithEditedHeader(
+      kQwen, [](RawFile& f) { f.header[kExpert2Up]["shape"] = {48, 65}; });
+  ExpectFailure(r, {"model.safetensors", kExpert2Up, "needs 12480 bytes",
+                    "data_offsets span 12288"});
+}
+
+TEST_F(CliTest, MissingExpertTensor) {
+  const ProcessResult r = ForwardWithEditedTensors(kQwen, [](Tensors& t) {
+    ASSERT_EQ(t.erase("model.layers.0.mlp.experts.3.down_proj.weight"), 1u);
+  });
+  ExpectFailure(r, {"model.layers.0.mlp.experts.3.down_proj.weight", "missing"});
+}
+
+TEST_F(CliTest, MissingRouterTensor) {
+  const ProcessResult r = ForwardWithEditedTensors(
+      kQwen, [](Tensors& t) { ASSERT_EQ(t.erase("model.layers.0.mlp.gate.weight"), 1u); });
+  ExpectFailure(r, {"model.layers.0.mlp.gate.weight", "missing"});
+}
+
+TEST_F(CliTest, TensorShapeWrongForTheConfig) {
+  const ProcessResult r = ForwardWithEditedTensors(kQwen, [](Tensors& t) {
+    t["model.layers.0.mlp.experts.5.gate_proj.weight"].shape = {64, 48};  // same bytes
+  });
+  ExpectFailure(r, {"model.layers.0.mlp.experts.5.gate_proj.weight", "has shape [64, 48]",
+                    "the config implies [48, 64]"});
+}
+
+TEST_F(CliTest, StackedTensorShapeWrongForTheConfig) {
+  const ProcessResult r = ForwardWithEditedTensors("step3p5", [](Tensors& t) {
+    t["model.layers.0.moe.up_proj.weight"].shape = {16, 64, 48};
+  });
+  ExpectFailure(r, {"model.layers.0.moe.up_proj.weight", "has shape [16, 64, 48]",
+                    "the config implies [16, 48, 64]"});
+}
+
+TEST_F(CliTest, Fp8ExpertWeight) {
+  const std::string gate = "model.layers.0.mlp.experts.0.gate_proj.weight";
+  const ProcessResult r = ForwardWithEditedTensors("deepseek_v3", [&](Tensors& t) {
+    Tensor& w = t.at(gate);
+    w.dtype = "F8_E4M3";
+    w.bytes = std::string(48 * 64, '\x38');  // 1.0 in E4M3
+    t[gate + "_scale_inv"] = Tensor{"F32", {1, 1}, F32Bytes({1.0f})};
+  });
+  ExpectFailure(r, {gate, "F8_E4M3", "not supported yet"});
+}
+
+TEST_F(CliTest, Mxfp4GptOssExperts) {
+  const std::string base = "model.layers.0.mlp.experts.gate_up_proj";
+  const ProcessResult r = ForwardWithEditedTensors("gpt_oss", [&](Tensors& t) {
+    ASSERT_EQ(t.erase(base), 1u);
+    // [E, 2I, H / 32, 16] blocks of 32 FP4 values and one E8M0 scale per block.
+    t[base + "_blocks"] = Tensor{"U8", {16, 64, 3, 16}, std::string(16 * 64 * 3 * 16, '\x11')};
+    t[base + "_scales"] = Tensor{"U8", {16, 64, 3}, std::string(16 * 64 * 3, '\x7f')};
+  });
+  ExpectFailure(r, {"MXFP4", "not supported yet", "gate_up_proj"});
+}
+
+// --- Broken configs ----------------------------------------------------------------------------------
+
+TEST_F(CliTest, TopKLargerThanTheExpertCount) {
+  const ProcessResult r =
+      ForwardWithEditedConfig(kQwen, [](json& c) { c["num_experts_per_tok"] = 32; });
+  ExpectFailure(r, {"config.json", "top-k 32 is larger than the expert count 16"});
+}
+
+TEST_F(CliTest, ConfigNotJson) {
+  const std::string dir = CopyFixture(kQwen);
+  WriteFile(dir + "/config.json", "{\"model_type\": \"qwen3_moe\",");
+  ExpectFailure(Forward(dir, kQwen), {"config.json", "not valid JSON"});
+}
+
+TEST_F(CliTest, ConfigMissing) {
+  const std::string dir = CopyFixture(kQwen);
+  fs::remove(dir + "/config.json");
+  ExpectFailure(Forward(dir, kQwen), {"config.json", "no such file"});
+}
+
+TEST_F(CliTest, UnknownModelType) {
+  const ProcessResult r = ForwardWithEditedConfig(kQwen, [](json& c) { c["model_type"] = "llama4"; });
+  ExpectFailure(r, {"config.json", "model_type \"llama4\" is not supported"});
+}
+
+TEST_F(CliTest, ConfigKeyOfTheWrongType) {
+  const ProcessResult r =
+      ForwardWithEditedConfig(kQwen, [](json& c) { c["num_experts"] = "sixteen"; });
+  ExpectFailure(r, {"config.json", "\"num_experts\"", "integer"});
+}
+
+TEST_F(CliTest, ConfigHiddenSizeNotMatchingTheTensors) {
+  const ProcessResult r = ForwardWithEditedConfig(kQwen, [](json& c) { c["hidden_size"] = 32; });
+  ExpectFailure(r, {"model.layers.0.mlp.gate.weight", "has shape [16, 64]",
+                    "the config implies [16, 32]"});
+}
+
+// --- Bad inputs ----------------------------------------------------------------------------------------
+
+TEST_F(CliTest, InputOfTheWrongHiddenSize) {
+  WriteInput(tmp_.File("x.safetensors"), 2, 32);
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"x.safetensors", "'input'", "hidden size 32 but the model's is 64"});
+}
+
+TEST_F(CliTest, InputTensorMissing) {
+  WriteInput(tmp_.File("x.safetensors"), 2, 64, "hidden_states");
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"x.safetensors", "tensor 'input'"});
+}
+
+TEST_F(CliTest, InputWithNaN) {
+  std::vector<float> v(3 * 64, 0.5f);
+  v[64 + 7] = std::nanf("");
+  ASSERT_TRUE(
+      WriteSafetensorsF32(tmp_.File("x.safetensors"), {{"input", F32Tensor{{3, 64}, v}}}).ok());
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"x.safetensors", "non-finite", "token 1"});
+}
+
+TEST_F(CliTest, InputWithInfinity) {
+  std::vector<float> v(2 * 64, 0.5f);
+  v[3] = -INFINITY;
+  ASSERT_TRUE(
+      WriteSafetensorsF32(tmp_.File("x.safetensors"), {{"input", F32Tensor{{2, 64}, v}}}).ok());
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"non-finite", "token 0"});
+}
+
+TEST_F(CliTest, InputOneDimensional) {
+  ASSERT_TRUE(WriteSafetensorsF32(tmp_.File("x.safetensors"),
+                                  {{"input", F32Tensor{{64}, std::vector<float>(64, 1.0f)}}})
+                  .ok());
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"x.safetensors", "must be 2-D", "has 1 dimensions"});
+}
+
+TEST_F(CliTest, InputNotF32) {
+  const std::string header =
+      "{\"input\":{\"dtype\":\"BF16\",\"shape\":[1,64],\"data_offsets\":[0,128]}}";
+  WriteFile(tmp_.File("x.safetensors"), MakeSafetensors(header, std::string(128, '\0')));
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"'input' is BF16", "must be F32"});
+}
+
+TEST_F(CliTest, InputFileMissing) {
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("nope.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"nope.safetensors", "no such file"});
+}
+
+TEST_F(CliTest, InputFileCorrupt) {
+  WriteFile(tmp_.File("x.safetensors"), "garbage");
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"x.safetensors", "too short"});
+}
+
+// --- Layers ----------------------------------------------------------------------------------------------
+
+TEST_F(CliTest, LayerBeyondTheModel) {
+  ExpectFailure(Forward(FixtureDir(kQwen), kQwen, {"--layer", "5"}),
+                {"layer 5 is beyond the model's 1 layers"});
+}
+
+TEST_F(CliTest, NegativeLayerIsTheFirstMoeLayer) {
+  const ProcessResult r = Forward(FixtureDir(kQwen), kQwen, {"--layer", "-1", "--check",
+                                                             Golden(kQwen)});
+  ExpectSuccess(r);
+  EXPECT_TRUE(Contains(r.output, "within")) << r.output;
+}
+
+// DeepSeek-V3 with one dense layer first: the fixture's MoE layer becomes layer 1 of 2.
+class CliDenseLayerTest : public CliTest {
+ protected:
+  void SetUp() override {
+    dir_ = CopyFixture("deepseek_v3");
+    json config = ReadJson(dir_ + "/config.json");
+    config["num_hidden_layers"] = 2;
+    config["first_k_dense_replace"] = 1;
+    WriteJson(dir_ + "/config.json", config);
+    Tensors renamed;
+    for (auto& [name, t] : ReadTensors(dir_ + "/model.safetensors")) {
+      const std::string from = "model.layers.0.";
+      ASSERT_EQ(name.rfind(from, 0), 0u) << name;
+      renamed["model.layers.1." + name.substr(from.size())] = t;
+    }
+    WriteTensors(dir_ + "/model.safetensors", renamed);
+  }
+  std::string dir_;
+};
+
+TEST_F(CliDenseLayerTest, DenseLayerIsRejected) {
+  ExpectFailure(Forward(dir_, "deepseek_v3", {"--layer", "0"}),
+                {"layer 0 is a dense layer, not an MoE layer"});
+}
+
+TEST_F(CliDenseLayerTest, DefaultIsTheFirstMoeLayer) {
+  const ProcessResult r = Forward(dir_, "deepseek_v3", {"--check", Golden("deepseek_v3")});
+  ExpectSuccess(r);
+  EXPECT_TRUE(Contains(r.output, "layer 1")) << r.output;
+  EXPECT_TRUE(Contains(r.output, "within")) << r.output;
+}
+
+TEST_F(CliDenseLayerTest, ExplicitMoeLayer) {
+  const ProcessResult r =
+      Forward(dir_, "deepseek_v3", {"--layer", "1", "--check", Golden("deepseek_v3")});
+  ExpectSuccess(r);
+  EXPECT_TRUE(Contains(r.output, "within")) << r.output;
+}
+
+// --- Flags -----------------------------------------------------------------------------------------------
+
+TEST_F(CliTest, DeviceCuda) {
+  const ProcessResult r = Forward(FixtureDir(kQwen), kQwen, {"--device", "cuda"});
+  ExpectFailure(r, {"--device cuda"});
+  // Without a GPU the message says so; with one it says the layer runs on the CPU only.
+  EXPECT_TRUE(Contains(r.output, "GPU") || Contains(r.output, "CPU only")) << r.output;
+}
+
+TEST_F(CliTest, UnknownDevice) {
+  ExpectFailure(Forward(FixtureDir(kQwen), kQwen, {"--device", "tpu"}),
+                {"--device must be cpu or cuda"});
+}
+
+TEST_F(CliTest, UnknownIsa) {
+  ExpectFailure(Forward(FixtureDir(kQwen), kQwen, {"--isa", "neon"}),
+                {"--isa must be scalar, avx2 or avx512", "neon"});
+}
+
+TEST_F(CliTest, UnknownPreset) {
+  WriteInput(tmp_.File("x.safetensors"), 1, 64);
+  const ProcessResult r = Moerun({"forward", "--preset", "gpt-5", "--input",
+                                  tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"no preset named 'gpt-5'", "qwen3-30b-a3b"});
+}
+
+TEST_F(CliTest, PresetWithFewerExpertsThanTopK) {
+  WriteInput(tmp_.File("x.safetensors"), 3, 2048);
+  const ProcessResult r = Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "4",
+                                  "--input", tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"top-k 8", "expert count 4"});
+}
+
+TEST_F(CliTest, PresetWithMoreExpertsThanTheModel) {
+  WriteInput(tmp_.File("x.safetensors"), 3, 2048);
+  const ProcessResult r = Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "1000",
+                                  "--input", tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"qwen3-30b-a3b has 128 experts", "--experts 1000"});
+}
+
+TEST_F(CliTest, PresetUnknownDType) {
+  WriteInput(tmp_.File("x.safetensors"), 3, 2048);
+  const ProcessResult r =
+      Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "8", "--dtype", "fp8",
+              "--input", tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"--dtype must be f32, bf16 or f16", "fp8"});
+}
+
+TEST_F(CliTest, PresetRuns) {
+  WriteInput(tmp_.File("x.safetensors"), 3, 2048);
+  const ProcessResult r = Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "8",
+                                  "--input", tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectSuccess(r);
+  int64_t rows = 0, cols = 0;
+  const std::vector<float> out = moerun::testing::ReadF32(Output(), "output", &rows, &cols);
+  EXPECT_EQ(rows, 3);
+  EXPECT_EQ(cols, 2048);
+  double norm = 0;
+  for (float v : out) {
+    ASSERT_TRUE(std::isfinite(v));
+    norm += static_cast<double>(v) * v;
+  }
+  EXPECT_GT(norm, 0.0);
+}
+
+TEST_F(CliTest, MissingInputFlag) {
+  ExpectFailure(Moerun({"forward", "--model", FixtureDir(kQwen), "--output", Output()}),
+                {"--input"});
+}
+
+TEST_F(CliTest, ModelAndPresetBoth) {
+  const ProcessResult r =
+      Moerun({"forward", "--model", FixtureDir(kQwen), "--preset", "qwen3-30b-a3b", "--input",
+              Golden(kQwen), "--output", Output()});
+  ExpectFailure(r, {"--model", "--preset"});
+}
+
+TEST_F(CliTest, NeitherModelNorPreset) {
+  ExpectFailure(Moerun({"forward", "--input", Golden(kQwen), "--output", Output()}),
+                {"give exactly one of --model DIR and --preset NAME"});
+}
+
+TEST_F(CliTest, NonexistentModelFolder) {
+  const std::string dir = tmp_.File("no-such-model");
+  ExpectFailure(Forward(dir, kQwen), {dir, "no such file"});
+}
+
+TEST_F(CliTest, ModelFolderWithoutWeights) {
+  const std::string dir = CopyFixture(kQwen);
+  fs::remove(dir + "/model.safetensors");
+  ExpectFailure(Forward(dir, kQwen), {"no model.safetensors.index.json or model.safetensors"});
+}
+
+TEST_F(CliTest, OutputInANonexistentFolder) {
+  const std::string out = tmp_.File("no/such/folder/out.safetensors");
+  const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                                  Golden(kQwen), "--output", out});
+  ExpectFailure(r, {out});
+  EXPECT_FALSE(fs::exists(out));
+}
+
+TEST_F(CliTest, UnknownSubcommandAndFlag) {
+  ExpectFailure(Moerun({"backward"}), {"backward"});
+  ExpectFailure(Moerun({"forward", "--model", FixtureDir(kQwen), "--input", Golden(kQwen),
+                        "--output", Output(), "--bogus"}),
+                {"--bogus"});
+}
+
+TEST_F(CliTest, Version) {
+  const ProcessResult r = Moerun({"--version"});
+  ExpectSuccess(r);
+  EXPECT_TRUE(Contains(r.output, "moerun ")) << r.output;
+}
+
+// --- moebench ----------------------------------------------------------------------------------------
+
+// The JSON document in `output`: from the first line that starts with '{' to the last line that
+// starts with '}' (stderr's log lines come before it).
+json JsonReport(const std::string& output) {
+  const size_t begin = output[0] == '{' ? 0 : output.find("\n{");
+  const size_t end = output.rfind("\n}");
+  if (begin == std::string::npos || end == std::string::npos || end < begin) return json();
+  const size_t from = output[begin] == '{' ? begin : begin + 1;
+  return json::parse(output.substr(from, end + 2 - from), nullptr, /*allow_exceptions=*/false);
+}
+
+TEST(MoebenchTest, LayerPresetJson) {
+  const ProcessResult r = Moebench({"layer", "--preset", "qwen3-30b-a3b", "--experts", "8",
+                                    "--tokens", "1,4", "--min-time", "0.01", "--no-sgemm",
+                                    "--json"});
+  ExpectSuccess(r);
+  const json report = JsonReport(r.output);
+  ASSERT_TRUE(report.is_object()) << r.output;
+  EXPECT_EQ(report.value("bench", ""), "layer");
+  EXPECT_EQ(report.value("experts", 0), 8);
+  EXPECT_EQ(report.value("top_k", 0), 8);
+  ASSERT_TRUE(report.contains("results") && report["results"].is_array()) << r.output;
+  ASSERT_EQ(report["results"].size(), 2u);
+  const int64_t tokens[] = {1, 4};
+  for (size_t i = 0; i < 2; ++i) {
+    const json& res = report["results"][i];
+    EXPECT_EQ(res.value("tokens", int64_t{0}), tokens[i]);
+    ASSERT_TRUE(res.contains("speedup_vs_reference")) << res.dump();
+    EXPECT_TRUE(res["speedup_vs_reference"].is_number()) << res.dump();
+    EXPECT_GT(res["speedup_vs_reference"].get<double>(), 0.0);
+    EXPECT_LT(res.value("check_rel_err_vs_reference", 1.0), 1e-4) << res.dump();
+    EXPECT_FALSE(res.contains("sgemm")) << "--no-sgemm";
+  }
+}
+
+TEST(MoebenchTest, LayerRejectsZeroTokens) {
+  ExpectFailure(Moebench({"layer", "--tokens", "0"}), {"--tokens must be in 1..1048576"});
+}
+
+TEST(MoebenchTest, LayerRejectsNonNumericTokens) {
+  ExpectFailure(Moebench({"layer", "--preset", "qwen3-30b-a3b", "--tokens", "1,x"}),
+                {"'x' is not a number"});
+}
+
+TEST(MoebenchTest, LayerOnABrokenModel) {
+  TempDir tmp;
+  const std::string dir = tmp.File("m");
+  fs::create_directories(dir);
+  fs::copy_file(FixtureDir(kQwen) + "/config.json", dir + "/config.json");
+  WriteFile(dir + "/model.safetensors", MakeSafetensors("{\"a\":", ""));
+  ExpectFailure(Moebench({"layer", "--model", dir, "--tokens", "1", "--min-time", "0.01"}),
+                {"model.safetensors", "not valid JSON"});
+}
+
+TEST(MoebenchTest, NoSubcommand) { ExpectFailure(Moebench({}), {"subcommand"}); }
+
+}  // namespace
+}  // namespace moerun
