@@ -129,6 +129,12 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> bytes,
   if (bytes.size() < n + 8) return Status::Internal("header bytes not supplied");
   const auto text = bytes.subspan(8, n);
   if (n == 0 || text[0] != '{') return Status::Corrupt("header does not start with '{'");
+  // The JSON parser would stop at a NUL and ignore what follows; the format allows only JSON
+  // padded with spaces, so bytes hidden behind a NUL are an error.
+  if (const void* nul = std::memchr(text.data(), 0, text.size()); nul != nullptr) {
+    return Status::Corrupt("header holds a NUL byte at offset " +
+                           std::to_string(static_cast<const uint8_t*>(nul) - text.data()));
+  }
   if (!DepthWithin(text, kMaxJsonDepth)) return Status::Corrupt("header JSON is nested too deep");
 
   const json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);

@@ -7,10 +7,34 @@ namespace {
 
 constexpr int kMBlocksPerTask = 16;     // rows per task: 16 tiles (keeps a task's A in L2)
 constexpr int kColumnsPerTask = 256;    // output columns per task
+constexpr int kStreamMaxMBlocks = 2;    // tasks with at most this many m-blocks stream panels
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+// Visits every (k block, panel, m block) tile of a task. Few rows: each panel is streamed front
+// to back over all of k (one long sequential read of the weights, which is what bounds small
+// batches). Many rows: k blocks outermost, so a panel's k block stays in L1 across the m blocks.
+// The order changes no result: each tile accumulates its k blocks in order either way.
+template <typename Fn>
+void GroupedFfn::ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const {
+  const int64_t kc = kernels_.kc;
+  if (mblocks <= kStreamMaxMBlocks) {
+    for (int p = 0; p < panels; ++p) {
+      for (int64_t k0 = 0; k0 < k; k0 += kc) {
+        for (int mb = 0; mb < mblocks; ++mb) fn(k0, std::min(kc, k - k0), p, mb);
+      }
+    }
+    return;
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kc) {
+    for (int p = 0; p < panels; ++p) {
+      for (int mb = 0; mb < mblocks; ++mb) fn(k0, std::min(kc, k - k0), p, mb);
+    }
+  }
+}
+
 
 GroupedFfn::GroupedFfn(const CpuKernels& kernels, ThreadPool* pool)
     : kernels_(kernels), pool_(pool), scratch_(static_cast<size_t>(pool->size())) {}
@@ -39,7 +63,6 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
                      const int32_t* row_token, float* y, int64_t ldy) {
   const int mr = kernels_.mr;
   const int nr = kernels_.nr;
-  const int64_t kc = kernels_.kc;
   const size_t ng = groups.size();
 
   // Layout of the packed inputs of both GEMMs: per group, its m-blocks of [k][mr].
@@ -89,18 +112,13 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     float* c = scratch.as<float>();
     const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
     const int eb = w.w13.elem_bytes();
-    for (int64_t k0 = 0; k0 < hidden; k0 += kc) {
-      const int64_t klen = std::min(kc, hidden - k0);
-      for (int p = 0; p < 2 * t.panels; ++p) {
-        const uint8_t* b = w.w13.panel(2 * t.panel0 + p) + k0 * nr * eb;
-        for (int mb = 0; mb < t.mblocks; ++mb) {
-          const int64_t gmb = t.mblock0 + mb;
-          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-          kernels_.tile(rows, klen, a + (gmb * hidden + k0) * mr, b, w.w13.dtype(),
-                        c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc, k0 > 0);
-        }
-      }
-    }
+    ForEachTile(hidden, 2 * t.panels, t.mblocks, [&](int64_t k0, int64_t klen, int p, int mb) {
+      const int64_t gmb = t.mblock0 + mb;
+      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+      kernels_.tile(rows, klen, a + (gmb * hidden + k0) * mr,
+                    w.w13.panel(2 * t.panel0 + p) + k0 * nr * eb, w.w13.dtype(),
+                    c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc, k0 > 0);
+    });
     float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
     const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
     for (int mb = 0; mb < t.mblocks; ++mb) {
@@ -123,19 +141,13 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
     const int eb = w.w2.elem_bytes();
     float* ybase = y + grp.first_row * ldy;
-    for (int64_t k0 = 0; k0 < inter; k0 += kc) {
-      const int64_t klen = std::min(kc, inter - k0);
-      for (int p = 0; p < t.panels; ++p) {
-        const int64_t panel = t.panel0 + p;
-        const uint8_t* b = w.w2.panel(panel) + k0 * nr * eb;
-        for (int mb = 0; mb < t.mblocks; ++mb) {
-          const int64_t gmb = t.mblock0 + mb;
-          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-          kernels_.tile(rows, klen, a + (gmb * inter + k0) * mr, b, w.w2.dtype(),
-                        ybase + gmb * mr * ldy + panel * nr, ldy, k0 > 0);
-        }
-      }
-    }
+    ForEachTile(inter, t.panels, t.mblocks, [&](int64_t k0, int64_t klen, int p, int mb) {
+      const int64_t panel = t.panel0 + p;
+      const int64_t gmb = t.mblock0 + mb;
+      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+      kernels_.tile(rows, klen, a + (gmb * inter + k0) * mr, w.w2.panel(panel) + k0 * nr * eb,
+                    w.w2.dtype(), ybase + gmb * mr * ldy + panel * nr, ldy, k0 > 0);
+    });
     if (!w.bias_down.empty()) {
       const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
       const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;

@@ -48,6 +48,8 @@ class GroupedFfn {
     int32_t panel0, panels;    // output panels (GEMM1: panel pairs)
   };
   void BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm);
+  template <typename Fn>
+  void ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const;
 
   const CpuKernels& kernels_;
   ThreadPool* pool_;

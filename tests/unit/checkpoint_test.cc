@@ -184,7 +184,7 @@ TEST(CheckpointTest, CorruptSingleFileNamesTheFile) {
   ExpectStatus(ck.status(), StatusCode::kCorrupt, {"model.safetensors", "not valid JSON"});
 }
 
-// --- Folders without an index ----------------------------------------------------------------------
+// --- Folders without an index --------------------------------------------------------------------
 
 TEST(CheckpointTest, FolderWithNeitherIndexNorModelFile) {
   TempDir dir;
@@ -219,15 +219,17 @@ TEST(CheckpointTest, FolderWithTwoSafetensorsFilesAndNoIndex) {
 
 TEST(CheckpointTest, ModelSafetensorsWinsOverOtherFiles) {
   TempDir dir;
-  ASSERT_TRUE(WriteSafetensorsF32(dir.File("model.safetensors"), {{"m", F32Tensor{{1}, {1}}}}).ok());
-  ASSERT_TRUE(WriteSafetensorsF32(dir.File("other.safetensors"), {{"o", F32Tensor{{1}, {2}}}}).ok());
+  ASSERT_TRUE(
+      WriteSafetensorsF32(dir.File("model.safetensors"), {{"m", F32Tensor{{1}, {1}}}}).ok());
+  ASSERT_TRUE(
+      WriteSafetensorsF32(dir.File("other.safetensors"), {{"o", F32Tensor{{1}, {2}}}}).ok());
   auto ck = Checkpoint::Open(dir.path());
   ASSERT_TRUE(ck.ok()) << ck.status().ToString();
   EXPECT_TRUE((*ck)->Has("m"));
   EXPECT_FALSE((*ck)->Has("o"));
 }
 
-// --- Sharded folders -------------------------------------------------------------------------------
+// --- Sharded folders -----------------------------------------------------------------------------
 
 TEST(CheckpointShardedTest, GetReturnsTheBytesOfTheUnshardedOriginal) {
   TempDir dir;
@@ -301,7 +303,7 @@ TEST(CheckpointShardedTest, IndexWinsOverModelSafetensors) {
   EXPECT_TRUE((*ck)->Get("model.layers.0.mlp.gate.weight").ok());
 }
 
-// --- Bad indexes -----------------------------------------------------------------------------------
+// --- Bad indexes ---------------------------------------------------------------------------------
 
 // Opens `dir` after writing `index_text` as its index.
 Result<std::unique_ptr<Checkpoint>> OpenWithIndex(const TempDir& dir,
@@ -315,8 +317,7 @@ TEST(CheckpointIndexTest, IndexNotJson) {
   ExpectStatus(OpenWithIndex(dir, "{\"weight_map\": {").status(), StatusCode::kCorrupt,
                {"model.safetensors.index.json", "not a JSON object"});
   ExpectStatus(OpenWithIndex(dir, "").status(), StatusCode::kCorrupt, {"not a JSON object"});
-  ExpectStatus(OpenWithIndex(dir, "[1, 2]").status(), StatusCode::kCorrupt,
-               {"not a JSON object"});
+  ExpectStatus(OpenWithIndex(dir, "[1, 2]").status(), StatusCode::kCorrupt, {"not a JSON object"});
 }
 
 TEST(CheckpointIndexTest, NoWeightMap) {
@@ -329,8 +330,8 @@ TEST(CheckpointIndexTest, NoWeightMap) {
 
 TEST(CheckpointIndexTest, ShardNamesMustBeFilesInTheFolder) {
   TempDir dir;
-  for (const char* bad : {"../model.safetensors", "sub/model.safetensors", "/etc/passwd", "..",
-                          ".", "", "a\\b.safetensors"}) {
+  for (const char* bad : {"../model.safetensors", "sub/model.safetensors", "/etc/passwd", "..", ".",
+                          "", "a\\b.safetensors"}) {
     SCOPED_TRACE(bad);
     const json index = {{"weight_map", {{"w", bad}}}};
     ExpectStatus(OpenWithIndex(dir, index.dump()).status(), StatusCode::kCorrupt,
@@ -338,17 +339,17 @@ TEST(CheckpointIndexTest, ShardNamesMustBeFilesInTheFolder) {
   }
   ExpectStatus(OpenWithIndex(dir, "{\"weight_map\": {\"w\": 3}}").status(), StatusCode::kCorrupt,
                {"tensor 'w'"});
-  ExpectStatus(OpenWithIndex(dir, json({{"weight_map", {{"w", std::string(300, 'a')}}}}).dump())
-                   .status(),
-               StatusCode::kCorrupt, {"tensor 'w'"});
+  ExpectStatus(
+      OpenWithIndex(dir, json({{"weight_map", {{"w", std::string(300, 'a')}}}}).dump()).status(),
+      StatusCode::kCorrupt, {"tensor 'w'"});
 }
 
 TEST(CheckpointIndexTest, IndexPlacesATensorInAShardThatLacksIt) {
   TempDir dir;
   ASSERT_TRUE(WriteSafetensorsF32(dir.File("s1.safetensors"), {{"a", F32Tensor{{1}, {1}}}}).ok());
   ASSERT_TRUE(WriteSafetensorsF32(dir.File("s2.safetensors"), {{"b", F32Tensor{{1}, {2}}}}).ok());
-  auto ck = OpenWithIndex(dir, json({{"weight_map", {{"a", "s1.safetensors"},
-                                                     {"b", "s1.safetensors"}}}}).dump());
+  auto ck = OpenWithIndex(
+      dir, json({{"weight_map", {{"a", "s1.safetensors"}, {"b", "s1.safetensors"}}}}).dump());
   ASSERT_TRUE(ck.ok()) << ck.status().ToString();
   EXPECT_TRUE((*ck)->Get("a").ok());
   ExpectStatus((*ck)->Get("b").status(), StatusCode::kCorrupt,
@@ -358,8 +359,8 @@ TEST(CheckpointIndexTest, IndexPlacesATensorInAShardThatLacksIt) {
 TEST(CheckpointIndexTest, MissingShardFile) {
   TempDir dir;
   ASSERT_TRUE(WriteSafetensorsF32(dir.File("s1.safetensors"), {{"a", F32Tensor{{1}, {1}}}}).ok());
-  auto ck = OpenWithIndex(dir, json({{"weight_map", {{"a", "s1.safetensors"},
-                                                     {"b", "s2.safetensors"}}}}).dump());
+  auto ck = OpenWithIndex(
+      dir, json({{"weight_map", {{"a", "s1.safetensors"}, {"b", "s2.safetensors"}}}}).dump());
   ASSERT_TRUE(ck.ok()) << ck.status().ToString();
   EXPECT_TRUE((*ck)->Get("a").ok());
   ExpectStatus((*ck)->Get("b").status(), StatusCode::kNotFound, {"s2.safetensors"});
@@ -378,8 +379,9 @@ TEST(CheckpointIndexTest, CorruptShardNamesTheShard) {
 
 TEST(CheckpointIndexTest, TensorNotInTheIndex) {
   TempDir dir;
-  ASSERT_TRUE(WriteSafetensorsF32(dir.File("s1.safetensors"), {{"a", F32Tensor{{1}, {1}}},
-                                                                {"b", F32Tensor{{1}, {2}}}}).ok());
+  ASSERT_TRUE(WriteSafetensorsF32(dir.File("s1.safetensors"),
+                                  {{"a", F32Tensor{{1}, {1}}}, {"b", F32Tensor{{1}, {2}}}})
+                  .ok());
   auto ck = OpenWithIndex(dir, json({{"weight_map", {{"a", "s1.safetensors"}}}}).dump());
   ASSERT_TRUE(ck.ok()) << ck.status().ToString();
   EXPECT_FALSE((*ck)->Has("b"));

@@ -30,9 +30,17 @@ std::string Entry(const std::string& name, const std::string& dtype, const std::
          ",\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(end) + "]}";
 }
 
+// `{entries}` (built by appending: GCC 12 warns falsely on "{" + a temporary string).
+std::string Braced(const std::string& entries) {
+  std::string out = "{";
+  out += entries;
+  out += "}";
+  return out;
+}
+
 // A file whose header is `{entries}` followed by `data_bytes` bytes of data.
 std::string File(const std::string& entries, size_t data_bytes) {
-  return MakeSafetensors("{" + entries + "}", std::string(data_bytes, '\x11'));
+  return MakeSafetensors(Braced(entries), std::string(data_bytes, '\x11'));
 }
 
 // Asserts that `file` is rejected with `code` and a message containing every fragment.
@@ -51,10 +59,10 @@ void ExpectCorrupt(const std::string& file, const std::vector<std::string>& frag
   ExpectRejected(file, StatusCode::kCorrupt, fragments);
 }
 
-// --- Valid files -------------------------------------------------------------------------------
+// --- Valid files ---------------------------------------------------------------------------------
 
 TEST(SafetensorsHeaderTest, SingleTensor) {
-  const std::string header = "{" + Entry("w", "F32", "[2,3]", 0, 24) + "}";
+  const std::string header = Braced(Entry("w", "F32", "[2,3]", 0, 24));
   const auto h = Parse(MakeSafetensors(header, std::string(24, '\0')));
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   EXPECT_EQ(h->data_offset, 8 + header.size());
@@ -88,10 +96,9 @@ TEST(SafetensorsHeaderTest, SeveralTensorsAreSortedByOffset) {
 }
 
 TEST(SafetensorsHeaderTest, ZeroSizeTensors) {
-  const std::string entries = Entry("a", "F32", "[2]", 0, 8) + "," +
-                              Entry("empty", "F32", "[0,5]", 8, 8) + "," +
-                              Entry("b", "F32", "[1]", 8, 12) + "," +
-                              Entry("tail", "U8", "[3,0]", 12, 12);
+  const std::string entries =
+      Entry("a", "F32", "[2]", 0, 8) + "," + Entry("empty", "F32", "[0,5]", 8, 8) + "," +
+      Entry("b", "F32", "[1]", 8, 12) + "," + Entry("tail", "U8", "[3,0]", 12, 12);
   const auto h = Parse(File(entries, 12));
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   ASSERT_EQ(h->tensors.size(), 4u);
@@ -125,8 +132,9 @@ TEST(SafetensorsHeaderTest, EmptyHeaderObject) {
 }
 
 TEST(SafetensorsHeaderTest, Metadata) {
-  const std::string entries = "\"__metadata__\":{\"format\":\"pt\",\"note\":\"a \\\"quoted\\\" word\"}," +
-                              Entry("w", "F32", "[1]", 0, 4);
+  const std::string entries =
+      "\"__metadata__\":{\"format\":\"pt\",\"note\":\"a \\\"quoted\\\" word\"}," +
+      Entry("w", "F32", "[1]", 0, 4);
   const auto h = Parse(File(entries, 4));
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   ASSERT_EQ(h->tensors.size(), 1u);  // __metadata__ is not a tensor
@@ -142,7 +150,7 @@ TEST(SafetensorsHeaderTest, EmptyMetadataObject) {
 }
 
 TEST(SafetensorsHeaderTest, HeaderPaddedWithTrailingSpaces) {
-  std::string header = "{" + Entry("w", "F32", "[2]", 0, 8) + "}";
+  std::string header = Braced(Entry("w", "F32", "[2]", 0, 8));
   while ((8 + header.size()) % 8 != 0 || header.size() < 40) header.push_back(' ');
   const auto h = Parse(MakeSafetensors(header, std::string(8, '\0')));
   ASSERT_TRUE(h.ok()) << h.status().ToString();
@@ -185,15 +193,15 @@ struct DTypeCase {
 
 TEST(SafetensorsHeaderTest, EveryDTypeNameAndSize) {
   const DTypeCase cases[] = {
-      {"BOOL", DType::kBool, 8},        {"U8", DType::kU8, 8},
-      {"I8", DType::kI8, 8},            {"I16", DType::kI16, 16},
-      {"U16", DType::kU16, 16},         {"F16", DType::kF16, 16},
-      {"BF16", DType::kBF16, 16},       {"I32", DType::kI32, 32},
-      {"U32", DType::kU32, 32},         {"F32", DType::kF32, 32},
-      {"F64", DType::kF64, 64},         {"I64", DType::kI64, 64},
-      {"U64", DType::kU64, 64},         {"F8_E4M3", DType::kF8E4M3, 8},
-      {"F8_E5M2", DType::kF8E5M2, 8},   {"F8_E8M0", DType::kF8E8M0, 8},
-      {"F4", DType::kF4, 4},            {"F6_E2M3", DType::kF6E2M3, 6},
+      {"BOOL", DType::kBool, 8},      {"U8", DType::kU8, 8},
+      {"I8", DType::kI8, 8},          {"I16", DType::kI16, 16},
+      {"U16", DType::kU16, 16},       {"F16", DType::kF16, 16},
+      {"BF16", DType::kBF16, 16},     {"I32", DType::kI32, 32},
+      {"U32", DType::kU32, 32},       {"F32", DType::kF32, 32},
+      {"F64", DType::kF64, 64},       {"I64", DType::kI64, 64},
+      {"U64", DType::kU64, 64},       {"F8_E4M3", DType::kF8E4M3, 8},
+      {"F8_E5M2", DType::kF8E5M2, 8}, {"F8_E8M0", DType::kF8E8M0, 8},
+      {"F4", DType::kF4, 4},          {"F6_E2M3", DType::kF6E2M3, 6},
       {"F6_E3M2", DType::kF6E3M2, 6},
   };
   for (const auto& c : cases) {
@@ -236,9 +244,9 @@ TEST(SafetensorsHeaderTest, FileShorterThanEightBytes) {
 }
 
 TEST(SafetensorsHeaderTest, HeaderLengthOverTheLimit) {
-  ExpectCorrupt(MakeSafetensors("{}", "", static_cast<int64_t>(kMaxSafetensorsHeaderBytes) + 1),
-                {"header length " + std::to_string(kMaxSafetensorsHeaderBytes + 1),
-                 "exceeds the limit"});
+  ExpectCorrupt(
+      MakeSafetensors("{}", "", static_cast<int64_t>(kMaxSafetensorsHeaderBytes) + 1),
+      {"header length " + std::to_string(kMaxSafetensorsHeaderBytes + 1), "exceeds the limit"});
   // The largest 64-bit length must not overflow 8 + N.
   std::string file(8, '\xff');
   file += "{}";
@@ -246,7 +254,7 @@ TEST(SafetensorsHeaderTest, HeaderLengthOverTheLimit) {
 }
 
 TEST(SafetensorsHeaderTest, HeaderLengthPastTheEndOfTheFile) {
-  const std::string header = "{" + Entry("w", "F32", "[1]", 0, 4) + "}";
+  const std::string header = Braced(Entry("w", "F32", "[1]", 0, 4));
   ExpectCorrupt(MakeSafetensors(header, "", 1000), {"header length 1000", "truncated"});
   // The header itself cut short.
   const std::string whole = MakeSafetensors(header, std::string(4, '\0'));
@@ -269,18 +277,25 @@ TEST(SafetensorsHeaderTest, InvalidJson) {
   ExpectCorrupt(MakeSafetensors(std::string("{\"a\0\":{}}", 9), ""), {"not valid JSON"});
   ExpectCorrupt(MakeSafetensors("{\"\xff\xfe\":{}}", ""), {"not valid JSON"});
   // Padding with something other than whitespace.
-  ExpectCorrupt(MakeSafetensors(std::string("{}\0\0\0\0\0\0", 8), ""), {"not valid JSON"});
+  ExpectCorrupt(MakeSafetensors("{}xxxxxx", ""), {"not valid JSON"});
+}
+
+// nlohmann::json would end its input at the first NUL byte; the header is JSON padded with
+// spaces, so anything hidden behind a NUL must be refused (as the reference implementation does).
+TEST(SafetensorsHeaderTest, NulBytesInTheHeader) {
+  ExpectCorrupt(MakeSafetensors(std::string("{}\0\0\0\0\0\0", 8), ""), {"NUL"});
+  ExpectCorrupt(MakeSafetensors(std::string("{}\0hidden", 9), ""), {"NUL"});
+  ExpectCorrupt(MakeSafetensors(std::string("{\"__metadata__\":{}}\0{\"x\":1}", 27), ""), {"NUL"});
 }
 
 TEST(SafetensorsHeaderTest, JsonNestedTooDeep) {
   ExpectCorrupt(MakeSafetensors("{\"a\":{\"b\":{\"c\":{}}}}", ""), {"nested too deep"});
   ExpectCorrupt(MakeSafetensors("{\"a\":{\"shape\":[[1]]}}", ""), {"nested too deep"});
   // Deep enough to exhaust a recursive parser's stack if it got that far.
-  ExpectCorrupt(MakeSafetensors("{\"a\":" + std::string(1'000'000, '['), ""),
-                {"nested too deep"});
+  ExpectCorrupt(MakeSafetensors("{\"a\":" + std::string(1'000'000, '['), ""), {"nested too deep"});
   // Brackets inside strings do not count.
-  const auto h = Parse(File("\"__metadata__\":{\"k\":\"[[[[{{{{\"}," + Entry("w", "U8", "[1]", 0, 1),
-                            1));
+  const auto h =
+      Parse(File("\"__metadata__\":{\"k\":\"[[[[{{{{\"}," + Entry("w", "U8", "[1]", 0, 1), 1));
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   EXPECT_EQ(h->metadata.at("k"), "[[[[{{{{");
 }
@@ -343,8 +358,7 @@ TEST(SafetensorsHeaderTest, ShapeOverflow) {
   ExpectCorrupt(File(Entry("w", "U8", "[18446744073709551615,1]", 0, 0), 0),
                 {"tensor 'w'", "shape overflows"});
   // A zero dimension after huge ones still counts the overflow.
-  ExpectCorrupt(File(Entry("w", "U8", "[4294967296,4294967296,0]", 0, 0), 0),
-                {"shape overflows"});
+  ExpectCorrupt(File(Entry("w", "U8", "[4294967296,4294967296,0]", 0, 0), 0), {"shape overflows"});
   // Numbers too large for 64 bits at all.
   const auto big = Parse(File(Entry("w", "U8", "[1e30]", 0, 0), 0));
   EXPECT_FALSE(big.ok());
@@ -400,8 +414,7 @@ TEST(SafetensorsHeaderTest, HugeOffsetsDoNotWrap) {
   ExpectCorrupt(File(Entry("w", "U8", "[0]", 18446744073709551615ull, 18446744073709551615ull), 0),
                 {"tensor 'w'"});
   ExpectCorrupt(File(Entry("a", "U8", "[4]", 0, 4) + "," +
-                         Entry("w", "U8", "[0]", 18446744073709551615ull,
-                               18446744073709551615ull),
+                         Entry("w", "U8", "[0]", 18446744073709551615ull, 18446744073709551615ull),
                      4),
                 {"tensor 'w'"});
 }
@@ -443,21 +456,23 @@ TEST(SafetensorsHeaderTest, BadMetadata) {
 
 TEST(SafetensorsHeaderTest, DuplicateKeysDoNotCrash) {
   // JSON leaves duplicate keys undefined; whatever the parser keeps, the result must be coherent.
-  const auto h = Parse(File(Entry("w", "F32", "[1]", 0, 4) + "," + Entry("w", "F32", "[1]", 0, 4),
-                            4));
+  const auto h =
+      Parse(File(Entry("w", "F32", "[1]", 0, 4) + "," + Entry("w", "F32", "[1]", 0, 4), 4));
   if (h.ok()) {
     ASSERT_EQ(h->tensors.size(), 1u);
     EXPECT_EQ(h->tensors[0].name, "w");
   }
-  const auto h2 = Parse(File(Entry("w", "F32", "[1]", 0, 4) + "," + Entry("w", "F32", "[2]", 4, 12),
-                             12));
+  const auto h2 =
+      Parse(File(Entry("w", "F32", "[1]", 0, 4) + "," + Entry("w", "F32", "[2]", 4, 12), 12));
   if (h2.ok()) {
     uint64_t covered = 0;
     for (const auto& t : h2->tensors) covered += t.end - t.begin;
     EXPECT_EQ(covered, 12u);
   }
   const auto h3 = Parse(File("\"__metadata__\":{\"k\":\"a\",\"k\":\"b\"}", 0));
-  if (h3.ok()) EXPECT_EQ(h3->metadata.size(), 1u);
+  if (h3.ok()) {
+    EXPECT_EQ(h3->metadata.size(), 1u);
+  }
 }
 
 // --- SafetensorsFile -----------------------------------------------------------------------------
@@ -466,8 +481,8 @@ TEST(SafetensorsFileTest, OpenAndGet) {
   TempDir dir;
   const std::string path = dir.File("t.safetensors");
   const std::string data = "ABCDEFGHIJKL";
-  WriteFile(path, File(Entry("a", "U8", "[4]", 0, 4) + "," + Entry("b", "U8", "[2,4]", 4, 12),
-                       0) + data);
+  WriteFile(path,
+            File(Entry("a", "U8", "[4]", 0, 4) + "," + Entry("b", "U8", "[2,4]", 4, 12), 0) + data);
   auto f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
   EXPECT_EQ((*f)->path(), path);

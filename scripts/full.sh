@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The long run, outside CI: everything scripts/test.sh does, plus
+#   - 10 minutes of fuzzing (MOERUN_FUZZ_SECONDS to change)
+#   - the thread-sanitizer build and its unit tests
+#   - every kernel variant the CPU has, forced one at a time through the CLI tests (MOERUN_ISA)
+#   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights), JSON in build/bench/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc 2>/dev/null || echo 2)
+MOERUN_FUZZ_SECONDS=${MOERUN_FUZZ_SECONDS:-600} scripts/test.sh
+
+printf '\n==== thread sanitizer ====\n'
+cmake --preset tsan >/dev/null
+cmake --build build-tsan -j "$jobs" --target moerun_unit_tests
+TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -L unit --timeout 1800
+
+for isa in scalar avx2 avx512; do
+  printf '\n==== CLI tests with MOERUN_ISA=%s ====\n' "$isa"
+  MOERUN_ISA=$isa ctest --test-dir build --output-on-failure -L cli --timeout 900
+done
+
+printf '\n==== benchmarks ====\n'
+mkdir -p build/bench
+for dtype in f32 bf16; do
+  build/bin/moebench layer --preset qwen3-30b-a3b --dtype "$dtype" --tokens 1,16,128,1024 --json \
+    > "build/bench/layer-qwen3-$dtype.json"
+done
+echo "benchmarks: build/bench/*.json"

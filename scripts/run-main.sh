@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The README's first command: installs the dependencies, builds moerun, and runs the main job:
+# one MoE layer (DeepSeek-V3's routing and shared expert, small shapes) over a shipped input,
+# checked against the output of DeepSeek-V3's reference implementation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+scripts/build.sh
+model=tests/data/hf-moe/deepseek_v3
+build/bin/moerun forward --model "$model" --input "$model/golden.safetensors" \
+  --output build/forward-output.safetensors --check "$model/golden.safetensors"

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's second command (and CI's): installs what the tests need, then runs the whole
+# suite. Well under 30 minutes on 2 cores:
+#   1. Release build; every test (unit, golden fixtures, batch invariance, CLI, fuzz corpus replay)
+#   2. address + undefined-behaviour sanitizer build; the unit tests
+#   3. libFuzzer (clang) on the safetensors header parser for MOERUN_FUZZ_SECONDS (default 60)
+#   4. clang-format check of every C++ file
+# scripts/full.sh runs the longer matrix (long fuzzing, thread sanitizer, benchmarks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc 2>/dev/null || echo 2)
+fuzz_seconds=${MOERUN_FUZZ_SECONDS:-60}
+step() { printf '\n==== %s ====\n' "$*"; }
+
+step "dependencies"
+scripts/install-deps.sh --test
+
+step "release build + all tests"
+cmake --preset release >/dev/null
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
+
+step "sanitizer build (address, undefined) + unit tests"
+cmake --preset asan >/dev/null
+cmake --build build-asan -j "$jobs" --target moerun_unit_tests moerun_fuzz_replay
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" -L unit --timeout 900
+
+step "libFuzzer: safetensors header parser, ${fuzz_seconds}s"
+scripts/fuzz.sh "$fuzz_seconds"
+
+step "format check"
+scripts/format.sh --check
+
+echo
+echo "all tests passed"
