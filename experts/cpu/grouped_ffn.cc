@@ -7,20 +7,20 @@ namespace {
 
 constexpr int kMBlocksPerTask = 16;     // rows per task: 16 tiles (keeps a task's A in L2)
 constexpr int kColumnsPerTask = 256;    // output columns per task
-constexpr int kStreamMaxMBlocks = 2;    // tasks with at most this many m-blocks stream panels
+constexpr int64_t kStreamMaxABytes = 256 << 10;  // tasks whose A fits in this stream panels
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-// Visits every (k block, panel, m block) tile of a task. Few rows: each panel is streamed front
-// to back over all of k (one long sequential read of the weights, which is what bounds small
-// batches). Many rows: k blocks outermost, so a panel's k block stays in L1 across the m blocks.
+// Visits every (k block, panel, m block) tile of a task. Few rows (their A fits in L2): each
+// panel is streamed front to back over all of k (one long sequential read of the weights, which
+// is what bounds small batches). Many rows: k blocks outermost, so a panel's k block stays in L1 across the m blocks.
 // The order changes no result: each tile accumulates its k blocks in order either way.
 template <typename Fn>
 void GroupedFfn::ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const {
   const int64_t kc = kernels_.kc;
-  if (mblocks <= kStreamMaxMBlocks) {
+  if (static_cast<int64_t>(mblocks) * kernels_.mr * k * 4 <= kStreamMaxABytes) {
     for (int p = 0; p < panels; ++p) {
       for (int64_t k0 = 0; k0 < k; k0 += kc) {
         for (int mb = 0; mb < mblocks; ++mb) fn(k0, std::min(kc, k - k0), p, mb);

@@ -90,7 +90,7 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
 }  // namespace
 
 const CpuKernels& Avx512Kernels() {
-  static const CpuKernels k{Isa::kAvx512, kMr, kNr, 256, &Tile, &elementwise::Activate,
+  static const CpuKernels k{Isa::kAvx512, kMr, kNr, 192, &Tile, &elementwise::Activate,
                             &elementwise::AddBias};
   return k;
 }
