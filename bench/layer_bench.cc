@@ -60,8 +60,19 @@ int RunLayerBench(const LayerBenchFlags& f) {
   }
   if (f.device != "cpu") return Fail(Status::InvalidArgument("--device must be cpu or cuda"));
   for (int64_t t : f.tokens) {
-    if (t <= 0 || t > (1 << 20)) return Fail(Status::InvalidArgument("--tokens must be in 1..1048576"));
+    if (t <= 0 || t > (1 << 20)) {
+      return Fail(Status::InvalidArgument("--tokens must be in 1..1048576"));
+    }
   }
+  if (f.layer.threads < 0 || f.layer.threads > 1024) {
+    return Fail(Status::InvalidArgument("--threads must be in 0..1024 (0: one per core)"));
+  }
+  if (!std::isfinite(f.min_seconds) || f.min_seconds < 0 || f.min_seconds > 3600) {
+    return Fail(Status::InvalidArgument("--min-time must be in 0..3600 seconds"));
+  }
+  if (f.reference_tokens < 1) return Fail(Status::InvalidArgument("--reference-tokens must be >= 1"));
+  if (f.layer.experts < 0) return Fail(Status::InvalidArgument("--experts must not be negative"));
+  if (f.layer.layer < -1) return Fail(Status::InvalidArgument("--layer must not be negative"));
   auto isa = ChooseIsa(f.layer.isa);
   if (!isa.ok()) return Fail(isa.status());
   const CpuKernels& kernels = KernelsFor(*isa);

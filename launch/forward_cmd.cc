@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <optional>
 
 #include "experts/cuda/cuda_device.h"
 #include "launch/layer_source.h"
@@ -18,36 +20,72 @@ struct ForwardFlags {
   double tolerance = 1e-5;
 };
 
-// Reads the F32 tensor `name` [T, hidden]; every value must be finite.
-Result<std::vector<float>> ReadMatrix(const std::string& path, const std::string& name,
-                                      int64_t hidden, int64_t* rows) {
-  MOERUN_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
-  MOERUN_ASSIGN_OR_RETURN(TensorRef t, file->Get(name));
-  const TensorInfo& info = *t.info;
+// An F32 matrix tensor [rows, cols] of a safetensors file, checked before any work starts.
+struct MatrixInput {
+  std::unique_ptr<SafetensorsFile> file;
+  TensorRef tensor;
+  std::string path, name;
+  int64_t rows = 0, cols = 0;
+};
+
+Result<MatrixInput> OpenMatrix(const std::string& path, const std::string& name) {
+  MatrixInput in;
+  in.path = path;
+  in.name = name;
+  MOERUN_ASSIGN_OR_RETURN(in.file, SafetensorsFile::Open(path));
+  MOERUN_ASSIGN_OR_RETURN(in.tensor, in.file->Get(name));
+  const TensorInfo& info = *in.tensor.info;
   if (info.dtype != DType::kF32) {
     return Status::InvalidArgument(path + ": tensor '" + name + "' is " + DTypeName(info.dtype) +
                                    "; it must be F32");
   }
   if (info.shape.size() != 2) {
-    return Status::InvalidArgument(path + ": tensor '" + name + "' must be 2-D [tokens, hidden], has " +
+    return Status::InvalidArgument(path + ": tensor '" + name +
+                                   "' must be 2-D [tokens, hidden], has " +
                                    std::to_string(info.shape.size()) + " dimensions");
   }
-  if (info.shape[1] != hidden) {
-    return Status::InvalidArgument(path + ": tensor '" + name + "' has hidden size " +
-                                   std::to_string(info.shape[1]) + " but the model's is " +
+  in.rows = info.shape[0];
+  in.cols = info.shape[1];
+  return in;
+}
+
+// The values, once the hidden size is known; every value must be finite.
+Result<std::vector<float>> ReadMatrix(const MatrixInput& in, int64_t hidden) {
+  if (in.cols != hidden) {
+    return Status::InvalidArgument(in.path + ": tensor '" + in.name + "' has hidden size " +
+                                   std::to_string(in.cols) + " but the model's is " +
                                    std::to_string(hidden));
   }
-  *rows = info.shape[0];
-  std::vector<float> v(static_cast<size_t>(info.numel));
-  std::memcpy(v.data(), t.data, v.size() * sizeof(float));
+  std::vector<float> v(static_cast<size_t>(in.rows * in.cols));
+  if (!v.empty()) std::memcpy(v.data(), in.tensor.data, v.size() * sizeof(float));
   for (size_t i = 0; i < v.size(); ++i) {
     if (!std::isfinite(v[i])) {
-      return Status::InvalidArgument(path + ": tensor '" + name + "' holds a non-finite value (" +
-                                     std::to_string(v[i]) + ") at token " +
-                                     std::to_string(i / static_cast<size_t>(hidden)));
+      return Status::InvalidArgument(in.path + ": tensor '" + in.name +
+                                     "' holds a non-finite value (" + std::to_string(v[i]) +
+                                     ") at token " + std::to_string(i / static_cast<size_t>(hidden)));
     }
   }
   return v;
+}
+
+// Flags that parse but make no sense are refused before anything is loaded.
+Status CheckFlags(const ForwardFlags& f) {
+  if (!std::isfinite(f.tolerance) || f.tolerance < 0) {
+    return Status::InvalidArgument("--tolerance must be a finite number >= 0");
+  }
+  if (f.layer.threads < 0 || f.layer.threads > 1024) {
+    return Status::InvalidArgument("--threads must be in 0..1024 (0: one per core)");
+  }
+  if (f.layer.layer < -1) return Status::InvalidArgument("--layer must not be negative");
+  if (f.layer.experts < 0) return Status::InvalidArgument("--experts must not be negative");
+  namespace fs = std::filesystem;
+  const fs::path parent = fs::path(f.output).parent_path();
+  std::error_code ec;
+  if (!parent.empty() && !fs::is_directory(parent, ec)) {
+    return Status::InvalidArgument("--output " + f.output + ": folder " + parent.string() +
+                                   " does not exist");
+  }
+  return Status::Ok();
 }
 
 int Fail(const Status& s) {
@@ -67,6 +105,19 @@ int RunForward(const ForwardFlags& f) {
   }
   if (f.device != "cpu") return Fail(Status::InvalidArgument("--device must be cpu or cuda"));
 
+  if (Status s = CheckFlags(f); !s.ok()) return Fail(s);
+  auto input = OpenMatrix(f.input, "input");
+  if (!input.ok()) return Fail(input.status());
+  std::optional<MatrixInput> expected;
+  if (!f.check.empty()) {
+    auto ref = OpenMatrix(f.check, "output");
+    if (!ref.ok()) return Fail(ref.status());
+    if (ref->rows != input->rows) {
+      return Fail(Status::InvalidArgument(f.check + ": 'output' has " + std::to_string(ref->rows) +
+                                          " rows, the input " + std::to_string(input->rows)));
+    }
+    expected = std::move(ref).value();
+  }
   auto isa = ChooseIsa(f.layer.isa);
   if (!isa.ok()) return Fail(isa.status());
   const CpuKernels& kernels = KernelsFor(*isa);
@@ -76,8 +127,8 @@ int RunForward(const ForwardFlags& f) {
   const MoeLayerWeights& w = **weights;
   const int64_t hidden = w.spec.hidden;
 
-  int64_t tokens = 0;
-  auto x = ReadMatrix(f.input, "input", hidden, &tokens);
+  const int64_t tokens = input->rows;
+  auto x = ReadMatrix(*input, hidden);
   if (!x.ok()) return Fail(x.status());
 
   MoeLayer layer(*weights, kernels, &pool);
@@ -99,14 +150,9 @@ int RunForward(const ForwardFlags& f) {
                      " tokens | cpu " + IsaName(*isa) + " x" + std::to_string(pool.size()) +
                      " threads | " + fmt::format("{:.3f} ms", ms) + " | " + f.output;
   int rc = 0;
-  if (!f.check.empty()) {
-    int64_t ref_rows = 0;
-    auto ref = ReadMatrix(f.check, "output", hidden, &ref_rows);
+  if (expected) {
+    auto ref = ReadMatrix(*expected, hidden);
     if (!ref.ok()) return Fail(ref.status());
-    if (ref_rows != tokens) {
-      return Fail(Status::InvalidArgument(f.check + ": 'output' has " + std::to_string(ref_rows) +
-                                          " rows, the input " + std::to_string(tokens)));
-    }
     double num = 0, den = 0;
     for (size_t i = 0; i < out.size(); ++i) {
       const double d = static_cast<double>(out[i]) - (*ref)[i];

@@ -235,6 +235,7 @@ Status WriteSafetensorsF32(const std::string& path, const std::map<std::string, 
   bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, n, f) == n;
   for (const auto& [name, t] : tensors) {
     if (!ok) break;
+    if (t.data.empty()) continue;
     ok = std::fwrite(t.data.data(), sizeof(float), t.data.size(), f) == t.data.size();
   }
   ok = (std::fclose(f) == 0) && ok;

@@ -657,6 +657,33 @@ TEST_F(CliTest, OutputInANonexistentFolder) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+TEST_F(CliTest, FlagsThatMakeNoSense) {
+  const std::string m = FixtureDir(kQwen);
+  ExpectFailure(Forward(m, kQwen, {"--check", Golden(kQwen), "--tolerance", "nan"}),
+                {"--tolerance"});
+  ExpectFailure(Forward(m, kQwen, {"--check", Golden(kQwen), "--tolerance", "-1"}),
+                {"--tolerance"});
+  ExpectFailure(Forward(m, kQwen, {"--threads", "5000"}), {"--threads"});
+  ExpectFailure(Forward(m, kQwen, {"--threads", "-2"}), {"--threads"});
+  ExpectFailure(Forward(m, kQwen, {"--layer", "-7"}), {"--layer"});
+  ExpectFailure(Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "-1", "--input",
+                        Golden(kQwen), "--output", Output()}),
+                {"--experts"});
+}
+
+// Bad inputs and outputs are found before the (possibly long) weight loading starts.
+TEST_F(CliTest, InputAndOutputCheckedBeforeLoading) {
+  const std::string m = FixtureDir(kQwen);
+  const std::string missing = tmp_.File("missing.safetensors");
+  ProcessResult r = Moerun({"forward", "--model", m, "--input", missing, "--output", Output()});
+  ExpectFailure(r, {missing});
+  EXPECT_FALSE(Contains(r.output, "experts,")) << "loaded weights first:\n" << r.output;
+  r = Moerun({"forward", "--model", m, "--input", Golden(kQwen), "--output",
+              tmp_.File("nope/out.safetensors")});
+  ExpectFailure(r, {"does not exist"});
+  EXPECT_FALSE(Contains(r.output, "experts,")) << "loaded weights first:\n" << r.output;
+}
+
 TEST_F(CliTest, UnknownSubcommandAndFlag) {
   ExpectFailure(Moerun({"backward"}), {"backward"});
   ExpectFailure(Moerun({"forward", "--model", FixtureDir(kQwen), "--input", Golden(kQwen),
@@ -723,6 +750,20 @@ TEST(MoebenchTest, LayerOnABrokenModel) {
   WriteFile(dir + "/model.safetensors", MakeSafetensors("{\"a\":", ""));
   ExpectFailure(Moebench({"layer", "--model", dir, "--tokens", "1", "--min-time", "0.01"}),
                 {"model.safetensors", "not valid JSON"});
+}
+
+TEST(MoebenchTest, LayerRejectsFlagsThatMakeNoSense) {
+  const std::vector<std::string> base = {"layer", "--preset", "qwen3-30b-a3b", "--experts", "8",
+                                         "--tokens", "1", "--no-sgemm"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Moebench(args);
+  };
+  ExpectFailure(with({"--threads", "5000"}), {"--threads"});
+  ExpectFailure(with({"--min-time", "-1"}), {"--min-time"});
+  ExpectFailure(with({"--reference-tokens", "0"}), {"--reference-tokens"});
+  ExpectFailure(with({"--experts", "-3"}), {"--experts"});
 }
 
 TEST(MoebenchTest, NoSubcommand) { ExpectFailure(Moebench({}), {"subcommand"}); }
