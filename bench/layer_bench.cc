@@ -70,7 +70,8 @@ int RunLayerBench(const LayerBenchFlags& f) {
   if (!std::isfinite(f.min_seconds) || f.min_seconds < 0 || f.min_seconds > 3600) {
     return Fail(Status::InvalidArgument("--min-time must be in 0..3600 seconds"));
   }
-  if (f.reference_tokens < 1) return Fail(Status::InvalidArgument("--reference-tokens must be >= 1"));
+  if (f.reference_tokens < 1)
+    return Fail(Status::InvalidArgument("--reference-tokens must be >= 1"));
   if (f.layer.experts < 0) return Fail(Status::InvalidArgument("--experts must not be negative"));
   if (f.layer.layer < -1) return Fail(Status::InvalidArgument("--layer must not be negative"));
   auto isa = ChooseIsa(f.layer.isa);
@@ -105,7 +106,8 @@ int RunLayerBench(const LayerBenchFlags& f) {
     const std::vector<float> x = RandomInput(t, hidden, f.layer.seed + static_cast<uint64_t>(t));
     std::vector<float> out(static_cast<size_t>(t * hidden));
     Status st;
-    const Timing ours = TimeIt([&] { st = layer.Forward(x.data(), t, out.data()); }, 3, f.min_seconds);
+    const Timing ours =
+        TimeIt([&] { st = layer.Forward(x.data(), t, out.data()); }, 3, f.min_seconds);
     if (!st.ok()) return Fail(st);
     const double flops = layer.Flops(t);
     std::set<int32_t> active(layer.last_routing().ids.begin(), layer.last_routing().ids.end());
@@ -158,8 +160,9 @@ int RunLayerBench(const LayerBenchFlags& f) {
         }
       }
       if (!best.is_null()) {
-        r["sgemm"] = {{"what", "OpenBLAS sgemm of the same total shape (experts' rows as one "
-                               "dense GEMM)"},
+        r["sgemm"] = {{"what",
+                       "OpenBLAS sgemm of the same total shape (experts' rows as one "
+                       "dense GEMM)"},
                       {"best", best},
                       {"runs", runs}};
         r["fraction_of_sgemm"] = r["gflops"].get<double>() / best["gflops"].get<double>();
@@ -169,7 +172,9 @@ int RunLayerBench(const LayerBenchFlags& f) {
                                  r["fraction_of_sgemm"].get<double>());
       }
     }
-    std::fprintf(stderr, "layer %s T=%lld: %.3f ms, %.0f tok/s, %.1f GFLOP/s, %.1f GB/s weights%s | reference x%.0f\n",
+    std::fprintf(stderr,
+                 "layer %s T=%lld: %.3f ms, %.0f tok/s, %.1f GFLOP/s, %.1f GB/s weights%s | "
+                 "reference x%.0f\n",
                  IsaName(*isa), static_cast<long long>(t), ours.median_ms,
                  r["tokens_per_s"].get<double>(), r["gflops"].get<double>(),
                  r["weight_read_gbps"].get<double>(), sgemm_line.c_str(),

@@ -16,8 +16,8 @@ struct LayerBenchFlags {
   LayerFlags layer;
   std::vector<int64_t> tokens = {1, 16, 128, 1024};
   std::string device = "cpu";
-  double min_seconds = 1.0;   // per measurement
-  int reference_tokens = 2;   // tokens the reference loop runs (its time is scaled to T)
+  double min_seconds = 1.0;  // per measurement
+  int reference_tokens = 2;  // tokens the reference loop runs (its time is scaled to T)
   bool sgemm = true;
   bool json = false;
 };

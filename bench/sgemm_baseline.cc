@@ -83,9 +83,10 @@ int RunSgemmChild(const std::vector<GemmShape>& shapes, int threads, double min_
   };
   run();
   const Timing t = TimeIt(run, 3, min_seconds);
-  std::printf("{\"corename\": \"%s\", \"threads\": %d, \"ms\": %.6f, \"gflops\": %.3f, \"reps\": %d}\n",
-              openblas_get_corename(), openblas_get_num_threads(), t.median_ms,
-              flops / (t.median_ms * 1e6), t.reps);
+  std::printf(
+      "{\"corename\": \"%s\", \"threads\": %d, \"ms\": %.6f, \"gflops\": %.3f, \"reps\": %d}\n",
+      openblas_get_corename(), openblas_get_num_threads(), t.median_ms, flops / (t.median_ms * 1e6),
+      t.reps);
   return 0;
 #else
   (void)shapes, (void)threads, (void)min_seconds;
@@ -117,9 +118,9 @@ Result<nlohmann::json> RunSgemmBaseline(const std::vector<GemmShape>& shapes, in
               shapes_arg = ShapesToArg(shapes), threads_flag = "--threads",
               threads_arg = std::to_string(threads), time_flag = "--min-time",
               time_arg = std::to_string(min_seconds);
-  char* argv[] = {exe.data(),         sub.data(),        shapes_flag.data(), shapes_arg.data(),
-                  threads_flag.data(), threads_arg.data(), time_flag.data(),   time_arg.data(),
-                  nullptr};
+  char* argv[] = {exe.data(),        sub.data(),          shapes_flag.data(),
+                  shapes_arg.data(), threads_flag.data(), threads_arg.data(),
+                  time_flag.data(),  time_arg.data(),     nullptr};
   pid_t pid = 0;
   const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv, envp.data());
   posix_spawn_file_actions_destroy(&fa);
@@ -130,7 +131,8 @@ Result<nlohmann::json> RunSgemmBaseline(const std::vector<GemmShape>& shapes, in
   }
   std::string out;
   char buf[4096];
-  for (ssize_t n; (n = read(pipefd[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  for (ssize_t n; (n = read(pipefd[0], buf, sizeof buf)) > 0;)
+    out.append(buf, static_cast<size_t>(n));
   close(pipefd[0]);
   int status = 0;
   waitpid(pid, &status, 0);

@@ -60,9 +60,9 @@ Result<std::vector<float>> ReadMatrix(const MatrixInput& in, int64_t hidden) {
   if (!v.empty()) std::memcpy(v.data(), in.tensor.data, v.size() * sizeof(float));
   for (size_t i = 0; i < v.size(); ++i) {
     if (!std::isfinite(v[i])) {
-      return Status::InvalidArgument(in.path + ": tensor '" + in.name +
-                                     "' holds a non-finite value (" + std::to_string(v[i]) +
-                                     ") at token " + std::to_string(i / static_cast<size_t>(hidden)));
+      return Status::InvalidArgument(
+          in.path + ": tensor '" + in.name + "' holds a non-finite value (" + std::to_string(v[i]) +
+          ") at token " + std::to_string(i / static_cast<size_t>(hidden)));
     }
   }
   return v;

@@ -34,7 +34,8 @@ Result<Isa> ChooseIsa(const std::string& flag) {
     return isa;
   }
   const auto isa = ParseIsa(flag);
-  if (!isa) return Status::InvalidArgument("--isa must be scalar, avx2 or avx512, not '" + flag + "'");
+  if (!isa)
+    return Status::InvalidArgument("--isa must be scalar, avx2 or avx512, not '" + flag + "'");
   if (*isa > BestIsa()) {
     return Status::InvalidArgument(std::string("--isa ") + flag + ": this CPU supports up to " +
                                    IsaName(BestIsa()));

@@ -12,14 +12,14 @@
 namespace moerun {
 
 struct LayerFlags {
-  std::string model;     // --model DIR
-  std::string preset;    // --preset NAME
-  uint64_t seed = 1;     // --seed
-  int experts = 0;       // --experts (presets)
+  std::string model;          // --model DIR
+  std::string preset;         // --preset NAME
+  uint64_t seed = 1;          // --seed
+  int experts = 0;            // --experts (presets)
   std::string dtype = "f32";  // --dtype (presets): f32 | bf16 | f16
-  int layer = -1;        // --layer
-  int threads = 0;       // --threads (0: all cores)
-  std::string isa;       // --isa (empty: best)
+  int layer = -1;             // --layer
+  int threads = 0;            // --threads (0: all cores)
+  std::string isa;            // --isa (empty: best)
 };
 
 // Resolves --isa (or MOERUN_ISA); errors on unknown or unsupported names.

@@ -24,15 +24,16 @@ int main(int argc, char** argv) {
     model->excludes(preset);
     layer->add_option("--seed", lf.layer.seed, "Preset seed")->default_val(1);
     layer->add_option("--experts", lf.layer.experts, "Preset expert count (default: fit 4 GB)");
-    layer->add_option("--dtype", lf.layer.dtype, "Preset weights: f32, bf16, f16")->default_val("f32");
+    layer->add_option("--dtype", lf.layer.dtype, "Preset weights: f32, bf16, f16")
+        ->default_val("f32");
     layer->add_option("--layer", lf.layer.layer, "Decoder layer (default: first MoE layer)");
     layer->add_option("--tokens", tokens, "Comma-separated token counts")->default_val(tokens);
     layer->add_option("--device", lf.device, "cpu or cuda")->default_val("cpu");
     layer->add_option("--threads", lf.layer.threads, "Threads (default: all cores)");
     layer->add_option("--isa", lf.layer.isa, "scalar, avx2, avx512 (default: best)");
     layer->add_option("--min-time", lf.min_seconds, "Seconds per measurement")->default_val(1.0);
-    layer->add_option("--reference-tokens", lf.reference_tokens,
-                      "Tokens the reference loop times")->default_val(2);
+    layer->add_option("--reference-tokens", lf.reference_tokens, "Tokens the reference loop times")
+        ->default_val(2);
     layer->add_flag("--no-sgemm{false}", lf.sgemm, "Skip the OpenBLAS baseline");
     layer->add_flag("--json", lf.json, "Print the JSON report on stdout");
 

@@ -33,9 +33,12 @@ void Renormalize(float* w, int k, float eps) {
 
 const char* GateKindName(GateKind kind) {
   switch (kind) {
-    case GateKind::kSoftmaxTopK: return "softmax-topk";
-    case GateKind::kSigmoidTopK: return "sigmoid-topk";
-    case GateKind::kTopKSoftmax: return "topk-softmax";
+    case GateKind::kSoftmaxTopK:
+      return "softmax-topk";
+    case GateKind::kSigmoidTopK:
+      return "sigmoid-topk";
+    case GateKind::kTopKSoftmax:
+      return "topk-softmax";
   }
   return "?";
 }
@@ -45,7 +48,8 @@ std::string DescribeGate(const GateSpec& g) {
   s += " top-" + std::to_string(g.top_k) + "/" + std::to_string(g.num_experts);
   if (g.kind != GateKind::kTopKSoftmax) s += g.renormalize ? " renorm" : " no-renorm";
   if (g.selection_bias) s += " +bias";
-  if (g.n_group > 1) s += " groups " + std::to_string(g.topk_group) + "/" + std::to_string(g.n_group);
+  if (g.n_group > 1)
+    s += " groups " + std::to_string(g.topk_group) + "/" + std::to_string(g.n_group);
   if (g.scale != 1.0f) s += " x" + std::to_string(g.scale).substr(0, 4);
   return s;
 }
@@ -105,7 +109,8 @@ void Route(const GateSpec& g, const float* logits, const float* selection_bias,
         for (int i = 0; i < g.topk_group; ++i) keep[group_order[i]] = true;
         for (int q = 0; q < g.n_group; ++q) {
           if (keep[q]) continue;
-          for (int i = 0; i < per; ++i) choice[q * per + i] = -std::numeric_limits<float>::infinity();
+          for (int i = 0; i < per; ++i)
+            choice[q * per + i] = -std::numeric_limits<float>::infinity();
         }
       }
       TopK(choice, n, k, order);

@@ -35,9 +35,9 @@ std::string DescribeGate(const GateSpec& g);
 
 // Scratch for one token; reuse it across tokens of one thread.
 struct GateScratch {
-  float* probs = nullptr;   // num_experts floats
-  float* choice = nullptr;  // num_experts floats
-  int32_t* order = nullptr; // num_experts ints
+  float* probs = nullptr;    // num_experts floats
+  float* choice = nullptr;   // num_experts floats
+  int32_t* order = nullptr;  // num_experts ints
 };
 
 // logits: num_experts values (router bias already added where the family has one).

@@ -2,8 +2,8 @@
 //
 // Every safetensors dtype name is recognised so that an unsupported tensor gets a precise error
 // ("F8_E4M3 is not supported yet") instead of "unknown dtype". Only F32, BF16 and F16 can feed the
-// expert kernels today. Conversions BF16/F16 -> F32 are exact; F32 -> BF16/F16 round to nearest even.
-// All functions are pure and thread-safe.
+// expert kernels today. Conversions BF16/F16 -> F32 are exact; F32 -> BF16/F16 round to nearest
+// even. All functions are pure and thread-safe.
 #pragma once
 
 #include <bit>
@@ -15,8 +15,25 @@
 namespace moerun {
 
 enum class DType : uint8_t {
-  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64,
-  kF8E4M3, kF8E5M2, kF8E8M0, kF4, kF6E2M3, kF6E3M2,
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kF64,
+  kI64,
+  kU64,
+  kF8E4M3,
+  kF8E5M2,
+  kF8E8M0,
+  kF4,
+  kF6E2M3,
+  kF6E3M2,
 };
 
 // Parses a safetensors dtype name ("F32", "BF16", "F8_E4M3", ...). nullopt if unknown.

@@ -46,16 +46,14 @@ class TensorSource {
                                      "' is MXFP4 (U8 blocks with E8M0 scales): not supported yet");
         }
       }
-      return Status::NotFound("tensor '" + name + "' is missing from the checkpoint " +
-                              ck_.path());
+      return Status::NotFound("tensor '" + name + "' is missing from the checkpoint " + ck_.path());
     }
     MOERUN_ASSIGN_OR_RETURN(TensorRef t, ck_.Get(name));
     const DType dt = t.info->dtype;
     if (!IsKernelWeightType(dt)) {
       std::string what = DTypeName(dt);
-      const std::string base = name.size() > 7 && name.ends_with(".weight")
-                                   ? name.substr(0, name.size() - 7)
-                                   : name;
+      const std::string base =
+          name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
       if (dt == DType::kF8E4M3 || dt == DType::kF8E5M2) {
         what += ck_.Has(base + ".weight_scale_inv") ? " (FP8 block-scaled, with weight_scale_inv)"
                                                     : " (FP8)";
@@ -66,9 +64,8 @@ class TensorSource {
                                  ": not supported yet (F32, BF16 and F16 are)");
     }
     if (t.info->shape != shape) {
-      return Status::InvalidArgument("tensor '" + name + "' has shape " +
-                                     ShapeStr(t.info->shape) + " but the config implies " +
-                                     ShapeStr(shape));
+      return Status::InvalidArgument("tensor '" + name + "' has shape " + ShapeStr(t.info->shape) +
+                                     " but the config implies " + ShapeStr(shape));
     }
     return t;
   }
@@ -122,9 +119,9 @@ Result<int> ResolveMoeLayer(const ModelSpec& spec, int layer) {
                                    std::to_string(spec.num_layers) + " layers");
   }
   if (!spec.IsMoeLayer(layer)) {
-    return Status::InvalidArgument("layer " + std::to_string(layer) +
-                                   " is a dense layer, not an MoE layer (MoE layers: " +
-                                   spec.Summary() + ")");
+    return Status::InvalidArgument(
+        "layer " + std::to_string(layer) +
+        " is a dense layer, not an MoE layer (MoE layers: " + spec.Summary() + ")");
   }
   return layer;
 }
@@ -193,8 +190,8 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
     std::copy(b.begin(), b.end(), w.gate_bias.begin());
   }
   if (spec.gate.selection_bias) {
-    const char* name = spec.family == Family::kStep3p5 ? "moe.router_bias"
-                                                       : "mlp.gate.e_score_correction_bias";
+    const char* name =
+        spec.family == Family::kStep3p5 ? "moe.router_bias" : "mlp.gate.e_score_correction_bias";
     MOERUN_ASSIGN_OR_RETURN(w.selection_bias, src.Vector(name, experts));
   }
 
@@ -226,7 +223,8 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
       const MatrixView g{gate_up.data, dt, inter, h, 0, 2 * inter};
       ExpertSource es;
       es.gate = [g, base](int64_t n, float* out) {
-        for (int64_t k = 0; k < g.cols; ++k) out[k] = LoadAsF32(g.data, g.dtype, base + k * g.cs + 2 * n);
+        for (int64_t k = 0; k < g.cols; ++k)
+          out[k] = LoadAsF32(g.data, g.dtype, base + k * g.cs + 2 * n);
       };
       es.up = [g, base](int64_t n, float* out) {
         for (int64_t k = 0; k < g.cols; ++k) {
@@ -259,13 +257,13 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
         v.data += elems * eb;
         return v;
       };
-      ExpertSource es{Reader(offset(g, gu)), Reader(offset(u, gu)), Reader(offset(d, gu)),
-                      {}, {}, {}};
+      ExpertSource es{
+          Reader(offset(g, gu)), Reader(offset(u, gu)), Reader(offset(d, gu)), {}, {}, {}};
       ew = PackExpert(kernels, PackType(g.dtype, u.dtype, d.dtype), h, inter, es, opts.threads);
     } else {
-      MOERUN_ASSIGN_OR_RETURN(ew, LoadSeparateExpert(src, expert_prefix + std::to_string(e), g_name.c_str(),
-                                                     u_name.c_str(), d_name.c_str(), h, inter,
-                                                     kernels, opts.threads));
+      MOERUN_ASSIGN_OR_RETURN(
+          ew, LoadSeparateExpert(src, expert_prefix + std::to_string(e), g_name.c_str(),
+                                 u_name.c_str(), d_name.c_str(), h, inter, kernels, opts.threads));
     }
     bytes += ew.bytes();
     w.experts[static_cast<size_t>(e)] = std::move(ew);
@@ -280,14 +278,21 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
     const char* u = ".up_proj.weight";
     const char* d = ".down_proj.weight";
     switch (spec.family) {
-      case Family::kQwen2Moe: base = "mlp.shared_expert"; break;
-      case Family::kDeepseekV3: base = "mlp.shared_experts"; break;
-      case Family::kStep3p5: base = "share_expert"; break;
-      default: return Status::Internal("shared expert in a family without one");
+      case Family::kQwen2Moe:
+        base = "mlp.shared_expert";
+        break;
+      case Family::kDeepseekV3:
+        base = "mlp.shared_experts";
+        break;
+      case Family::kStep3p5:
+        base = "share_expert";
+        break;
+      default:
+        return Status::Internal("shared expert in a family without one");
     }
-    MOERUN_ASSIGN_OR_RETURN(ExpertWeights sw, LoadSeparateExpert(src, base, g, u, d, h,
-                                                                 spec.shared_inter, kernels,
-                                                                 opts.threads));
+    MOERUN_ASSIGN_OR_RETURN(
+        ExpertWeights sw,
+        LoadSeparateExpert(src, base, g, u, d, h, spec.shared_inter, kernels, opts.threads));
     w.shared = std::move(sw);
   }
   w.dtype = DType::kF32;

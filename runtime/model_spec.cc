@@ -187,8 +187,8 @@ Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
       break;
     }
     case Family::kDeepseekV3: {
-      MOERUN_RETURN_IF_ERROR(c.Int(c.Has("n_routed_experts") ? "n_routed_experts"
-                                                             : "num_local_experts", &v));
+      MOERUN_RETURN_IF_ERROR(
+          c.Int(c.Has("n_routed_experts") ? "n_routed_experts" : "num_local_experts", &v));
       s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
       MOERUN_RETURN_IF_ERROR(c.Int("num_experts_per_tok", &v));
       s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
@@ -197,8 +197,8 @@ Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
       MOERUN_RETURN_IF_ERROR(c.StringOr("scoring_func", "sigmoid", &scoring));
       MOERUN_RETURN_IF_ERROR(c.StringOr("topk_method", "noaux_tc", &method));
       if (scoring != "sigmoid" || method != "noaux_tc") {
-        return Status::Unsupported("scoring_func \"" + scoring + "\" with topk_method \"" +
-                                   method + "\" (DeepSeek-V2 style) is not supported; " +
+        return Status::Unsupported("scoring_func \"" + scoring + "\" with topk_method \"" + method +
+                                   "\" (DeepSeek-V2 style) is not supported; " +
                                    "DeepSeek-V3 uses sigmoid with noaux_tc");
       }
       g.kind = GateKind::kSigmoidTopK;
@@ -225,11 +225,11 @@ Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
       break;
     }
     case Family::kGptOss: {
-      MOERUN_RETURN_IF_ERROR(c.Int(c.Has("num_local_experts") ? "num_local_experts"
-                                                              : "num_experts", &v));
+      MOERUN_RETURN_IF_ERROR(
+          c.Int(c.Has("num_local_experts") ? "num_local_experts" : "num_experts", &v));
       s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int(c.Has("num_experts_per_tok") ? "num_experts_per_tok"
-                                                                : "experts_per_token", &v));
+      MOERUN_RETURN_IF_ERROR(
+          c.Int(c.Has("num_experts_per_tok") ? "num_experts_per_tok" : "experts_per_token", &v));
       s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
       MOERUN_RETURN_IF_ERROR(c.Int("intermediate_size", &s->expert_inter));
       g.kind = GateKind::kTopKSoftmax;
@@ -286,12 +286,18 @@ Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
 
 const char* FamilyName(Family f) {
   switch (f) {
-    case Family::kMixtral: return "mixtral";
-    case Family::kQwen2Moe: return "qwen2_moe";
-    case Family::kQwen3Moe: return "qwen3_moe";
-    case Family::kDeepseekV3: return "deepseek_v3";
-    case Family::kGptOss: return "gpt_oss";
-    case Family::kStep3p5: return "step3p5";
+    case Family::kMixtral:
+      return "mixtral";
+    case Family::kQwen2Moe:
+      return "qwen2_moe";
+    case Family::kQwen3Moe:
+      return "qwen3_moe";
+    case Family::kDeepseekV3:
+      return "deepseek_v3";
+    case Family::kGptOss:
+      return "gpt_oss";
+    case Family::kStep3p5:
+      return "step3p5";
   }
   return "?";
 }
@@ -326,8 +332,8 @@ std::string ModelSpec::Summary() const {
   std::ostringstream o;
   o << FamilyName(family) << ": " << moe_layers.size() << "/" << num_layers << " MoE layers";
   if (!moe_layers.empty()) {
-    const bool contiguous = moe_layers.back() - moe_layers.front() + 1 ==
-                            static_cast<int>(moe_layers.size());
+    const bool contiguous =
+        moe_layers.back() - moe_layers.front() + 1 == static_cast<int>(moe_layers.size());
     if (contiguous) {
       o << " (" << moe_layers.front() << ".." << moe_layers.back() << ")";
     } else {

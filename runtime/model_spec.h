@@ -32,15 +32,15 @@ struct ModelSpec {
   bool router_bias = false;  // gpt-oss: the router linear has a bias
   bool expert_bias = false;  // gpt-oss: the expert projections have biases
 
-  int64_t shared_inter = 0;     // 0: no shared expert
-  bool shared_gated = false;    // Qwen2-MoE: shared output x sigmoid(shared_expert_gate . x)
+  int64_t shared_inter = 0;   // 0: no shared expert
+  bool shared_gated = false;  // Qwen2-MoE: shared output x sigmoid(shared_expert_gate . x)
 
   ActKind act = ActKind::kSwiGlu;
   float swiglu_limit = 0.0f;  // gpt-oss (all layers)
   float swiglu_alpha = 1.702f;
   std::vector<float> swiglu_limits;         // Step-3.5-Flash, per layer (0: none)
   std::vector<float> swiglu_limits_shared;  // Step-3.5-Flash, per layer (0: none)
-  std::string torch_dtype;  // as published, informational
+  std::string torch_dtype;                  // as published, informational
 
   bool IsMoeLayer(int layer) const;
   int FirstMoeLayer() const { return moe_layers.empty() ? -1 : moe_layers.front(); }

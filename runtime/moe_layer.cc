@@ -28,8 +28,10 @@ double MoeLayer::Flops(int64_t tokens) const {
   const ModelSpec& s = w_->spec;
   const double t = static_cast<double>(tokens);
   double f = 2.0 * t * static_cast<double>(s.hidden) * s.num_experts;
-  f += 2.0 * t * s.top_k * 3.0 * static_cast<double>(s.hidden) * static_cast<double>(s.expert_inter);
-  if (w_->shared) f += 2.0 * t * 3.0 * static_cast<double>(s.hidden) * static_cast<double>(s.shared_inter);
+  f +=
+      2.0 * t * s.top_k * 3.0 * static_cast<double>(s.hidden) * static_cast<double>(s.expert_inter);
+  if (w_->shared)
+    f += 2.0 * t * 3.0 * static_cast<double>(s.hidden) * static_cast<double>(s.shared_inter);
   return f;
 }
 
@@ -86,8 +88,8 @@ Status MoeLayer::Forward(const float* x, int64_t tokens, float* out) {
   const ActParams act = s.RoutedAct(w.layer);
   for (int e = 0; e < experts; ++e) {
     if (groups_.rows(e) == 0) continue;
-    ffn_groups_.push_back(ExpertGroup{&w.experts[static_cast<size_t>(e)], act, groups_.offset[e],
-                                      groups_.rows(e)});
+    ffn_groups_.push_back(
+        ExpertGroup{&w.experts[static_cast<size_t>(e)], act, groups_.offset[e], groups_.rows(e)});
   }
   if (w.shared) {
     std::iota(rows_.begin() + routed_rows, rows_.end(), 0);

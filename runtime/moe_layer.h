@@ -28,8 +28,8 @@ struct MoeLayerWeights {
   DType dtype = DType::kF32;  // type the expert weights are held in
   // Router: N = num_experts (+1: the Qwen2-MoE shared-expert gate rides along as the last row).
   PackedMatrix gate;
-  std::vector<float> gate_bias;       // router bias, padded to gate.n_padded(); or empty
-  std::vector<float> selection_bias;  // [num_experts] or empty
+  std::vector<float> gate_bias;        // router bias, padded to gate.n_padded(); or empty
+  std::vector<float> selection_bias;   // [num_experts] or empty
   std::vector<ExpertWeights> experts;  // [num_experts]; unloaded experts have empty w13
   std::optional<ExpertWeights> shared;
 

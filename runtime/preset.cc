@@ -155,13 +155,13 @@ Result<ModelSpec> PresetSpec(const std::string& name, const PresetOptions& opts,
   if (opts.experts > 0) {
     n = opts.experts;
     if (n > full) {
-      return Status::InvalidArgument(name + " has " + std::to_string(full) + " experts; --experts " +
-                                     std::to_string(n) + " is more");
+      return Status::InvalidArgument(name + " has " + std::to_string(full) +
+                                     " experts; --experts " + std::to_string(n) + " is more");
     }
   } else {
     const size_t per = ExpertBytes(s, opts.dtype);
-    const size_t fixed = static_cast<size_t>(3 * s.hidden * s.shared_inter) *
-                         (opts.dtype == DType::kF32 ? 4 : 2);
+    const size_t fixed =
+        static_cast<size_t>(3 * s.hidden * s.shared_inter) * (opts.dtype == DType::kF32 ? 4 : 2);
     const size_t fit = opts.budget_bytes > fixed ? (opts.budget_bytes - fixed) / per : 0;
     if (fit < static_cast<size_t>(full)) {
       n = static_cast<int>(fit) / groups * groups;
@@ -260,9 +260,9 @@ Result<MoeLayerWeights> BuildPresetLayer(const ModelSpec& spec, const CpuKernels
   size_t bytes = 0;
   for (int e = 0; e < experts; ++e) {
     if (!opts.load_expert.empty() && !opts.load_expert[e]) continue;
-    w.experts[static_cast<size_t>(e)] = PackExpert(kernels, opts.dtype, h, spec.expert_inter,
-                                                   expert_source(e, spec.expert_inter),
-                                                   opts.threads);
+    w.experts[static_cast<size_t>(e)] =
+        PackExpert(kernels, opts.dtype, h, spec.expert_inter, expert_source(e, spec.expert_inter),
+                   opts.threads);
     bytes += w.experts[static_cast<size_t>(e)].bytes();
     ++done;
     if (opts.progress) opts.progress(done, todo, bytes);

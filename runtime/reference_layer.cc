@@ -84,16 +84,21 @@ void ReferenceForward(const MoeLayerWeights& w, const float* x, int64_t tokens, 
       Expert(w.experts[static_cast<size_t>(ids[static_cast<size_t>(j)])], s.RoutedAct(w.layer), xt,
              &y);
       for (int64_t n = 0; n < hidden; ++n) {
-        acc[static_cast<size_t>(n)] += static_cast<double>(wts[static_cast<size_t>(j)]) * y[static_cast<size_t>(n)];
+        acc[static_cast<size_t>(n)] +=
+            static_cast<double>(wts[static_cast<size_t>(j)]) * y[static_cast<size_t>(n)];
       }
     }
     if (w.shared) {
       Expert(*w.shared, s.SharedAct(w.layer), xt, &y);
       const double scale =
-          s.shared_gated ? 1.0 / (1.0 + std::exp(-static_cast<double>(logits[static_cast<size_t>(experts)]))) : 1.0;
-      for (int64_t n = 0; n < hidden; ++n) acc[static_cast<size_t>(n)] += scale * y[static_cast<size_t>(n)];
+          s.shared_gated
+              ? 1.0 / (1.0 + std::exp(-static_cast<double>(logits[static_cast<size_t>(experts)])))
+              : 1.0;
+      for (int64_t n = 0; n < hidden; ++n)
+        acc[static_cast<size_t>(n)] += scale * y[static_cast<size_t>(n)];
     }
-    for (int64_t n = 0; n < hidden; ++n) out[t * hidden + n] = static_cast<float>(acc[static_cast<size_t>(n)]);
+    for (int64_t n = 0; n < hidden; ++n)
+      out[t * hidden + n] = static_cast<float>(acc[static_cast<size_t>(n)]);
   }
 }
 

@@ -196,8 +196,8 @@ SafetensorsFile::SafetensorsFile(std::unique_ptr<MappedFile> file, SafetensorsHe
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   MOERUN_ASSIGN_OR_RETURN(auto file, MappedFile::Open(path));
-  auto header = ParseSafetensorsHeader(std::span<const uint8_t>(file->data(), file->size()),
-                                       file->size());
+  auto header =
+      ParseSafetensorsHeader(std::span<const uint8_t>(file->data(), file->size()), file->size());
   if (!header.ok()) return header.status().WithContext(path);
   return std::unique_ptr<SafetensorsFile>(
       new SafetensorsFile(std::move(file), std::move(header).value()));
@@ -222,7 +222,8 @@ Status WriteSafetensorsF32(const std::string& path, const std::map<std::string, 
       return Status::Internal("tensor '" + name + "' shape does not match its data");
     }
     const uint64_t bytes = t.data.size() * sizeof(float);
-    header[name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {
+        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();

@@ -39,13 +39,14 @@ struct TensorInfo {
 };
 
 struct SafetensorsHeader {
-  uint64_t data_offset = 0;  // 8 + N: where the data buffer starts in the file
+  uint64_t data_offset = 0;         // 8 + N: where the data buffer starts in the file
   std::vector<TensorInfo> tensors;  // sorted by begin offset
   std::map<std::string, std::string> metadata;
 };
 
 // `bytes` holds the file's first min(file_size, 8 + N) bytes at least (the whole file is fine).
-Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> bytes, uint64_t file_size);
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> bytes,
+                                                 uint64_t file_size);
 
 // A view of one tensor's bytes inside a mapped file.
 struct TensorRef {

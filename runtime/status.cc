@@ -4,14 +4,22 @@ namespace moerun {
 
 const char* StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kNotFound: return "not found";
-    case StatusCode::kCorrupt: return "corrupt";
-    case StatusCode::kUnsupported: return "not supported";
-    case StatusCode::kIoError: return "i/o error";
-    case StatusCode::kResourceExhausted: return "resource exhausted";
-    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kNotFound:
+      return "not found";
+    case StatusCode::kCorrupt:
+      return "corrupt";
+    case StatusCode::kUnsupported:
+      return "not supported";
+    case StatusCode::kIoError:
+      return "i/o error";
+    case StatusCode::kResourceExhausted:
+      return "resource exhausted";
+    case StatusCode::kInternal:
+      return "internal error";
   }
   return "unknown";
 }

@@ -31,7 +31,9 @@ class [[nodiscard]] Status {
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status Ok() { return Status(); }
-  static Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+  static Status InvalidArgument(std::string m) {
+    return {StatusCode::kInvalidArgument, std::move(m)};
+  }
   static Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
   static Status Corrupt(std::string m) { return {StatusCode::kCorrupt, std::move(m)}; }
   static Status Unsupported(std::string m) { return {StatusCode::kUnsupported, std::move(m)}; }
@@ -60,8 +62,8 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}            // NOLINT: implicit by design
-  Result(Status status) : v_(std::move(status)) {}     // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}         // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {}  // NOLINT: implicit by design
 
   bool ok() const { return std::holds_alternative<T>(v_); }
   const Status& status() const {
@@ -83,10 +85,10 @@ class [[nodiscard]] Result {
 #define MOERUN_CONCAT_INNER_(a, b) a##b
 #define MOERUN_CONCAT_(a, b) MOERUN_CONCAT_INNER_(a, b)
 
-#define MOERUN_RETURN_IF_ERROR(expr)          \
-  do {                                        \
-    ::moerun::Status moerun_st_ = (expr);     \
-    if (!moerun_st_.ok()) return moerun_st_;  \
+#define MOERUN_RETURN_IF_ERROR(expr)         \
+  do {                                       \
+    ::moerun::Status moerun_st_ = (expr);    \
+    if (!moerun_st_.ok()) return moerun_st_; \
   } while (0)
 
 #define MOERUN_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

@@ -68,11 +68,15 @@ inline void Activate(const ActParams& p, int rows, int pairs, int nr, const floa
       const float* bg = bias_g ? bias_g + jbase : nullptr;
       const float* bu = bias_u ? bias_u + jbase : nullptr;
       switch (p.kind) {
-        case ActKind::kSwiGlu: ActivateRowT<ActKind::kSwiGlu>(p, cols, g, u, bg, bu, tmp); break;
+        case ActKind::kSwiGlu:
+          ActivateRowT<ActKind::kSwiGlu>(p, cols, g, u, bg, bu, tmp);
+          break;
         case ActKind::kSwiGluClamped:
           ActivateRowT<ActKind::kSwiGluClamped>(p, cols, g, u, bg, bu, tmp);
           break;
-        case ActKind::kGptOss: ActivateRowT<ActKind::kGptOss>(p, cols, g, u, bg, bu, tmp); break;
+        case ActKind::kGptOss:
+          ActivateRowT<ActKind::kGptOss>(p, cols, g, u, bg, bu, tmp);
+          break;
       }
       float* dst = h + jbase * h_stride + i;
       for (int64_t j = 0; j < cols; ++j) dst[j * h_stride] = tmp[j];

@@ -17,9 +17,9 @@ namespace moerun {
 struct ExpertWeights {
   int64_t hidden = 0;
   int64_t inter = 0;
-  int64_t pairs = 0;  // gate/up panel pairs = ceil(inter / nr)
-  PackedMatrix w13;   // N = 2 * pairs * nr, K = hidden
-  PackedMatrix w2;    // N = hidden (padded), K = inter
+  int64_t pairs = 0;             // gate/up panel pairs = ceil(inter / nr)
+  PackedMatrix w13;              // N = 2 * pairs * nr, K = hidden
+  PackedMatrix w2;               // N = hidden (padded), K = inter
   std::vector<float> bias_gate;  // empty, or pairs * nr
   std::vector<float> bias_up;    // empty, or pairs * nr
   std::vector<float> bias_down;  // empty, or w2.n_padded()
@@ -28,9 +28,9 @@ struct ExpertWeights {
 };
 
 struct ExpertSource {
-  RowReader gate;  // row n < inter of W_gate [inter][hidden]
-  RowReader up;    // row n < inter of W_up [inter][hidden]
-  RowReader down;  // row n < hidden of W_down [hidden][inter]
+  RowReader gate;                                    // row n < inter of W_gate [inter][hidden]
+  RowReader up;                                      // row n < inter of W_up [inter][hidden]
+  RowReader down;                                    // row n < hidden of W_down [hidden][inter]
   std::vector<float> bias_gate, bias_up, bias_down;  // empty or [inter], [inter], [hidden]
 };
 

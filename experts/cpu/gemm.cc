@@ -4,8 +4,8 @@
 
 namespace moerun {
 
-void GemmPacked(const CpuKernels& kernels, ThreadPool* pool, int64_t m, const float* a,
-                int64_t lda, const PackedMatrix& b, float* c, int64_t ldc, AlignedBuffer* apack) {
+void GemmPacked(const CpuKernels& kernels, ThreadPool* pool, int64_t m, const float* a, int64_t lda,
+                const PackedMatrix& b, float* c, int64_t ldc, AlignedBuffer* apack) {
   const int mr = kernels.mr;
   const int nr = kernels.nr;
   const int64_t k = b.k();

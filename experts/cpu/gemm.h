@@ -14,7 +14,7 @@
 namespace moerun {
 
 // A [m][b.k()] row-major (stride lda) -> C [m][b.n_padded()] (stride ldc >= b.n_padded()).
-void GemmPacked(const CpuKernels& kernels, ThreadPool* pool, int64_t m, const float* a,
-                int64_t lda, const PackedMatrix& b, float* c, int64_t ldc, AlignedBuffer* apack);
+void GemmPacked(const CpuKernels& kernels, ThreadPool* pool, int64_t m, const float* a, int64_t lda,
+                const PackedMatrix& b, float* c, int64_t ldc, AlignedBuffer* apack);
 
 }  // namespace moerun

@@ -5,8 +5,8 @@
 namespace moerun {
 namespace {
 
-constexpr int kMBlocksPerTask = 16;     // rows per task: 16 tiles (keeps a task's A in L2)
-constexpr int kColumnsPerTask = 256;    // output columns per task
+constexpr int kMBlocksPerTask = 16;              // rows per task: 16 tiles (keeps a task's A in L2)
+constexpr int kColumnsPerTask = 256;             // output columns per task
 constexpr int64_t kStreamMaxABytes = 256 << 10;  // tasks whose A fits in this stream panels
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -15,8 +15,9 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Visits every (k block, panel, m block) tile of a task. Few rows (their A fits in L2): each
 // panel is streamed front to back over all of k (one long sequential read of the weights, which
-// is what bounds small batches). Many rows: k blocks outermost, so a panel's k block stays in L1 across the m blocks.
-// The order changes no result: each tile accumulates its k blocks in order either way.
+// is what bounds small batches). Many rows: k blocks outermost, so a panel's k block stays in L1
+// across the m blocks. The order changes no result: each tile accumulates its k blocks in order
+// either way.
 template <typename Fn>
 void GroupedFfn::ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const {
   const int64_t kc = kernels_.kc;
@@ -35,7 +36,6 @@ void GroupedFfn::ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const 
   }
 }
 
-
 GroupedFfn::GroupedFfn(const CpuKernels& kernels, ThreadPool* pool)
     : kernels_(kernels), pool_(pool), scratch_(static_cast<size_t>(pool->size())) {}
 
@@ -50,10 +50,11 @@ void GroupedFfn::BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm
     const int64_t units = first_gemm ? grp.weights->pairs : grp.weights->w2.panels();
     for (int64_t m0 = 0; m0 < mblocks; m0 += kMBlocksPerTask) {
       for (int64_t p0 = 0; p0 < units; p0 += per_task) {
-        tasks_.push_back(Task{static_cast<int32_t>(g), static_cast<int32_t>(m0),
-                              static_cast<int32_t>(std::min<int64_t>(kMBlocksPerTask, mblocks - m0)),
-                              static_cast<int32_t>(p0),
-                              static_cast<int32_t>(std::min<int64_t>(per_task, units - p0))});
+        tasks_.push_back(
+            Task{static_cast<int32_t>(g), static_cast<int32_t>(m0),
+                 static_cast<int32_t>(std::min<int64_t>(kMBlocksPerTask, mblocks - m0)),
+                 static_cast<int32_t>(p0),
+                 static_cast<int32_t>(std::min<int64_t>(per_task, units - p0))});
       }
     }
   }

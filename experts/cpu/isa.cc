@@ -60,9 +60,12 @@ CpuFeatures Probe() {
 
 const char* IsaName(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "?";
 }
@@ -100,13 +103,15 @@ Isa DefaultIsa(std::string* warning) {
   if (env == nullptr || *env == '\0') return best;
   const auto want = ParseIsa(env);
   if (!want) {
-    if (warning) *warning = std::string("MOERUN_ISA=") + env + " is not scalar|avx2|avx512; using " +
-                            IsaName(best);
+    if (warning)
+      *warning =
+          std::string("MOERUN_ISA=") + env + " is not scalar|avx2|avx512; using " + IsaName(best);
     return best;
   }
   if (*want > best) {
-    if (warning) *warning = std::string("MOERUN_ISA=") + env + " is not supported here; using " +
-                            IsaName(best);
+    if (warning)
+      *warning =
+          std::string("MOERUN_ISA=") + env + " is not supported here; using " + IsaName(best);
     return best;
   }
   return *want;

@@ -20,11 +20,11 @@ const char* IsaName(Isa isa);
 std::optional<Isa> ParseIsa(std::string_view name);
 
 struct CpuFeatures {
-  bool avx2_fma = false;      // AVX2 + FMA3 + F16C, OS-enabled
-  bool avx512 = false;        // AVX-512 F/BW/VL/DQ, OS-enabled
-  bool avx512_bf16 = false;   // reported only (the kernels keep fp32 math)
-  bool amx_bf16 = false;      // reported only
-  std::string brand;          // "Intel(R) Xeon(R) Platinum 8480+" ...
+  bool avx2_fma = false;     // AVX2 + FMA3 + F16C, OS-enabled
+  bool avx512 = false;       // AVX-512 F/BW/VL/DQ, OS-enabled
+  bool avx512_bf16 = false;  // reported only (the kernels keep fp32 math)
+  bool amx_bf16 = false;     // reported only
+  std::string brand;         // "Intel(R) Xeon(R) Platinum 8480+" ...
 };
 
 const CpuFeatures& DetectCpu();

@@ -59,12 +59,24 @@ template <DType BT>
 void TileRows(int rows, int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc,
               bool acc) {
   switch (rows) {
-    case 1: TileT<1, BT>(k, a, b, c, ldc, acc); break;
-    case 2: TileT<2, BT>(k, a, b, c, ldc, acc); break;
-    case 3: TileT<3, BT>(k, a, b, c, ldc, acc); break;
-    case 4: TileT<4, BT>(k, a, b, c, ldc, acc); break;
-    case 5: TileT<5, BT>(k, a, b, c, ldc, acc); break;
-    default: TileT<6, BT>(k, a, b, c, ldc, acc); break;
+    case 1:
+      TileT<1, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 2:
+      TileT<2, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 3:
+      TileT<3, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 4:
+      TileT<4, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 5:
+      TileT<5, BT>(k, a, b, c, ldc, acc);
+      break;
+    default:
+      TileT<6, BT>(k, a, b, c, ldc, acc);
+      break;
   }
 }
 
@@ -72,16 +84,22 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
           bool accumulate) {
   const auto* bb = static_cast<const uint8_t*>(b);
   switch (bt) {
-    case DType::kBF16: TileRows<DType::kBF16>(rows, k, a, bb, c, ldc, accumulate); break;
-    case DType::kF16: TileRows<DType::kF16>(rows, k, a, bb, c, ldc, accumulate); break;
-    default: TileRows<DType::kF32>(rows, k, a, bb, c, ldc, accumulate); break;
+    case DType::kBF16:
+      TileRows<DType::kBF16>(rows, k, a, bb, c, ldc, accumulate);
+      break;
+    case DType::kF16:
+      TileRows<DType::kF16>(rows, k, a, bb, c, ldc, accumulate);
+      break;
+    default:
+      TileRows<DType::kF32>(rows, k, a, bb, c, ldc, accumulate);
+      break;
   }
 }
 
 }  // namespace
 
 const CpuKernels& Avx2Kernels() {
-  static const CpuKernels k{Isa::kAvx2, kMr, kNr, 256, &Tile, &elementwise::Activate,
+  static const CpuKernels k{Isa::kAvx2,           kMr, kNr, 256, &Tile, &elementwise::Activate,
                             &elementwise::AddBias};
   return k;
 }

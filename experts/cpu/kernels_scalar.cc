@@ -35,7 +35,7 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
 }  // namespace
 
 const CpuKernels& ScalarKernels() {
-  static const CpuKernels k{Isa::kScalar, kMr, kNr, 256, &Tile, &elementwise::Activate,
+  static const CpuKernels k{Isa::kScalar,         kMr, kNr, 256, &Tile, &elementwise::Activate,
                             &elementwise::AddBias};
   return k;
 }

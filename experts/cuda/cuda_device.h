@@ -16,9 +16,9 @@ struct CudaDeviceInfo {
 };
 
 struct CudaProbe {
-  bool built = false;               // this build has the CUDA runtime linked in
+  bool built = false;  // this build has the CUDA runtime linked in
   std::vector<CudaDeviceInfo> devices;
-  std::string error;                // why there are no devices, when there are none
+  std::string error;  // why there are no devices, when there are none
 };
 
 CudaProbe ProbeCuda();

@@ -5,8 +5,9 @@ namespace moerun {
 
 CudaProbe ProbeCuda() {
   CudaProbe p;
-  p.error = "this build of moerun has no CUDA support (configure with MOERUN_WITH_CUDA=ON on a "
-            "machine with the CUDA toolkit)";
+  p.error =
+      "this build of moerun has no CUDA support (configure with MOERUN_WITH_CUDA=ON on a "
+      "machine with the CUDA toolkit)";
   return p;
 }
 

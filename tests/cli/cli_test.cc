@@ -753,8 +753,8 @@ TEST(MoebenchTest, LayerOnABrokenModel) {
 }
 
 TEST(MoebenchTest, LayerRejectsFlagsThatMakeNoSense) {
-  const std::vector<std::string> base = {"layer", "--preset", "qwen3-30b-a3b", "--experts", "8",
-                                         "--tokens", "1", "--no-sgemm"};
+  const std::vector<std::string> base = {"layer",    "--preset", "qwen3-30b-a3b", "--experts", "8",
+                                         "--tokens", "1",        "--no-sgemm"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> args = base;
     args.insert(args.end(), extra.begin(), extra.end());

@@ -35,15 +35,19 @@ void CheckInvariant(const std::shared_ptr<const MoeLayerWeights>& w, const CpuKe
     for (int64_t size : sizes) {
       // A batch of `size` tokens drawn (with repeats when size > tokens) in this pass's order.
       std::vector<int64_t> pick(static_cast<size_t>(size));
-      for (int64_t i = 0; i < size; ++i) pick[static_cast<size_t>(i)] = order[static_cast<size_t>(i % tokens)];
+      for (int64_t i = 0; i < size; ++i)
+        pick[static_cast<size_t>(i)] = order[static_cast<size_t>(i % tokens)];
       std::vector<float> batch(static_cast<size_t>(size * h)), out(batch.size());
       for (int64_t i = 0; i < size; ++i) {
-        std::memcpy(&batch[static_cast<size_t>(i * h)], &x[static_cast<size_t>(pick[static_cast<size_t>(i)] * h)], h * 4);
+        std::memcpy(&batch[static_cast<size_t>(i * h)],
+                    &x[static_cast<size_t>(pick[static_cast<size_t>(i)] * h)], h * 4);
       }
       ASSERT_TRUE(layer.Forward(batch.data(), size, out.data()).ok());
       for (int64_t i = 0; i < size; ++i) {
         const int64_t t = pick[static_cast<size_t>(i)];
-        ASSERT_EQ(std::memcmp(&out[static_cast<size_t>(i * h)], &alone[static_cast<size_t>(t * h)], h * 4), 0)
+        ASSERT_EQ(std::memcmp(&out[static_cast<size_t>(i * h)], &alone[static_cast<size_t>(t * h)],
+                              h * 4),
+                  0)
             << "token " << t << " in a batch of " << size << " (pass " << pass << ")";
       }
     }

@@ -12,9 +12,9 @@ namespace moerun {
 namespace {
 
 TEST(DTypeTest, NamesRoundTrip) {
-  for (const char* n : {"BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
-                        "F64", "I64", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3",
-                        "F6_E3M2"}) {
+  for (const char* n :
+       {"BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64",
+        "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}) {
     const auto t = ParseDType(n);
     ASSERT_TRUE(t.has_value()) << n;
     EXPECT_STREQ(DTypeName(*t), n);

@@ -40,10 +40,9 @@ std::vector<std::tuple<std::string, Isa>> Cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFixtures, GoldenTest, ::testing::ValuesIn(Cases()),
-                         [](const auto& tp) {
-                           return std::get<0>(tp.param) + "_" + IsaName(std::get<1>(tp.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(AllFixtures, GoldenTest, ::testing::ValuesIn(Cases()), [](const auto& tp) {
+  return std::get<0>(tp.param) + "_" + IsaName(std::get<1>(tp.param));
+});
 
 TEST(GoldenTest, FixturesKeepTheirWeightTypes) {
   const CpuKernels& kern = KernelsFor(Isa::kScalar);

@@ -27,7 +27,8 @@ std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
 
 PackedMatrix Pack(DType dt, int64_t n, int64_t k, int nr, const std::vector<float>& w) {
   PackedMatrix m(dt, n, k, nr);
-  m.Fill([&](int64_t row, float* out) { std::memcpy(out, &w[static_cast<size_t>(row * k)], k * 4); });
+  m.Fill(
+      [&](int64_t row, float* out) { std::memcpy(out, &w[static_cast<size_t>(row * k)], k * 4); });
   return m;
 }
 
@@ -95,7 +96,8 @@ TEST(KernelsTest, GemmBitwiseEqualAcrossIsasAndCloseToDouble) {
       // Compact to [m][n] for comparison across panel widths.
       std::vector<float> out(static_cast<size_t>(m * n));
       for (int64_t i = 0; i < m; ++i) {
-        for (int64_t j = 0; j < n; ++j) out[static_cast<size_t>(i * n + j)] = c[static_cast<size_t>(i * b.n_padded() + j)];
+        for (int64_t j = 0; j < n; ++j)
+          out[static_cast<size_t>(i * n + j)] = c[static_cast<size_t>(i * b.n_padded() + j)];
       }
       double worst = 0;
       for (int64_t i = 0; i < m; ++i) {
@@ -130,7 +132,8 @@ TEST(KernelsTest, TileRowsAreIndependent) {
     const auto rows = Random(static_cast<size_t>(kern.mr * k), 5);
     std::vector<float> apack(static_cast<size_t>(kern.mr * k));
     for (int i = 0; i < kern.mr; ++i) {
-      for (int64_t kk = 0; kk < k; ++kk) apack[static_cast<size_t>(kk * kern.mr + i)] = rows[static_cast<size_t>(i * k + kk)];
+      for (int64_t kk = 0; kk < k; ++kk)
+        apack[static_cast<size_t>(kk * kern.mr + i)] = rows[static_cast<size_t>(i * k + kk)];
     }
     std::vector<float> full(static_cast<size_t>(kern.mr * kern.nr));
     kern.tile(kern.mr, k, apack.data(), b.panel(0), DType::kF32, full.data(), kern.nr, false);
@@ -163,18 +166,22 @@ TEST(KernelsTest, ActivationsBitwiseEqualAcrossIsas) {
       const auto bu = Random(static_cast<size_t>(pairs * nr), 8);
       std::vector<float> h(static_cast<size_t>(inter * rows), 0.0f);
       ActParams p{kind, 7.0f, 1.702f};
-      kern.activate(p, rows, pairs, nr, c.data(), ldc, bg.data(), bu.data(), 0, inter, h.data(), rows);
+      kern.activate(p, rows, pairs, nr, c.data(), ldc, bg.data(), bu.data(), 0, inter, h.data(),
+                    rows);
       // Compare in logical (row, column) order, independent of nr.
       std::vector<float> logical;
       for (int i = 0; i < rows; ++i) {
         for (int64_t j = 0; j < inter; ++j) {
           const int64_t q = j / nr, jj = j % nr;
-          const float g = c[static_cast<size_t>(i * ldc + 2 * q * nr + jj)] + bg[static_cast<size_t>(j)];
-          const float u = c[static_cast<size_t>(i * ldc + (2 * q + 1) * nr + jj)] + bu[static_cast<size_t>(j)];
+          const float g =
+              c[static_cast<size_t>(i * ldc + 2 * q * nr + jj)] + bg[static_cast<size_t>(j)];
+          const float u =
+              c[static_cast<size_t>(i * ldc + (2 * q + 1) * nr + jj)] + bu[static_cast<size_t>(j)];
           double want = 0;
           const double silu = g / (1 + std::exp(-static_cast<double>(g)));
           if (kind == ActKind::kSwiGlu) want = silu * u;
-          if (kind == ActKind::kSwiGluClamped) want = std::min(silu, 7.0) * std::clamp<double>(u, -7, 7);
+          if (kind == ActKind::kSwiGluClamped)
+            want = std::min(silu, 7.0) * std::clamp<double>(u, -7, 7);
           if (kind == ActKind::kGptOss) {
             const double gc = std::min<double>(g, 7.0);
             want = (std::clamp<double>(u, -7, 7) + 1) * gc / (1 + std::exp(-1.702 * gc));

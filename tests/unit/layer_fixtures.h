@@ -68,8 +68,8 @@ inline ModelSpec SmallSpec(Family family) {
 }
 
 inline std::vector<Family> AllFamilies() {
-  return {Family::kMixtral, Family::kQwen2Moe, Family::kQwen3Moe,
-          Family::kDeepseekV3, Family::kGptOss, Family::kStep3p5};
+  return {Family::kMixtral,    Family::kQwen2Moe, Family::kQwen3Moe,
+          Family::kDeepseekV3, Family::kGptOss,   Family::kStep3p5};
 }
 
 inline std::shared_ptr<const MoeLayerWeights> BuildSmall(Family f, const CpuKernels& k,

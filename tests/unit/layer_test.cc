@@ -12,7 +12,7 @@ namespace {
 using namespace moerun::testing;
 
 std::vector<float> RunLayer(const std::shared_ptr<const MoeLayerWeights>& w, const CpuKernels& k,
-                       const std::vector<float>& x, int threads) {
+                            const std::vector<float>& x, int threads) {
   ThreadPool pool(threads);
   MoeLayer layer(w, k, &pool);
   const int64_t t = static_cast<int64_t>(x.size()) / w->spec.hidden;
@@ -50,14 +50,14 @@ TEST_P(LayerTest, MatchesReferenceAndIsIdenticalAcrossIsasAndThreads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Families, LayerTest,
-    ::testing::Combine(::testing::ValuesIn(AllFamilies()),
-                       ::testing::Values(DType::kF32, DType::kBF16, DType::kF16)),
-    [](const auto& tp) {
-      return std::string(FamilyName(std::get<0>(tp.param))) + "_" +
-             DTypeName(std::get<1>(tp.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Families, LayerTest,
+                         ::testing::Combine(::testing::ValuesIn(AllFamilies()),
+                                            ::testing::Values(DType::kF32, DType::kBF16,
+                                                              DType::kF16)),
+                         [](const auto& tp) {
+                           return std::string(FamilyName(std::get<0>(tp.param))) + "_" +
+                                  DTypeName(std::get<1>(tp.param));
+                         });
 
 TEST(LayerTest, EmptyBatchAndRoutingStats) {
   const CpuKernels& k = KernelsFor(BestIsa());

@@ -107,8 +107,10 @@ TEST(ModelSpecTest, PublishedStep35Flash) {
 // Each preset's full-size spec is the published config's.
 TEST(ModelSpecTest, PresetsFollowPublishedConfigs) {
   const std::vector<std::pair<std::string, std::string>> pairs = {
-      {"mixtral-8x7b", "mixtral-8x7b"}, {"qwen3-30b-a3b", "qwen3-30b-a3b"},
-      {"deepseek-v3", "deepseek-v3"},   {"gpt-oss-20b", "gpt-oss-20b"},
+      {"mixtral-8x7b", "mixtral-8x7b"},
+      {"qwen3-30b-a3b", "qwen3-30b-a3b"},
+      {"deepseek-v3", "deepseek-v3"},
+      {"gpt-oss-20b", "gpt-oss-20b"},
       {"step-3.5-flash", "step-3.5-flash"}};
   for (const auto& [preset, config] : pairs) {
     SCOPED_TRACE(preset);
@@ -147,14 +149,13 @@ TEST(ModelSpecTest, Fixtures) {
     int experts, top_k;
     int64_t shared;
   };
-  for (const Want& w : {Want{"mixtral", Family::kMixtral, 8, 2, 0},
-                        Want{"mixtral_f16", Family::kMixtral, 8, 2, 0},
-                        Want{"qwen2_moe", Family::kQwen2Moe, 8, 2, 80},
-                        Want{"qwen3_moe", Family::kQwen3Moe, 16, 4, 0},
-                        Want{"qwen3_moe_bf16", Family::kQwen3Moe, 16, 4, 0},
-                        Want{"deepseek_v3", Family::kDeepseekV3, 32, 4, 48},
-                        Want{"gpt_oss", Family::kGptOss, 16, 4, 0},
-                        Want{"step3p5", Family::kStep3p5, 16, 4, 40}}) {
+  for (const Want& w :
+       {Want{"mixtral", Family::kMixtral, 8, 2, 0}, Want{"mixtral_f16", Family::kMixtral, 8, 2, 0},
+        Want{"qwen2_moe", Family::kQwen2Moe, 8, 2, 80},
+        Want{"qwen3_moe", Family::kQwen3Moe, 16, 4, 0},
+        Want{"qwen3_moe_bf16", Family::kQwen3Moe, 16, 4, 0},
+        Want{"deepseek_v3", Family::kDeepseekV3, 32, 4, 48},
+        Want{"gpt_oss", Family::kGptOss, 16, 4, 0}, Want{"step3p5", Family::kStep3p5, 16, 4, 40}}) {
     SCOPED_TRACE(w.dir);
     auto s = LoadModelSpec(FixtureDir(w.dir));
     ASSERT_TRUE(s.ok()) << s.status().ToString();

@@ -57,10 +57,11 @@ std::string ReadFile(const std::string& path) {
 
 std::string MakeSafetensors(const std::string& header_json, const std::string& data,
                             int64_t header_len_override) {
-  const uint64_t n = header_len_override >= 0 ? static_cast<uint64_t>(header_len_override)
-                                              : header_json.size();
+  const uint64_t n =
+      header_len_override >= 0 ? static_cast<uint64_t>(header_len_override) : header_json.size();
   std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + header_json + data;
 }
 

@@ -11,9 +11,9 @@
 
 namespace moerun::testing {
 
-std::string DataDir();                    // tests/data
+std::string DataDir();                            // tests/data
 std::string FixtureDir(const std::string& name);  // tests/data/hf-moe/<name>
-std::vector<std::string> FixtureNames();  // all folders of tests/data/hf-moe
+std::vector<std::string> FixtureNames();          // all folders of tests/data/hf-moe
 
 // A fresh empty folder under $TMPDIR, removed by the destructor.
 class TempDir {
@@ -38,8 +38,8 @@ std::string MakeSafetensors(const std::string& header_json, const std::string& d
                             int64_t header_len_override = -1);
 
 // Reads an F32 tensor [rows, cols] (asserting its type).
-std::vector<float> ReadF32(const std::string& path, const std::string& name, int64_t* rows = nullptr,
-                           int64_t* cols = nullptr);
+std::vector<float> ReadF32(const std::string& path, const std::string& name,
+                           int64_t* rows = nullptr, int64_t* cols = nullptr);
 
 double RelativeError(const std::vector<float>& got, const std::vector<float>& want);
 
