@@ -44,42 +44,33 @@ std::vector<GemmShape> LayerShapes(const MoeLayerWeights& w, int64_t t) {
   return shapes;
 }
 
-int Fail(const Status& s) {
-  spdlog::error("{}", s.ToString());
-  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
-}
-
 }  // namespace
 
 int RunLayerBench(const LayerBenchFlags& f) {
   if (f.device == "cuda") {
     const CudaProbe probe = ProbeCuda();
-    return Fail(Status::InvalidArgument(
+    return FailWith(Status::InvalidArgument(
         probe.devices.empty() ? "--device cuda: no usable GPU: " + probe.error
                               : "--device cuda: this release benchmarks the CPU layer only"));
   }
-  if (f.device != "cpu") return Fail(Status::InvalidArgument("--device must be cpu or cuda"));
+  if (f.device != "cpu") return FailWith(Status::InvalidArgument("--device must be cpu or cuda"));
   for (int64_t t : f.tokens) {
     if (t <= 0 || t > (1 << 20)) {
-      return Fail(Status::InvalidArgument("--tokens must be in 1..1048576"));
+      return FailWith(Status::InvalidArgument("--tokens must be in 1..1048576"));
     }
   }
-  if (f.layer.threads < 0 || f.layer.threads > 1024) {
-    return Fail(Status::InvalidArgument("--threads must be in 0..1024 (0: one per core)"));
-  }
   if (!std::isfinite(f.min_seconds) || f.min_seconds < 0 || f.min_seconds > 3600) {
-    return Fail(Status::InvalidArgument("--min-time must be in 0..3600 seconds"));
+    return FailWith(Status::InvalidArgument("--min-time must be in 0..3600 seconds"));
   }
   if (f.reference_tokens < 1)
-    return Fail(Status::InvalidArgument("--reference-tokens must be >= 1"));
-  if (f.layer.experts < 0) return Fail(Status::InvalidArgument("--experts must not be negative"));
-  if (f.layer.layer < -1) return Fail(Status::InvalidArgument("--layer must not be negative"));
+    return FailWith(Status::InvalidArgument("--reference-tokens must be >= 1"));
+  if (Status s = ValidateLayerFlags(f.layer); !s.ok()) return FailWith(s);
   auto isa = ChooseIsa(f.layer.isa);
-  if (!isa.ok()) return Fail(isa.status());
+  if (!isa.ok()) return FailWith(isa.status());
   const CpuKernels& kernels = KernelsFor(*isa);
   ThreadPool pool(f.layer.threads);
   auto loaded = LoadLayerFromFlags(f.layer, kernels, pool.size());
-  if (!loaded.ok()) return Fail(loaded.status());
+  if (!loaded.ok()) return FailWith(loaded.status());
   const MoeLayerWeights& w = **loaded;
   MoeLayer layer(*loaded, kernels, &pool);
   const int64_t hidden = w.spec.hidden;
@@ -108,7 +99,7 @@ int RunLayerBench(const LayerBenchFlags& f) {
     Status st;
     const Timing ours =
         TimeIt([&] { st = layer.Forward(x.data(), t, out.data()); }, 3, f.min_seconds);
-    if (!st.ok()) return Fail(st);
+    if (!st.ok()) return FailWith(st);
     const double flops = layer.Flops(t);
     std::set<int32_t> active(layer.last_routing().ids.begin(), layer.last_routing().ids.end());
     size_t weight_bytes = w.shared ? w.shared->bytes() : 0;

@@ -73,11 +73,7 @@ Status CheckFlags(const ForwardFlags& f) {
   if (!std::isfinite(f.tolerance) || f.tolerance < 0) {
     return Status::InvalidArgument("--tolerance must be a finite number >= 0");
   }
-  if (f.layer.threads < 0 || f.layer.threads > 1024) {
-    return Status::InvalidArgument("--threads must be in 0..1024 (0: one per core)");
-  }
-  if (f.layer.layer < -1) return Status::InvalidArgument("--layer must not be negative");
-  if (f.layer.experts < 0) return Status::InvalidArgument("--experts must not be negative");
+  MOERUN_RETURN_IF_ERROR(ValidateLayerFlags(f.layer));
   namespace fs = std::filesystem;
   const fs::path parent = fs::path(f.output).parent_path();
   std::error_code ec;
@@ -88,53 +84,49 @@ Status CheckFlags(const ForwardFlags& f) {
   return Status::Ok();
 }
 
-int Fail(const Status& s) {
-  spdlog::error("{}", s.ToString());
-  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
-}
-
 int RunForward(const ForwardFlags& f) {
   if (f.device == "cuda") {
     const CudaProbe probe = ProbeCuda();
     if (probe.devices.empty()) {
-      return Fail(Status::InvalidArgument("--device cuda: no usable GPU: " + probe.error));
+      return FailWith(Status::InvalidArgument("--device cuda: no usable GPU: " + probe.error));
     }
-    return Fail(Status::Unsupported("--device cuda: found " + probe.devices[0].name +
-                                    ", but this release computes MoE layers on the CPU only; "
-                                    "use --device cpu"));
+    return FailWith(Status::Unsupported("--device cuda: found " + probe.devices[0].name +
+                                        ", but this release computes MoE layers on the CPU only; "
+                                        "use --device cpu"));
   }
-  if (f.device != "cpu") return Fail(Status::InvalidArgument("--device must be cpu or cuda"));
+  if (f.device != "cpu") return FailWith(Status::InvalidArgument("--device must be cpu or cuda"));
 
-  if (Status s = CheckFlags(f); !s.ok()) return Fail(s);
+  if (Status s = CheckFlags(f); !s.ok()) return FailWith(s);
   auto input = OpenMatrix(f.input, "input");
-  if (!input.ok()) return Fail(input.status());
+  if (!input.ok()) return FailWith(input.status());
   std::optional<MatrixInput> expected;
   if (!f.check.empty()) {
     auto ref = OpenMatrix(f.check, "output");
-    if (!ref.ok()) return Fail(ref.status());
+    if (!ref.ok()) return FailWith(ref.status());
     if (ref->rows != input->rows) {
-      return Fail(Status::InvalidArgument(f.check + ": 'output' has " + std::to_string(ref->rows) +
-                                          " rows, the input " + std::to_string(input->rows)));
+      return FailWith(Status::InvalidArgument(f.check + ": 'output' has " +
+                                              std::to_string(ref->rows) + " rows, the input " +
+                                              std::to_string(input->rows)));
     }
     expected = std::move(ref).value();
   }
   auto isa = ChooseIsa(f.layer.isa);
-  if (!isa.ok()) return Fail(isa.status());
+  if (!isa.ok()) return FailWith(isa.status());
   const CpuKernels& kernels = KernelsFor(*isa);
   ThreadPool pool(f.layer.threads);
   auto weights = LoadLayerFromFlags(f.layer, kernels, pool.size());
-  if (!weights.ok()) return Fail(weights.status());
+  if (!weights.ok()) return FailWith(weights.status());
   const MoeLayerWeights& w = **weights;
   const int64_t hidden = w.spec.hidden;
 
   const int64_t tokens = input->rows;
   auto x = ReadMatrix(*input, hidden);
-  if (!x.ok()) return Fail(x.status());
+  if (!x.ok()) return FailWith(x.status());
 
   MoeLayer layer(*weights, kernels, &pool);
   std::vector<float> out(static_cast<size_t>(tokens * hidden));
   const auto t0 = std::chrono::steady_clock::now();
-  if (Status s = layer.Forward(x->data(), tokens, out.data()); !s.ok()) return Fail(s);
+  if (Status s = layer.Forward(x->data(), tokens, out.data()); !s.ok()) return FailWith(s);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
@@ -144,7 +136,7 @@ int RunForward(const ForwardFlags& f) {
       {"producer", "moerun forward"},
       {"layer", std::to_string(w.layer)},
       {"model", f.layer.model.empty() ? "preset:" + f.layer.preset : f.layer.model}};
-  if (Status s = WriteSafetensorsF32(f.output, tensors, meta); !s.ok()) return Fail(s);
+  if (Status s = WriteSafetensorsF32(f.output, tensors, meta); !s.ok()) return FailWith(s);
 
   std::string line = "moerun forward: " + DescribeLayer(w) + " | " + std::to_string(tokens) +
                      " tokens | cpu " + IsaName(*isa) + " x" + std::to_string(pool.size()) +
@@ -152,7 +144,7 @@ int RunForward(const ForwardFlags& f) {
   int rc = 0;
   if (expected) {
     auto ref = ReadMatrix(*expected, hidden);
-    if (!ref.ok()) return Fail(ref.status());
+    if (!ref.ok()) return FailWith(ref.status());
     double num = 0, den = 0;
     for (size_t i = 0; i < out.size(); ++i) {
       const double d = static_cast<double>(out[i]) - (*ref)[i];

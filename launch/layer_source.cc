@@ -26,6 +26,20 @@ std::function<void(int, int, size_t)> ProgressLogger(const std::string& what) {
 
 }  // namespace
 
+Status ValidateLayerFlags(const LayerFlags& f) {
+  if (f.threads < 0 || f.threads > 1024) {
+    return Status::InvalidArgument("--threads must be in 0..1024 (0: one per core)");
+  }
+  if (f.layer < -1) return Status::InvalidArgument("--layer must not be negative");
+  if (f.experts < 0) return Status::InvalidArgument("--experts must not be negative");
+  return Status::Ok();
+}
+
+int FailWith(const Status& s) {
+  spdlog::error("{}", s.ToString());
+  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
+}
+
 Result<Isa> ChooseIsa(const std::string& flag) {
   if (flag.empty()) {
     std::string warning;

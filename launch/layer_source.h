@@ -22,6 +22,12 @@ struct LayerFlags {
   std::string isa;            // --isa (empty: best)
 };
 
+// Checks the flags that parse but make no sense (negative counts, absurd thread counts).
+Status ValidateLayerFlags(const LayerFlags& f);
+
+// Logs the error and returns the process exit code: 2 for bad arguments or input, 1 otherwise.
+int FailWith(const Status& s);
+
 // Resolves --isa (or MOERUN_ISA); errors on unknown or unsupported names.
 Result<Isa> ChooseIsa(const std::string& flag);
 Result<DType> ParseWeightDType(const std::string& name);
