@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "bench/memory_bandwidth.h"
 #include "bench/sgemm_baseline.h"
 #include "bench/timing.h"
 #include "experts/cuda/cuda_device.h"
@@ -91,6 +92,10 @@ int RunLayerBench(const LayerBenchFlags& f) {
   report["isa"] = IsaName(*isa);
   report["threads"] = pool.size();
   report["results"] = json::array();
+  // The physical floor of a batch: the larger of reading its experts' weights once at the
+  // measured read bandwidth, and its FLOPs at the best sgemm rate measured here.
+  const double read_bps = MeasureReadBandwidth(&pool);
+  report["memory_read_gbps"] = read_bps / 1e9;
 
   std::vector<std::string> coretypes = CandidateCoreTypes();
   for (int64_t t : f.tokens) {
@@ -134,6 +139,7 @@ int RunLayerBench(const LayerBenchFlags& f) {
     r["speedup_vs_reference"] = ref_ms / ours.median_ms;
     r["check_rel_err_vs_reference"] = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 
+    double sgemm_gflops = 0;
     std::string sgemm_line;
     if (f.sgemm) {
       json runs = json::array();
@@ -156,20 +162,31 @@ int RunLayerBench(const LayerBenchFlags& f) {
                        "dense GEMM)"},
                       {"best", best},
                       {"runs", runs}};
-        r["fraction_of_sgemm"] = r["gflops"].get<double>() / best["gflops"].get<double>();
+        sgemm_gflops = best["gflops"].get<double>();
+        r["fraction_of_sgemm"] = r["gflops"].get<double>() / sgemm_gflops;
         r["speedup_vs_sgemm"] = best["ms"].get<double>() / ours.median_ms;
         sgemm_line = fmt::format(" | sgemm {} {:.1f} GFLOP/s -> fraction {:.2f}",
                                  best["corename"].get<std::string>(), best["gflops"].get<double>(),
                                  r["fraction_of_sgemm"].get<double>());
       }
     }
+    const double read_floor_ms = static_cast<double>(weight_bytes) / read_bps * 1e3;
+    const double compute_floor_ms = sgemm_gflops > 0 ? flops / (sgemm_gflops * 1e6) : 0;
+    const double floor_ms = std::max(read_floor_ms, compute_floor_ms);
+    r["floor"] = {{"what",
+                   "max(active expert weights / memory read bandwidth, FLOPs / best sgemm "
+                   "rate), both measured in this run"},
+                  {"read_ms", read_floor_ms},
+                  {"compute_ms", compute_floor_ms},
+                  {"ms", floor_ms}};
+    r["x_floor"] = ours.median_ms / floor_ms;
     std::fprintf(stderr,
                  "layer %s T=%lld: %.3f ms, %.0f tok/s, %.1f GFLOP/s, %.1f GB/s weights%s | "
-                 "reference x%.0f\n",
+                 "x_floor %.2f | reference x%.0f\n",
                  IsaName(*isa), static_cast<long long>(t), ours.median_ms,
                  r["tokens_per_s"].get<double>(), r["gflops"].get<double>(),
                  r["weight_read_gbps"].get<double>(), sgemm_line.c_str(),
-                 r["speedup_vs_reference"].get<double>());
+                 r["x_floor"].get<double>(), r["speedup_vs_reference"].get<double>());
     report["results"].push_back(r);
   }
   if (f.json) {
