@@ -59,6 +59,8 @@ namespace kernels_internal {
 const CpuKernels& ScalarKernels();
 const CpuKernels& Avx2Kernels();
 const CpuKernels& Avx512Kernels();
+// Test builds only: the AVX-512 kernels' code over emulated intrinsics, runnable on any CPU.
+const CpuKernels& Avx512KernelsEmulated();
 }  // namespace kernels_internal
 
 }  // namespace moerun

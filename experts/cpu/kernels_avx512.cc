@@ -1,9 +1,18 @@
 // AVX-512 kernels (Skylake-SP and later, AMD Zen 4): 12 rows x 32 columns per tile.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c; only called when the CPU
 // and OS support them.
+#ifdef MOERUN_AVX512_EMULATION
+// Test builds only: the same code over emulated intrinsics (tests/emulation/avx512_emulation.h).
+#include "tests/emulation/avx512_emulation.h"
+#define MOERUN_AVX512_KERNELS Avx512KernelsEmulated
+#else
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* helpers.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#define MOERUN_AVX512_KERNELS Avx512Kernels
+#endif
 
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/kernels.h"
@@ -119,7 +128,7 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
 
 }  // namespace
 
-const CpuKernels& Avx512Kernels() {
+const CpuKernels& MOERUN_AVX512_KERNELS() {
   static const CpuKernels k{Isa::kAvx512,         kMr, kNr, 192, &Tile, &elementwise::Activate,
                             &elementwise::AddBias};
   return k;

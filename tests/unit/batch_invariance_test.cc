@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 
+#include "tests/unit/kernel_variants.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
@@ -54,27 +55,28 @@ void CheckInvariant(const std::shared_ptr<const MoeLayerWeights>& w, const CpuKe
   }
 }
 
-class BatchInvarianceTest : public ::testing::TestWithParam<std::tuple<std::string, Isa>> {};
+class BatchInvarianceTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
+};
 
 TEST_P(BatchInvarianceTest, Fixture) {
-  const auto& [name, isa] = GetParam();
-  const CpuKernels& k = KernelsFor(isa);
+  const auto& [name, variant] = GetParam();
+  const CpuKernels& k = VariantKernels(variant);
   const auto w = LoadFixture(name, k);
   const auto x = ReadF32(FixtureDir(name) + "/golden.safetensors", "input");
   CheckInvariant(w, k, x, 2);
 }
 
-std::vector<std::tuple<std::string, Isa>> Cases() {
-  std::vector<std::tuple<std::string, Isa>> out;
+std::vector<std::tuple<std::string, std::string>> Cases() {
+  std::vector<std::tuple<std::string, std::string>> out;
   for (const auto& n : FixtureNames()) {
-    for (Isa isa : SupportedIsas()) out.emplace_back(n, isa);
+    for (const auto& v : TestVariantNames()) out.emplace_back(n, v);
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFixtures, BatchInvarianceTest, ::testing::ValuesIn(Cases()),
                          [](const auto& tp) {
-                           return std::get<0>(tp.param) + "_" + IsaName(std::get<1>(tp.param));
+                           return std::get<0>(tp.param) + "_" + std::get<1>(tp.param);
                          });
 
 // A larger layer, so that experts get many tile rows and K spans several k-blocks.
@@ -82,15 +84,15 @@ TEST(BatchInvarianceTest, LargerLayerEveryIsaAndThreadCount) {
   ModelSpec s = SmallSpec(Family::kDeepseekV3);
   s.hidden = 320;  // more than one k-block of every kernel
   s.expert_inter = 144;
-  for (Isa isa : SupportedIsas()) {
-    SCOPED_TRACE(IsaName(isa));
-    const CpuKernels& k = KernelsFor(isa);
+  for (const auto& v : TestVariants()) {
+    SCOPED_TRACE(v.name);
+    const CpuKernels& k = *v.kernels;
     PresetOptions o;
     o.dtype = DType::kBF16;
     auto w = BuildPresetLayer(s, k, o);
     ASSERT_TRUE(w.ok());
     auto shared = std::make_shared<const MoeLayerWeights>(std::move(w).value());
-    CheckInvariant(shared, k, RandomRows(30, s.hidden, 5), isa == Isa::kScalar ? 1 : 3);
+    CheckInvariant(shared, k, RandomRows(30, s.hidden, 5), k.isa == Isa::kScalar ? 1 : 3);
   }
 }
 

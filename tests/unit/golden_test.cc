@@ -1,6 +1,7 @@
 // The golden fixtures: every model family's own reference code, every weight type, every ISA.
 #include <gtest/gtest.h>
 
+#include "tests/unit/kernel_variants.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
@@ -8,11 +9,11 @@ namespace {
 
 using namespace moerun::testing;
 
-class GoldenTest : public ::testing::TestWithParam<std::tuple<std::string, Isa>> {};
+class GoldenTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(GoldenTest, MatchesReferenceImplementation) {
-  const auto& [name, isa] = GetParam();
-  const CpuKernels& kern = KernelsFor(isa);
+  const auto& [name, variant] = GetParam();
+  const CpuKernels& kern = VariantKernels(variant);
   const auto w = LoadFixture(name, kern);
   int64_t tokens = 0, hidden = 0;
   const auto x = ReadF32(FixtureDir(name) + "/golden.safetensors", "input", &tokens, &hidden);
@@ -23,7 +24,7 @@ TEST_P(GoldenTest, MatchesReferenceImplementation) {
   std::vector<float> out(x.size());
   ASSERT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
   const double err = RelativeError(out, want);
-  EXPECT_LE(err, 1e-5) << name << " on " << IsaName(isa);
+  EXPECT_LE(err, 1e-5) << name << " on " << variant;
   RecordProperty("rel_err", std::to_string(err));
 
   // The plain reference loop agrees as well.
@@ -32,16 +33,16 @@ TEST_P(GoldenTest, MatchesReferenceImplementation) {
   EXPECT_LE(RelativeError(ref, want), 1e-5);
 }
 
-std::vector<std::tuple<std::string, Isa>> Cases() {
-  std::vector<std::tuple<std::string, Isa>> out;
+std::vector<std::tuple<std::string, std::string>> Cases() {
+  std::vector<std::tuple<std::string, std::string>> out;
   for (const auto& n : FixtureNames()) {
-    for (Isa isa : SupportedIsas()) out.emplace_back(n, isa);
+    for (const auto& v : TestVariantNames()) out.emplace_back(n, v);
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFixtures, GoldenTest, ::testing::ValuesIn(Cases()), [](const auto& tp) {
-  return std::get<0>(tp.param) + "_" + IsaName(std::get<1>(tp.param));
+  return std::get<0>(tp.param) + "_" + std::get<1>(tp.param);
 });
 
 TEST(GoldenTest, FixturesKeepTheirWeightTypes) {

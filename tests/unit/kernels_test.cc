@@ -13,6 +13,7 @@
 #include "experts/cpu/packed_matrix.h"
 #include "runtime/fast_exp.h"
 #include "runtime/thread_pool.h"
+#include "tests/unit/kernel_variants.h"
 
 namespace moerun {
 namespace {
@@ -86,9 +87,9 @@ TEST(KernelsTest, GemmBitwiseEqualAcrossIsasAndCloseToDouble) {
   ThreadPool pool(2);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     std::vector<float> scalar_out;
-    for (Isa isa : SupportedIsas()) {
-      SCOPED_TRACE(std::string(IsaName(isa)) + " " + DTypeName(dt));
-      const CpuKernels& kern = KernelsFor(isa);
+    for (const auto& v : testing::TestVariants()) {
+      SCOPED_TRACE(v.name + " " + DTypeName(dt));
+      const CpuKernels& kern = *v.kernels;
       const PackedMatrix b = Pack(dt, n, k, kern.nr, w);
       std::vector<float> c(static_cast<size_t>(m * b.n_padded()));
       AlignedBuffer apack;
@@ -112,7 +113,7 @@ TEST(KernelsTest, GemmBitwiseEqualAcrossIsasAndCloseToDouble) {
         }
       }
       EXPECT_LT(worst, 1e-5);
-      if (isa == Isa::kScalar) {
+      if (v.name == "scalar") {
         scalar_out = out;
       } else {
         EXPECT_TRUE(BitwiseEqual(out.data(), scalar_out.data(), out.size()));
@@ -124,9 +125,9 @@ TEST(KernelsTest, GemmBitwiseEqualAcrossIsasAndCloseToDouble) {
 // A row's result does not depend on the tile height it was computed in.
 TEST(KernelsTest, TileRowsAreIndependent) {
   const int64_t k = 77;
-  for (Isa isa : SupportedIsas()) {
-    const CpuKernels& kern = KernelsFor(isa);
-    SCOPED_TRACE(IsaName(isa));
+  for (const auto& v : testing::TestVariants()) {
+    const CpuKernels& kern = *v.kernels;
+    SCOPED_TRACE(v.name);
     const auto w = Random(static_cast<size_t>(kern.nr * k), 4);
     const PackedMatrix b = Pack(DType::kF32, kern.nr, k, kern.nr, w);
     const auto rows = Random(static_cast<size_t>(kern.mr * k), 5);
@@ -153,48 +154,61 @@ TEST(KernelsTest, TileRowsAreIndependent) {
 }
 
 TEST(KernelsTest, ActivationsBitwiseEqualAcrossIsas) {
-  const int rows = 3, pairs = 2;
+  // Logical gate/up values and biases, laid out per variant as its panel pairs.
+  const int rows = 3;
+  const int64_t inter = 59;  // not a multiple of any panel width
+  const auto g_in = Random(static_cast<size_t>(rows * inter), 6, 12.0f);
+  const auto u_in = Random(static_cast<size_t>(rows * inter), 7, 12.0f);
+  const auto bg = Random(static_cast<size_t>(inter), 8);
+  const auto bu = Random(static_cast<size_t>(inter), 9);
   for (ActKind kind : {ActKind::kSwiGlu, ActKind::kSwiGluClamped, ActKind::kGptOss}) {
     std::vector<float> first;
-    for (Isa isa : SupportedIsas()) {
-      const CpuKernels& kern = KernelsFor(isa);
+    for (const auto& v : testing::TestVariants()) {
+      const CpuKernels& kern = *v.kernels;
       const int nr = kern.nr;
-      const int64_t inter = pairs * nr - 5;
+      const int pairs = static_cast<int>((inter + nr - 1) / nr);
       const int64_t ldc = 2 * pairs * nr;
-      const auto c = Random(static_cast<size_t>(rows * ldc), 6, 12.0f);
-      const auto bg = Random(static_cast<size_t>(pairs * nr), 7);
-      const auto bu = Random(static_cast<size_t>(pairs * nr), 8);
-      std::vector<float> h(static_cast<size_t>(inter * rows), 0.0f);
-      ActParams p{kind, 7.0f, 1.702f};
-      kern.activate(p, rows, pairs, nr, c.data(), ldc, bg.data(), bu.data(), 0, inter, h.data(),
-                    rows);
-      // Compare in logical (row, column) order, independent of nr.
-      std::vector<float> logical;
+      std::vector<float> c(static_cast<size_t>(rows * ldc), 0.0f);
+      std::vector<float> bgp(static_cast<size_t>(pairs * nr), 0.0f), bup(bgp.size(), 0.0f);
       for (int i = 0; i < rows; ++i) {
         for (int64_t j = 0; j < inter; ++j) {
           const int64_t q = j / nr, jj = j % nr;
-          const float g =
-              c[static_cast<size_t>(i * ldc + 2 * q * nr + jj)] + bg[static_cast<size_t>(j)];
-          const float u =
-              c[static_cast<size_t>(i * ldc + (2 * q + 1) * nr + jj)] + bu[static_cast<size_t>(j)];
+          c[static_cast<size_t>(i * ldc + 2 * q * nr + jj)] =
+              g_in[static_cast<size_t>(i * inter + j)];
+          c[static_cast<size_t>(i * ldc + (2 * q + 1) * nr + jj)] =
+              u_in[static_cast<size_t>(i * inter + j)];
+        }
+      }
+      std::copy(bg.begin(), bg.end(), bgp.begin());
+      std::copy(bu.begin(), bu.end(), bup.begin());
+      std::vector<float> h(static_cast<size_t>(inter * rows), 0.0f);
+      ActParams p{kind, 7.0f, 1.702f};
+      kern.activate(p, rows, pairs, nr, c.data(), ldc, bgp.data(), bup.data(), 0, inter, h.data(),
+                    rows);
+      std::vector<float> logical;
+      for (int i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < inter; ++j) {
+          const float g = g_in[static_cast<size_t>(i * inter + j)] + bg[static_cast<size_t>(j)];
+          const float u = u_in[static_cast<size_t>(i * inter + j)] + bu[static_cast<size_t>(j)];
           double want = 0;
           const double silu = g / (1 + std::exp(-static_cast<double>(g)));
           if (kind == ActKind::kSwiGlu) want = silu * u;
-          if (kind == ActKind::kSwiGluClamped)
+          if (kind == ActKind::kSwiGluClamped) {
             want = std::min(silu, 7.0) * std::clamp<double>(u, -7, 7);
+          }
           if (kind == ActKind::kGptOss) {
             const double gc = std::min<double>(g, 7.0);
             want = (std::clamp<double>(u, -7, 7) + 1) * gc / (1 + std::exp(-1.702 * gc));
           }
           const float got = h[static_cast<size_t>(j * rows + i)];
-          EXPECT_NEAR(got, want, 2e-6 * (1 + std::fabs(want)));
+          EXPECT_NEAR(got, want, 2e-6 * (1 + std::fabs(want))) << v.name;
           logical.push_back(got);
         }
       }
       if (first.empty()) {
         first = logical;
       } else {
-        EXPECT_TRUE(BitwiseEqual(first.data(), logical.data(), first.size())) << IsaName(isa);
+        EXPECT_TRUE(BitwiseEqual(first.data(), logical.data(), first.size())) << v.name;
       }
     }
   }

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "tests/unit/kernel_variants.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
@@ -28,9 +29,9 @@ TEST_P(LayerTest, MatchesReferenceAndIsIdenticalAcrossIsasAndThreads) {
   const auto [family, dtype] = GetParam();
   const int64_t tokens = 37;
   std::vector<float> first;
-  for (Isa isa : SupportedIsas()) {
-    SCOPED_TRACE(IsaName(isa));
-    const CpuKernels& k = KernelsFor(isa);
+  for (const auto& v : TestVariants()) {
+    SCOPED_TRACE(v.name);
+    const CpuKernels& k = *v.kernels;
     const auto w = BuildSmall(family, k, dtype);
     const auto x = RandomRows(tokens, w->spec.hidden, 11);
     const auto out = RunLayer(w, k, x, 2);
@@ -45,7 +46,7 @@ TEST_P(LayerTest, MatchesReferenceAndIsIdenticalAcrossIsasAndThreads) {
       first = out;
     } else {
       EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * 4), 0)
-          << IsaName(isa) << " differs from the portable kernels";
+          << v.name << " differs from the portable kernels";
     }
   }
 }
