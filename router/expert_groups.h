@@ -16,6 +16,7 @@ struct ExpertGroups {
   std::vector<int64_t> offset;     // num_experts + 1: rows of expert e are [offset[e], offset[e+1])
   std::vector<int32_t> row_token;  // token of each row
   std::vector<int64_t> slot_row;   // [T * k]: row holding the output of (token, slot)
+  std::vector<int64_t> next_;      // scratch, kept so that Build allocates nothing once warm
 
   void Build(const int32_t* ids, int64_t tokens, int k, int num_experts);
   int64_t rows(int e) const { return offset[e + 1] - offset[e]; }

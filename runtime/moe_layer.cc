@@ -3,10 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
-#include "experts/cpu/gemm.h"
 #include "router/combine.h"
-#include "router/gate.h"
-#include "runtime/fast_exp.h"
+#include "runtime/gating.h"
 
 namespace moerun {
 
@@ -21,8 +19,10 @@ MoeLayer::MoeLayer(std::shared_ptr<const MoeLayerWeights> weights, const CpuKern
     : w_(std::move(weights)),
       kernels_(kernels),
       pool_(pool),
-      ffn_(kernels, pool),
-      gate_scratch_(static_cast<size_t>(pool->size())) {}
+      gating_(std::make_unique<Gating>(*w_, kernels, pool)),
+      ffn_(kernels, pool) {}
+
+MoeLayer::~MoeLayer() = default;
 
 double MoeLayer::Flops(int64_t tokens) const {
   const ModelSpec& s = w_->spec;
@@ -45,32 +45,12 @@ Status MoeLayer::Forward(const float* x, int64_t tokens, float* out) {
   if (tokens == 0) return Status::Ok();
   if (tokens > (int64_t{1} << 24)) return Status::InvalidArgument("batch too large");
 
-  // 1. Router logits, one FMA chain per (token, expert).
-  const int64_t ldl = w.gate.n_padded();
-  logits_.Reserve(static_cast<size_t>(tokens * ldl) * sizeof(float));
-  float* logits = logits_.as<float>();
-  GemmPacked(kernels_, pool_, tokens, x, hidden, w.gate, logits, ldl, &apack_);
-
-  // 2. Top-k per token (and the Qwen2-MoE shared-expert gate).
-  routing_.ids.resize(static_cast<size_t>(tokens * k));
-  routing_.weights.resize(static_cast<size_t>(tokens * k));
-  shared_scale_.assign(static_cast<size_t>(tokens), 1.0f);
+  // 1-2. Router logits, top-k per token (and the Qwen2-MoE shared-expert gate).
+  gating_->Run(x, tokens);
+  routing_.ids.assign(gating_->ids().begin(), gating_->ids().end());
+  routing_.weights.assign(gating_->weights().begin(), gating_->weights().end());
+  const std::vector<float>& shared_scale = gating_->shared_scale();
   const int64_t chunk = 64;
-  pool_->ParallelFor((tokens + chunk - 1) / chunk, [&](int64_t c, int worker) {
-    auto& scratch = gate_scratch_[static_cast<size_t>(worker)];
-    scratch.resize(static_cast<size_t>(3 * experts + 4));
-    GateScratch gs{scratch.data(), scratch.data() + experts,
-                   reinterpret_cast<int32_t*>(scratch.data() + 2 * experts)};
-    for (int64_t t = c * chunk; t < std::min(tokens, (c + 1) * chunk); ++t) {
-      float* row = logits + t * ldl;
-      if (!w.gate_bias.empty()) {
-        for (int e = 0; e < experts; ++e) row[e] = row[e] + w.gate_bias[static_cast<size_t>(e)];
-      }
-      Route(s.gate, row, w.selection_bias.empty() ? nullptr : w.selection_bias.data(), gs,
-            routing_.ids.data() + t * k, routing_.weights.data() + t * k);
-      if (s.shared_gated) shared_scale_[static_cast<size_t>(t)] = SigmoidF(row[experts]);
-    }
-  });
   for (int64_t i = 0; i < tokens * k; ++i) {
     const int32_t e = routing_.ids[static_cast<size_t>(i)];
     if (w.experts[static_cast<size_t>(e)].w13.empty()) {
@@ -111,7 +91,7 @@ Status MoeLayer::Forward(const float* x, int64_t tokens, float* out) {
       }
       const float* shared = w.shared ? y + (routed_rows + t) * ldy : nullptr;
       CombineToken(k, hidden, rows, routing_.weights.data() + t * k, shared,
-                   shared_scale_[static_cast<size_t>(t)], out + t * hidden);
+                   shared_scale[static_cast<size_t>(t)], out + t * hidden);
     }
   });
   return Status::Ok();

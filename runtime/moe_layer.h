@@ -22,6 +22,8 @@
 
 namespace moerun {
 
+class Gating;
+
 struct MoeLayerWeights {
   ModelSpec spec;
   int layer = 0;
@@ -46,6 +48,7 @@ class MoeLayer {
  public:
   MoeLayer(std::shared_ptr<const MoeLayerWeights> weights, const CpuKernels& kernels,
            ThreadPool* pool);
+  ~MoeLayer();
 
   // x [tokens][hidden] -> out [tokens][hidden] (row-major, contiguous).
   Status Forward(const float* x, int64_t tokens, float* out);
@@ -60,14 +63,13 @@ class MoeLayer {
   std::shared_ptr<const MoeLayerWeights> w_;
   const CpuKernels& kernels_;
   ThreadPool* pool_;
+  std::unique_ptr<Gating> gating_;
   GroupedFfn ffn_;
   ExpertGroups groups_;
   Routing routing_;
-  std::vector<float> shared_scale_;
   std::vector<int32_t> rows_;
   std::vector<ExpertGroup> ffn_groups_;
-  AlignedBuffer logits_, y_, apack_;
-  std::vector<std::vector<float>> gate_scratch_;
+  AlignedBuffer y_;
 };
 
 }  // namespace moerun

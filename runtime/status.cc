@@ -18,6 +18,10 @@ const char* StatusCodeName(StatusCode code) {
       return "i/o error";
     case StatusCode::kResourceExhausted:
       return "resource exhausted";
+    case StatusCode::kDeadlineExceeded:
+      return "deadline exceeded";
+    case StatusCode::kUnavailable:
+      return "unavailable";
     case StatusCode::kInternal:
       return "internal error";
   }

@@ -20,6 +20,8 @@ enum class StatusCode {
   kUnsupported,      // valid but not implemented (yet): FP8, MXFP4, unknown family
   kIoError,          // the operating system refused (open, mmap, write)
   kResourceExhausted,
+  kDeadlineExceeded,  // a peer or a request did not finish in time
+  kUnavailable,       // a peer or service is gone or shutting down
   kInternal,
 };
 
@@ -41,6 +43,10 @@ class [[nodiscard]] Status {
   static Status ResourceExhausted(std::string m) {
     return {StatusCode::kResourceExhausted, std::move(m)};
   }
+  static Status DeadlineExceeded(std::string m) {
+    return {StatusCode::kDeadlineExceeded, std::move(m)};
+  }
+  static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }

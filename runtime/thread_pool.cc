@@ -38,7 +38,7 @@ void ThreadPool::WorkerLoop(int worker) {
   }
 }
 
-void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int)>& fn) {
+void ThreadPool::ParallelFor(int64_t n, FunctionRef<void(int64_t, int)> fn) {
   if (n <= 0) return;
   if (workers_.empty() || n == 1) {
     for (int64_t t = 0; t < n; ++t) fn(t, 0);

@@ -4,16 +4,17 @@
 // the workers, and returns when all are done. Tasks are handed out dynamically (an atomic
 // counter), so which worker runs a task varies from run to run: callers make each task write
 // its own outputs, so results never depend on scheduling. One ParallelFor at a time per pool
-// (calls are serialised by a mutex); fn must not throw.
+// (calls are serialised by a mutex); fn must not throw. Allocates nothing.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "runtime/function_ref.h"
 
 namespace moerun {
 
@@ -26,7 +27,7 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
-  void ParallelFor(int64_t n, const std::function<void(int64_t task, int worker)>& fn);
+  void ParallelFor(int64_t n, FunctionRef<void(int64_t task, int worker)> fn);
 
  private:
   void WorkerLoop(int worker);
@@ -39,7 +40,7 @@ class ThreadPool {
   std::condition_variable done_cv_;
   uint64_t generation_ = 0;
   bool stop_ = false;
-  const std::function<void(int64_t, int)>* fn_ = nullptr;
+  const FunctionRef<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
   int active_ = 0;

@@ -1,0 +1,84 @@
+#include "transport/transport.h"
+
+#include <sched.h>
+
+#include <thread>
+
+namespace moerun {
+
+Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char* what) {
+  size_t pending = 0;
+  for (const Request& r : reqs) pending += r.valid();
+  uint64_t spins = 0;
+  while (pending > 0) {
+    for (Request& r : reqs) {
+      if (!r.valid()) continue;
+      Result<bool> done = Test(r);
+      if (!done.ok()) {
+        const int peer = r.peer;
+        r = Request{};
+        for (Request& o : reqs) {
+          if (o.valid()) (void)Cancel(o), o = Request{};
+        }
+        return done.status().WithContext(std::string(what) + " with rank " + std::to_string(peer));
+      }
+      if (*done) {
+        r = Request{};
+        --pending;
+      }
+    }
+    if (pending == 0) break;
+    if (SteadyClock::now() >= deadline) {
+      int peer = -1;
+      for (Request& o : reqs) {
+        if (o.valid()) {
+          if (peer < 0) peer = o.peer;
+          (void)Cancel(o);
+          o = Request{};
+        }
+      }
+      return Status::DeadlineExceeded(std::string(what) + ": rank " + std::to_string(peer) +
+                                      " did not answer before the deadline");
+    }
+    // Spin briefly for latency, then yield so that oversubscribed ranks make progress.
+    if (++spins > 2000) {
+      if (spins > 20000) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {
+        sched_yield();
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status Transport::Wait(Request r, Deadline deadline, const char* what) {
+  return WaitAll(std::span<Request>(&r, 1), deadline, what);
+}
+
+Status Transport::Send(int peer, int tag, const void* buf, size_t bytes, Deadline deadline) {
+  MOERUN_ASSIGN_OR_RETURN(Request r, Isend(peer, tag, buf, bytes));
+  return Wait(r, deadline, "send");
+}
+
+Status Transport::Recv(int peer, int tag, void* buf, size_t bytes, Deadline deadline) {
+  MOERUN_ASSIGN_OR_RETURN(Request r, Irecv(peer, tag, buf, bytes));
+  return Wait(r, deadline, "receive");
+}
+
+Status Transport::Barrier(Deadline deadline) {
+  const int n = size();
+  const int me = rank();
+  uint8_t out = 1, in = 0;
+  for (int dist = 1, round = 0; dist < n; dist *= 2, ++round) {
+    const int to = (me + dist) % n;
+    const int from = (me - dist + n) % n;
+    MOERUN_ASSIGN_OR_RETURN(Request s, Isend(to, kReservedTagBase + round, &out, 1));
+    MOERUN_ASSIGN_OR_RETURN(Request r, Irecv(from, kReservedTagBase + round, &in, 1));
+    Request both[2] = {s, r};
+    MOERUN_RETURN_IF_ERROR(WaitAll(both, deadline, "barrier"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace moerun

@@ -1,0 +1,70 @@
+// Transport: moving byte buffers (token shards) between the ranks of one job.
+//
+// A table of non-blocking operations, as NCCL's net plugins and MPI's point-to-point layer:
+// Isend/Irecv start a transfer and return a Request; Test polls it; completion means the send
+// buffer may be reused / the receive buffer holds the message. Messages between one pair of
+// ranks with one tag are matched in the order they were posted (non-overtaking). A receive names
+// its exact size; a message of another size fails it. Nothing blocks without a deadline:
+// WaitAll gives up at its deadline with kDeadlineExceeded naming the peer that did not answer.
+//
+// Thread-safety: one Transport object is used by one thread at a time (the rank's main thread);
+// the inproc backend's objects of different ranks may be used from different threads.
+// Buffers: the caller owns them and keeps them valid until their request completes or is
+// cancelled. RegisterMemory is a hint for RDMA backends (a no-op here).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "runtime/status.h"
+
+namespace moerun {
+
+using SteadyClock = std::chrono::steady_clock;
+using Deadline = SteadyClock::time_point;
+
+inline Deadline DeadlineIn(std::chrono::milliseconds ms) { return SteadyClock::now() + ms; }
+
+struct Request {
+  uint64_t id = 0;  // 0: no request
+  int peer = -1;
+  bool valid() const { return id != 0; }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual const char* name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  virtual Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) = 0;
+  virtual Result<Request> Irecv(int peer, int tag, void* buf, size_t bytes) = 0;
+  // true: completed (and released); false: still in flight; error: failed (and released).
+  virtual Result<bool> Test(Request r) = 0;
+  // Withdraws a request that has not completed; its buffer is free afterwards.
+  virtual Status Cancel(Request r) = 0;
+  virtual Status RegisterMemory(void* /*p*/, size_t /*bytes*/) { return Status::Ok(); }
+  // Ends the whole job now (after a fatal error such as a peer that stopped answering).
+  [[noreturn]] virtual void Abort(int exit_code) = 0;
+
+  // Waits for every request (invalid ones are skipped). On a failure or at the deadline the
+  // remaining ones are cancelled and the error names the peer; `what` says what was awaited.
+  Status WaitAll(std::span<Request> reqs, Deadline deadline, const char* what = "transfer");
+  // Waits for one request.
+  Status Wait(Request r, Deadline deadline, const char* what = "transfer");
+  // Blocking send/recv with a deadline.
+  Status Send(int peer, int tag, const void* buf, size_t bytes, Deadline deadline);
+  Status Recv(int peer, int tag, void* buf, size_t bytes, Deadline deadline);
+  // All ranks reach this point (a dissemination barrier over Isend/Irecv).
+  Status Barrier(Deadline deadline);
+};
+
+// Tags at and above this value are reserved for the transport's own collectives.
+inline constexpr int kReservedTagBase = 1 << 20;
+
+}  // namespace moerun
