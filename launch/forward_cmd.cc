@@ -6,7 +6,9 @@
 #include <optional>
 
 #include "experts/cuda/cuda_device.h"
+#include "launch/job_launch.h"
 #include "launch/layer_source.h"
+#include "runtime/layer_loader.h"
 #include "runtime/log.h"
 #include "runtime/safetensors.h"
 #include "runtime/thread_pool.h"
@@ -16,6 +18,7 @@ namespace {
 
 struct ForwardFlags {
   LayerFlags layer;
+  LaunchFlags launch;
   std::string input, output, check, device = "cpu";
   double tolerance = 1e-5;
 };
@@ -84,52 +87,32 @@ Status CheckFlags(const ForwardFlags& f) {
   return Status::Ok();
 }
 
-int RunForward(const ForwardFlags& f) {
-  if (f.device == "cuda") {
-    const CudaProbe probe = ProbeCuda();
-    if (probe.devices.empty()) {
-      return FailWith(Status::InvalidArgument("--device cuda: no usable GPU: " + probe.error));
-    }
-    return FailWith(Status::Unsupported("--device cuda: found " + probe.devices[0].name +
-                                        ", but this release computes MoE layers on the CPU only; "
-                                        "use --device cpu"));
-  }
-  if (f.device != "cpu") return FailWith(Status::InvalidArgument("--device must be cpu or cuda"));
-
-  if (Status s = CheckFlags(f); !s.ok()) return FailWith(s);
-  auto input = OpenMatrix(f.input, "input");
-  if (!input.ok()) return FailWith(input.status());
+// The input and the expected output, opened and checked before any weights are loaded.
+struct ForwardIo {
+  MatrixInput input;
   std::optional<MatrixInput> expected;
+};
+
+Result<ForwardIo> OpenIo(const ForwardFlags& f) {
+  MOERUN_RETURN_IF_ERROR(CheckFlags(f));
+  ForwardIo io;
+  MOERUN_ASSIGN_OR_RETURN(io.input, OpenMatrix(f.input, "input"));
   if (!f.check.empty()) {
-    auto ref = OpenMatrix(f.check, "output");
-    if (!ref.ok()) return FailWith(ref.status());
-    if (ref->rows != input->rows) {
-      return FailWith(Status::InvalidArgument(f.check + ": 'output' has " +
-                                              std::to_string(ref->rows) + " rows, the input " +
-                                              std::to_string(input->rows)));
+    MOERUN_ASSIGN_OR_RETURN(MatrixInput ref, OpenMatrix(f.check, "output"));
+    if (ref.rows != io.input.rows) {
+      return Status::InvalidArgument(f.check + ": 'output' has " + std::to_string(ref.rows) +
+                                     " rows, the input " + std::to_string(io.input.rows));
     }
-    expected = std::move(ref).value();
+    io.expected = std::move(ref);
   }
-  auto isa = ChooseIsa(f.layer.isa);
-  if (!isa.ok()) return FailWith(isa.status());
-  const CpuKernels& kernels = KernelsFor(*isa);
-  ThreadPool pool(f.layer.threads);
-  auto weights = LoadLayerFromFlags(f.layer, kernels, pool.size());
-  if (!weights.ok()) return FailWith(weights.status());
-  const MoeLayerWeights& w = **weights;
+  return io;
+}
+
+// Writes the output, compares it with --check, prints the one-line result; the exit code.
+int Finish(const ForwardFlags& f, const ForwardIo& io, const MoeLayerWeights& w,
+           const std::vector<float>& out, const std::string& how, double ms) {
+  const int64_t tokens = io.input.rows;
   const int64_t hidden = w.spec.hidden;
-
-  const int64_t tokens = input->rows;
-  auto x = ReadMatrix(*input, hidden);
-  if (!x.ok()) return FailWith(x.status());
-
-  MoeLayer layer(*weights, kernels, &pool);
-  std::vector<float> out(static_cast<size_t>(tokens * hidden));
-  const auto t0 = std::chrono::steady_clock::now();
-  if (Status s = layer.Forward(x->data(), tokens, out.data()); !s.ok()) return FailWith(s);
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-
   std::map<std::string, F32Tensor> tensors;
   tensors["output"] = F32Tensor{{tokens, hidden}, out};
   const std::map<std::string, std::string> meta = {
@@ -137,13 +120,14 @@ int RunForward(const ForwardFlags& f) {
       {"layer", std::to_string(w.layer)},
       {"model", f.layer.model.empty() ? "preset:" + f.layer.preset : f.layer.model}};
   if (Status s = WriteSafetensorsF32(f.output, tensors, meta); !s.ok()) return FailWith(s);
-
   std::string line = "moerun forward: " + DescribeLayer(w) + " | " + std::to_string(tokens) +
-                     " tokens | cpu " + IsaName(*isa) + " x" + std::to_string(pool.size()) +
-                     " threads | " + fmt::format("{:.3f} ms", ms) + " | " + f.output;
+                     " tokens | " + how + " | " +
+                     fmt::format("{:.3f} ms, {:.0f} tokens/s", ms,
+                                 ms > 0 ? static_cast<double>(tokens) / (ms / 1e3) : 0.0) +
+                     " | " + f.output;
   int rc = 0;
-  if (expected) {
-    auto ref = ReadMatrix(*expected, hidden);
+  if (io.expected) {
+    auto ref = ReadMatrix(*io.expected, hidden);
     if (!ref.ok()) return FailWith(ref.status());
     double num = 0, den = 0;
     for (size_t i = 0; i < out.size(); ++i) {
@@ -158,7 +142,107 @@ int RunForward(const ForwardFlags& f) {
     rc = pass ? 0 : 3;
   }
   std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
   return rc;
+}
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One process holds the whole layer.
+int RunLocal(const ForwardFlags& f, Isa isa) {
+  auto io = OpenIo(f);
+  if (!io.ok()) return FailWith(io.status());
+  const CpuKernels& kernels = KernelsFor(isa);
+  ThreadPool pool(f.layer.threads);
+  auto weights = LoadLayerFromFlags(f.layer, kernels, pool.size());
+  if (!weights.ok()) return FailWith(weights.status());
+  const MoeLayerWeights& w = **weights;
+  auto x = ReadMatrix(io->input, w.spec.hidden);
+  if (!x.ok()) return FailWith(x.status());
+  MoeLayer layer(*weights, kernels, &pool);
+  std::vector<float> out(x->size());
+  const auto t0 = std::chrono::steady_clock::now();
+  if (Status s = layer.Forward(x->data(), io->input.rows, out.data()); !s.ok()) return FailWith(s);
+  const double ms = MsSince(t0);
+  return Finish(
+      f, *io, w, out,
+      std::string("cpu ") + IsaName(isa) + " x" + std::to_string(pool.size()) + " threads", ms);
+}
+
+// Ranks: routers and expert ranks; rank 0 reads the input and writes the output.
+int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
+  std::optional<ForwardIo> io;
+  if (job.rank() == 0) {
+    auto opened = OpenIo(f);
+    if (!opened.ok()) {
+      const int rc = FailWith(opened.status());
+      if (job.transport() == "mpi") job.Abort(rc);
+      return rc;
+    }
+    io = std::move(opened).value();
+  }
+  JobOptions opts;
+  job.Fill(&opts);
+  opts.source.model = f.layer.model;
+  opts.source.preset = f.layer.preset;
+  opts.source.seed = f.layer.seed;
+  opts.source.experts = f.layer.experts;
+  opts.threads = f.layer.threads;
+  opts.isa = isa;
+  auto dtype = ParseWeightDType(f.layer.dtype);
+  if (!dtype.ok()) return FailWith(dtype.status());
+  opts.source.dtype = *dtype;
+  auto spec = SpecOf(opts.source);
+  if (!spec.ok()) return FailWith(spec.status());
+  auto layer = ResolveMoeLayer(*spec, f.layer.layer);
+  if (!layer.ok()) return FailWith(layer.status());
+  opts.layers = {*layer};
+
+  int rc = 0;
+  const RouterWork work = [&](std::map<int, ExpertParallelLayer*>& layers) -> Status {
+    ExpertParallelLayer& ep = *layers.at(*layer);
+    MOERUN_ASSIGN_OR_RETURN(std::vector<float> x, ReadMatrix(io->input, ep.weights().spec.hidden));
+    std::vector<float> out(x.size());
+    const auto t0 = std::chrono::steady_clock::now();
+    MOERUN_RETURN_IF_ERROR(ep.Forward(x.data(), io->input.rows, out.data()));
+    const double ms = MsSince(t0);
+    const std::string how = fmt::format(
+        "{} ranks ({} router, {} expert) over {} | placement {} | microbatch {} | cpu {}",
+        job.size(), f.launch.routers, job.size() - f.launch.routers, job.transport(),
+        f.launch.placement,
+        f.launch.microbatch_tokens > 0 ? std::to_string(f.launch.microbatch_tokens) : "off",
+        IsaName(isa));
+    rc = Finish(f, *io, ep.weights(), out, how, ms);
+    return Status::Ok();
+  };
+  const Status s = job.Run(opts, work);
+  if (!s.ok()) {
+    const int code = FailWith(s);
+    job.Abort(code);
+  }
+  return rc;
+}
+
+int RunForward(const ForwardFlags& f) {
+  if (f.device == "cuda") {
+    const CudaProbe probe = ProbeCuda();
+    if (probe.devices.empty()) {
+      return FailWith(Status::InvalidArgument("--device cuda: no usable GPU: " + probe.error));
+    }
+    return FailWith(Status::Unsupported("--device cuda: found " + probe.devices[0].name +
+                                        ", but this release computes MoE layers on the CPU only; "
+                                        "use --device cpu"));
+  }
+  if (f.device != "cpu") return FailWith(Status::InvalidArgument("--device must be cpu or cuda"));
+  if (Status s = ValidateLayerFlags(f.layer); !s.ok()) return FailWith(s);
+  auto isa = ChooseIsa(f.layer.isa);
+  if (!isa.ok()) return FailWith(isa.status());
+  auto job = JobLaunch::Create(f.launch);
+  if (!job.ok()) return FailWith(job.status());
+  if ((*job)->size() == 1) return RunLocal(f, *isa);
+  return RunDistributed(f, **job, *isa);
 }
 
 }  // namespace
@@ -189,6 +273,7 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
                   "safetensors file with the expected 'output': report the relative error "
                   "(exit 3 if above --tolerance)");
   cmd->add_option("--tolerance", flags->tolerance, "for --check")->default_val(1e-5);
+  AddLaunchFlags(cmd, &flags->launch);
   return [flags, cmd]() -> int {
     if (!cmd->parsed()) return -1;
     return RunForward(*flags);

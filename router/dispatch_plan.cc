@@ -2,8 +2,8 @@
 
 namespace moerun {
 
-void DispatchPlan::Build(const int32_t* ids, int64_t tokens, int k,
-                         const LayerPlacement& placement, std::span<double> rank_load) {
+void DispatchPlan::Build(const int32_t* ids, int64_t tokens, int k, const LayerPlacement& placement,
+                         std::span<double> rank_load) {
   num_ranks = static_cast<int>(placement.rank_slots.size());
   const size_t n = static_cast<size_t>(tokens * k);
   const size_t nslots = placement.slots.size();
@@ -14,10 +14,12 @@ void DispatchPlan::Build(const int32_t* ids, int64_t tokens, int k,
     const auto& reps = placement.replicas[static_cast<size_t>(ids[i])];
     int best = reps[0];
     if (reps.size() > 1) {
-      double best_load = rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(best)].rank)];
+      double best_load =
+          rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(best)].rank)];
       for (size_t r = 1; r < reps.size(); ++r) {
         const int s = reps[r];
-        const double load = rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(s)].rank)];
+        const double load =
+            rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(s)].rank)];
         if (load < best_load) {
           best = s;
           best_load = load;

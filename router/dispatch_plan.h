@@ -30,8 +30,8 @@ struct DispatchPlan {
   int64_t rows_to(int rank) const { return rank_offset[rank + 1] - rank_offset[rank]; }
 
  private:
-  std::vector<int32_t> slot_of_;   // per (token, k): chosen slot
-  std::vector<int64_t> next_;      // per slot: next free row
+  std::vector<int32_t> slot_of_;  // per (token, k): chosen slot
+  std::vector<int64_t> next_;     // per slot: next free row
 };
 
 }  // namespace moerun

@@ -35,7 +35,8 @@ Status Placement::AddLayer(int layer, std::vector<Slot> slots, const std::string
   lp.replicas.resize(static_cast<size_t>(num_experts_));
   lp.rank_slots.resize(static_cast<size_t>(num_ranks_));
   std::set<std::pair<int, int>> seen;
-  const std::string where = source + ": layer " + (layer == kAnyLayer ? "*" : std::to_string(layer));
+  const std::string where =
+      source + ": layer " + (layer == kAnyLayer ? "*" : std::to_string(layer));
   for (size_t i = 0; i < slots.size(); ++i) {
     const Slot& s = slots[i];
     if (s.rank < num_routers_ || s.rank >= num_ranks_) {
@@ -77,7 +78,8 @@ Result<Placement> Placement::Linear(int num_experts, int ranks, int routers) {
   const int hosts = ranks - routers;
   std::vector<Slot> slots;
   for (int e = 0; e < num_experts; ++e) {
-    slots.push_back(Slot{routers + static_cast<int>(static_cast<int64_t>(e) * hosts / num_experts), e});
+    slots.push_back(
+        Slot{routers + static_cast<int>(static_cast<int64_t>(e) * hosts / num_experts), e});
   }
   MOERUN_RETURN_IF_ERROR(p.AddLayer(kAnyLayer, std::move(slots), "linear"));
   return p;
@@ -96,7 +98,8 @@ Result<Placement> Placement::RoundRobin(int num_experts, int ranks, int routers)
 
 Result<Placement> Placement::FromJson(const std::string& text, const std::string& source) {
   const json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) return Status::Corrupt(source + ": not a JSON object");
+  if (doc.is_discarded() || !doc.is_object())
+    return Status::Corrupt(source + ": not a JSON object");
   auto get_int = [&](const char* key, int64_t lo, int64_t hi, int64_t* out) -> Status {
     const auto it = doc.find(key);
     if (it == doc.end() || !it->is_number_integer()) {

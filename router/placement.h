@@ -28,9 +28,9 @@ struct Slot {
 };
 
 struct LayerPlacement {
-  std::vector<Slot> slots;                    // physical slot -> (rank, logical expert)
-  std::vector<std::vector<int>> replicas;     // logical expert -> its slots, in slot order
-  std::vector<std::vector<int>> rank_slots;   // rank -> its slots, in slot order
+  std::vector<Slot> slots;                   // physical slot -> (rank, logical expert)
+  std::vector<std::vector<int>> replicas;    // logical expert -> its slots, in slot order
+  std::vector<std::vector<int>> rank_slots;  // rank -> its slots, in slot order
   int MaxSlotsPerRank() const;
 };
 

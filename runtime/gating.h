@@ -21,8 +21,8 @@ class Gating {
   // x [tokens][hidden].
   void Run(const float* x, int64_t tokens);
 
-  const std::vector<int32_t>& ids() const { return ids_; }          // [tokens * k]
-  const std::vector<float>& weights() const { return weights_; }    // [tokens * k]
+  const std::vector<int32_t>& ids() const { return ids_; }                  // [tokens * k]
+  const std::vector<float>& weights() const { return weights_; }            // [tokens * k]
   const std::vector<float>& shared_scale() const { return shared_scale_; }  // [tokens]
 
  private:

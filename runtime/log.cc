@@ -16,7 +16,8 @@ thread_local std::string t_tag;
 // %* in the pattern: this thread's tag, else the process's.
 class TagFlag : public spdlog::custom_flag_formatter {
  public:
-  void format(const spdlog::details::log_msg&, const std::tm&, spdlog::memory_buf_t& dest) override {
+  void format(const spdlog::details::log_msg&, const std::tm&,
+              spdlog::memory_buf_t& dest) override {
     if (!t_tag.empty()) {
       dest.append(t_tag.data(), t_tag.data() + t_tag.size());
       return;

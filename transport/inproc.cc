@@ -49,8 +49,10 @@ std::shared_ptr<InprocFabric> InprocFabric::Create(int ranks) {
 }
 
 InprocFabric::InprocFabric(int ranks)
-    : ranks_(ranks), pending_sends_(static_cast<size_t>(ranks)),
-      pending_recvs_(static_cast<size_t>(ranks)), frozen_(static_cast<size_t>(ranks), false) {
+    : ranks_(ranks),
+      pending_sends_(static_cast<size_t>(ranks)),
+      pending_recvs_(static_cast<size_t>(ranks)),
+      frozen_(static_cast<size_t>(ranks), false) {
   ops_.resize(kInitialOps);
   free_.reserve(kInitialOps);
   for (uint32_t i = kInitialOps; i > 0; --i) free_.push_back(i - 1);
@@ -71,7 +73,8 @@ InprocFabric::Op* InprocFabric::Find(Request r) {
   const uint64_t index = (r.id & 0xffffffffu) - 1;
   if (r.id == 0 || index >= ops_.size()) return nullptr;
   Op& op = ops_[index];
-  if (op.generation != static_cast<uint32_t>(r.id >> 32) || op.state == State::kFree) return nullptr;
+  if (op.generation != static_cast<uint32_t>(r.id >> 32) || op.state == State::kFree)
+    return nullptr;
   return &op;
 }
 
@@ -108,8 +111,8 @@ Result<Request> InprocFabric::Post(bool send, int me, int peer, int tag, const v
   const Request req{MakeId(index, op.generation), peer};
 
   // Match against the other side's pending operations, oldest first.
-  auto& others = send ? pending_recvs_[static_cast<size_t>(peer)]
-                      : pending_sends_[static_cast<size_t>(me)];
+  auto& others =
+      send ? pending_recvs_[static_cast<size_t>(peer)] : pending_sends_[static_cast<size_t>(me)];
   const bool src_frozen = frozen_[static_cast<size_t>(op.src)];
   if (!src_frozen) {
     for (size_t i = 0; i < others.size(); ++i) {

@@ -87,9 +87,9 @@ class MpiTransport : public Transport {
         got += static_cast<size_t>(count);
       }
       if (got != e->bytes) {
-        const Status s = Status::InvalidArgument("message of " + std::to_string(got) +
-                                                 " bytes where " + std::to_string(e->bytes) +
-                                                 " were expected");
+        const Status s =
+            Status::InvalidArgument("message of " + std::to_string(got) + " bytes where " +
+                                    std::to_string(e->bytes) + " were expected");
         Release(r);
         return s;
       }
@@ -144,7 +144,8 @@ class MpiTransport : public Transport {
   }
 
   Result<Request> Post(bool send, int peer, int tag, void* buf, size_t bytes) {
-    if (peer < 0 || peer >= size_) return Status::InvalidArgument("mpi: no rank " + std::to_string(peer));
+    if (peer < 0 || peer >= size_)
+      return Status::InvalidArgument("mpi: no rank " + std::to_string(peer));
     if (bytes > kChunk * kMaxChunks) return Status::InvalidArgument("mpi: message too large");
     if (free_.empty()) {
       const uint32_t old = static_cast<uint32_t>(entries_.size());
@@ -163,8 +164,9 @@ class MpiTransport : public Transport {
       const size_t off = static_cast<size_t>(c) * kChunk;
       const int n = static_cast<int>(std::min(kChunk, bytes - off));
       char* p = static_cast<char*>(buf) + (bytes == 0 ? 0 : off);
-      const int rc = send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, comm_, &e.reqs[static_cast<size_t>(c)])
-                          : MPI_Irecv(p, n, MPI_BYTE, peer, tag, comm_, &e.reqs[static_cast<size_t>(c)]);
+      const int rc =
+          send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, comm_, &e.reqs[static_cast<size_t>(c)])
+               : MPI_Irecv(p, n, MPI_BYTE, peer, tag, comm_, &e.reqs[static_cast<size_t>(c)]);
       if (rc != MPI_SUCCESS) {
         for (int d = 0; d < c; ++d) MPI_Request_free(&e.reqs[static_cast<size_t>(d)]);
         Release(Request{MakeId(index), peer});

@@ -1,0 +1,117 @@
+#include "launch/job_launch.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "runtime/log.h"
+#include "transport/mpi/mpi_transport.h"
+
+namespace moerun {
+
+void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
+  cmd->add_option("--transport", f->transport,
+                  "mpi or inproc (default: mpi when started by mpirun/srun, else inproc)");
+  cmd->add_option("--ranks", f->ranks, "inproc: number of ranks, run as threads")
+      ->default_val(1);
+  cmd->add_option("--routers", f->routers, "Router ranks (the first R ranks)")->default_val(1);
+  cmd->add_option("--placement", f->placement,
+                  "Expert placement: linear, round_robin or a placement JSON file")
+      ->default_val("linear");
+  cmd->add_option("--microbatch-tokens", f->microbatch_tokens,
+                  "Tokens per microbatch (0: the whole batch)")
+      ->default_val(0);
+  cmd->add_option("--deadline-ms", f->deadline_ms,
+                  "How long a rank may take to answer before the run fails")
+      ->default_val(30000);
+}
+
+Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
+  std::unique_ptr<JobLaunch> j(new JobLaunch());
+  j->flags_ = flags;
+  j->transport_ = flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc")
+                                          : flags.transport;
+  if (flags.routers < 1) return Status::InvalidArgument("--routers must be at least 1");
+  if (flags.microbatch_tokens < 0) {
+    return Status::InvalidArgument("--microbatch-tokens must not be negative");
+  }
+  if (flags.deadline_ms <= 0 || flags.deadline_ms > 86400000) {
+    return Status::InvalidArgument("--deadline-ms must be in 1..86400000");
+  }
+  if (j->transport_ == "mpi") {
+    MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateMpiTransport());
+    j->rank_ = j->mpi_->rank();
+    j->size_ = j->mpi_->size();
+    InitLogging(j->rank_, j->rank_ < flags.routers ? "router" : "expert",
+                std::string(spdlog::level::to_string_view(spdlog::default_logger()->level()).data(),
+                            spdlog::level::to_string_view(spdlog::default_logger()->level()).size()));
+  } else if (j->transport_ == "inproc") {
+    if (flags.ranks < 1 || flags.ranks > 256) {
+      return Status::InvalidArgument("--ranks must be in 1..256");
+    }
+    j->size_ = flags.ranks;
+    if (j->size_ > 1) j->fabric_ = InprocFabric::Create(j->size_);
+  } else {
+    return Status::InvalidArgument("--transport must be mpi or inproc, not '" + j->transport_ +
+                                   "'");
+  }
+  if (j->size_ > 1 && flags.routers >= j->size_) {
+    return Status::InvalidArgument(std::to_string(j->size_) + " ranks with " +
+                                   std::to_string(flags.routers) +
+                                   " routers leave no rank to host experts");
+  }
+  return j;
+}
+
+JobLaunch::~JobLaunch() = default;
+
+void JobLaunch::Fill(JobOptions* o) const {
+  o->routers = flags_.routers;
+  o->placement = flags_.placement;
+  o->ep.microbatch_tokens = flags_.microbatch_tokens;
+  o->ep.deadline = std::chrono::milliseconds(flags_.deadline_ms);
+  o->startup_timeout = std::chrono::milliseconds(flags_.startup_timeout_s * 1000);
+}
+
+Status JobLaunch::Run(const JobOptions& options, const RouterWork& work) {
+  if (mpi_) return RunRank(mpi_.get(), options, work);
+  // inproc: rank 0 here, the others on threads; each gets its own endpoint and log tag.
+  std::mutex mu;
+  Status first;
+  auto record = [&](const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (first.ok() && !s.ok()) first = s;
+  };
+  std::vector<std::thread> threads;
+  for (int r = 1; r < size_; ++r) {
+    threads.emplace_back([&, r] {
+      SetThreadLogTag(r, r < flags_.routers ? "router" : "expert");
+      auto endpoint = fabric_->Endpoint(r);
+      const Status s = RunRank(endpoint.get(), options, work);
+      if (!s.ok()) {
+        spdlog::error("{}", s.ToString());
+        record(s);
+      }
+    });
+  }
+  SetThreadLogTag(0, "router");
+  auto endpoint = fabric_->Endpoint(0);
+  const Status s0 = RunRank(endpoint.get(), options, work);
+  if (!s0.ok()) {
+    // Ranks still waiting on this one would wait forever: end the job as mpirun would.
+    spdlog::error("{}", s0.ToString());
+    Abort(s0.code() == StatusCode::kInvalidArgument ? 2 : 1);
+  }
+  for (auto& t : threads) t.join();
+  SetThreadLogTag(0, "");
+  return first;
+}
+
+void JobLaunch::Abort(int exit_code) {
+  spdlog::default_logger()->flush();
+  if (mpi_) mpi_->Abort(exit_code);
+  std::fflush(stdout);
+  std::_Exit(exit_code);
+}
+
+}  // namespace moerun

@@ -1,0 +1,146 @@
+#include "runtime/ep_job.h"
+
+#include <chrono>
+#include <thread>
+
+#include "runtime/checkpoint.h"
+#include "runtime/ep_protocol.h"
+#include "runtime/expert_host.h"
+#include "runtime/layer_loader.h"
+#include "runtime/log.h"
+#include "runtime/preset.h"
+
+namespace moerun {
+namespace {
+
+std::function<void(int, int, size_t)> Progress(const std::string& what) {
+  auto start = std::chrono::steady_clock::now();
+  auto last = std::make_shared<std::chrono::steady_clock::time_point>(start);
+  return [=](int done, int total, size_t bytes) {
+    const auto now = std::chrono::steady_clock::now();
+    if (done != total && now - *last < std::chrono::seconds(2)) return;
+    *last = now;
+    spdlog::info("{}: {}/{} experts, {:.1f} MiB, {:.1f} s", what, done, total,
+                 static_cast<double>(bytes) / (1 << 20),
+                 std::chrono::duration<double>(now - start).count());
+  };
+}
+
+Result<std::shared_ptr<const MoeLayerWeights>> LoadFor(const WeightSource& src,
+                                                       const ModelSpec& spec, int layer,
+                                                       std::vector<bool> mask,
+                                                       const CpuKernels& kernels, int threads,
+                                                       const std::string& what) {
+  if (!src.model.empty()) {
+    MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(src.model));
+    LoadOptions o;
+    o.layer = layer;
+    o.load_expert = std::move(mask);
+    o.threads = threads;
+    o.progress = Progress(what);
+    MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, LoadLayer(*ckpt, spec, kernels, o));
+    return std::make_shared<const MoeLayerWeights>(std::move(w));
+  }
+  PresetOptions o;
+  o.seed = src.seed;
+  o.dtype = src.dtype;
+  o.layer = layer;
+  o.load_expert = std::move(mask);
+  o.threads = threads;
+  o.progress = Progress(what);
+  MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, BuildPresetLayer(spec, kernels, o));
+  return std::make_shared<const MoeLayerWeights>(std::move(w));
+}
+
+Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
+                    std::chrono::milliseconds deadline) {
+  std::vector<char> header(header_bytes, 0);
+  EpHeaderFixed h;
+  h.kind = static_cast<uint32_t>(EpKind::kShutdown);
+  std::memcpy(header.data(), &h, sizeof h);
+  std::vector<Request> reqs;
+  for (int d = p.num_routers(); d < p.num_ranks(); ++d) {
+    MOERUN_ASSIGN_OR_RETURN(Request r, t->Isend(d, kTagHeader, header.data(), header.size()));
+    reqs.push_back(r);
+  }
+  return t->WaitAll(reqs, DeadlineIn(deadline), "shutdown");
+}
+
+}  // namespace
+
+Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
+  if (!source.model.empty()) return LoadModelSpec(source.model);
+  PresetOptions o;
+  o.seed = source.seed;
+  o.experts = source.experts;
+  o.dtype = source.dtype;
+  return PresetSpec(source.preset, o, note);
+}
+
+Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
+  const int rank = t->rank();
+  const int ranks = t->size();
+  const bool router = rank < opts.routers;
+  const std::string role = router ? "router" : "expert";
+  std::string note;
+  MOERUN_ASSIGN_OR_RETURN(ModelSpec spec, SpecOf(opts.source, &note));
+  if (!note.empty() && rank == 0) spdlog::info("{}", note);
+  MOERUN_ASSIGN_OR_RETURN(Placement placement,
+                          Placement::Make(opts.placement, spec.num_experts, ranks, opts.routers));
+  const size_t header_bytes = HeaderBytes(placement, opts.layers);
+
+  int threads = opts.threads;
+  if (threads <= 0) {
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
+                              std::max(1, ranks));
+  }
+  ThreadPool pool(threads);
+  const CpuKernels& kernels = KernelsFor(opts.isa);
+
+  // Load what this rank needs.
+  const auto t_load = std::chrono::steady_clock::now();
+  std::map<int, std::shared_ptr<const MoeLayerWeights>> weights;
+  size_t experts_here = 0;
+  for (int layer : opts.layers) {
+    std::vector<bool> mask = router ? std::vector<bool>(static_cast<size_t>(spec.num_experts), false)
+                                    : placement.ExpertsOf(rank, layer);
+    for (bool b : mask) experts_here += b;
+    MOERUN_ASSIGN_OR_RETURN(weights[layer],
+                            LoadFor(opts.source, spec, layer, std::move(mask), kernels, threads,
+                                    "rank " + std::to_string(rank) + " layer " +
+                                        std::to_string(layer)));
+  }
+  size_t bytes = 0;
+  for (const auto& [l, w] : weights) bytes += w->ExpertBytes();
+  spdlog::info("{} rank {}: {} layer(s), {} expert slot(s), {:.1f} MiB of weights, loaded in {:.2f} s",
+               role, rank, opts.layers.size(), experts_here, static_cast<double>(bytes) / (1 << 20),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
+
+  MOERUN_RETURN_IF_ERROR(t->Barrier(SteadyClock::now() + opts.startup_timeout));
+  if (rank == 0) {
+    spdlog::info("all {} ranks ready ({} router(s), {} expert ranks, placement {} v{})", ranks,
+                 opts.routers, ranks - opts.routers, opts.placement, placement.version());
+  }
+
+  if (!router) {
+    ExpertHostOptions ho;
+    ho.deadline = opts.ep.deadline;
+    ExpertHost host(t, placement, weights, kernels, &pool, ho);
+    MOERUN_RETURN_IF_ERROR(host.Serve());
+    spdlog::debug("expert rank {} served {} microbatches", rank, host.microbatches_served());
+    return Status::Ok();
+  }
+
+  std::vector<std::unique_ptr<ExpertParallelLayer>> layers;
+  std::map<int, ExpertParallelLayer*> by_number;
+  for (const auto& [l, w] : weights) {
+    layers.push_back(std::make_unique<ExpertParallelLayer>(t, placement, w, kernels, &pool,
+                                                           header_bytes, opts.ep));
+    by_number[l] = layers.back().get();
+  }
+  Status s = rank == 0 && work ? work(by_number) : Status::Ok();
+  if (!s.ok()) return s;
+  return SendShutdown(t, placement, header_bytes, opts.ep.deadline);
+}
+
+}  // namespace moerun

@@ -1,0 +1,55 @@
+// One rank of an expert-parallel job: its role, the weights it needs, and its work.
+//
+// Ranks [0, routers) are routers: they load the router's tensors (gate, biases, shared expert)
+// and run ExpertParallelLayer; the others load only the experts the placement gives them and run
+// ExpertHost. Every rank loads, then all meet at a barrier (the job is ready), then router 0 runs
+// `work`; when it returns, every router tells the expert ranks to shut down.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "experts/cpu/kernels.h"
+#include "router/placement.h"
+#include "runtime/ep_layer.h"
+#include "runtime/model_spec.h"
+#include "runtime/status.h"
+#include "transport/transport.h"
+
+namespace moerun {
+
+// Where a layer's weights come from.
+struct WeightSource {
+  std::string model;   // checkpoint folder, or
+  std::string preset;  // preset name
+  uint64_t seed = 1;
+  int experts = 0;
+  DType dtype = DType::kF32;
+};
+
+struct JobOptions {
+  WeightSource source;
+  std::vector<int> layers;  // MoE layers to serve (resolved, non-empty)
+  int routers = 1;
+  std::string placement = "linear";  // linear | round_robin | JSON file
+  EpOptions ep;
+  std::chrono::milliseconds startup_timeout{600000};
+  int threads = 0;  // per rank; 0: cores / ranks on this host
+  Isa isa = Isa::kScalar;
+};
+
+// The model spec a source describes (experts scaled as the preset says).
+Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note = nullptr);
+
+// What router 0 does once the job is ready: it gets the layers by number.
+using RouterWork = std::function<Status(std::map<int, ExpertParallelLayer*>& layers)>;
+
+// Runs this rank's part of the job to the end. An error from any wait names the rank that did not
+// answer; the caller ends the job (Transport::Abort) so that no rank is left waiting.
+Status RunRank(Transport* transport, const JobOptions& options, const RouterWork& work);
+
+}  // namespace moerun

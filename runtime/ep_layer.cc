@@ -1,0 +1,206 @@
+#include "runtime/ep_layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "router/combine.h"
+#include "runtime/ep_protocol.h"
+
+namespace moerun {
+
+struct ExpertParallelLayer::Stage {
+  Stage(const MoeLayerWeights& w, const CpuKernels& k, ThreadPool* pool) : gating(w, k, pool) {}
+  Gating gating;
+  DispatchPlan plan;
+  int64_t t0 = 0, tokens = 0;
+  AlignedBuffer rows_out, rows_in, shared_y, headers;
+  std::vector<Request> reqs;
+  std::vector<double> rows_to;  // per rank, to release from in_flight_
+  Deadline deadline;
+  bool active = false;
+};
+
+ExpertParallelLayer::ExpertParallelLayer(Transport* transport, const Placement& placement,
+                                         std::shared_ptr<const MoeLayerWeights> weights,
+                                         const CpuKernels& kernels, ThreadPool* pool,
+                                         size_t header_bytes, EpOptions options)
+    : t_(transport),
+      placement_(placement),
+      lp_(placement.Layer(weights->layer)),
+      w_(std::move(weights)),
+      kernels_(kernels),
+      pool_(pool),
+      header_bytes_(header_bytes),
+      opts_(options),
+      shared_ffn_(kernels, pool),
+      in_flight_(static_cast<size_t>(placement.num_ranks()), 0.0) {
+  for (auto& s : stages_) s = std::make_unique<Stage>(*w_, kernels_, pool_);
+  for (auto& s : stages_) {
+    s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement.num_ranks()));
+    s->reqs.reserve(static_cast<size_t>(3 * placement.num_ranks()));
+    s->rows_to.assign(static_cast<size_t>(placement.num_ranks()), 0.0);
+  }
+  stats_.rows_per_rank.assign(static_cast<size_t>(placement.num_ranks()), 0);
+}
+
+ExpertParallelLayer::~ExpertParallelLayer() {
+  for (auto& s : stages_) {
+    for (Request& r : s->reqs) {
+      if (r.valid()) (void)t_->Cancel(r);
+    }
+  }
+}
+
+Status ExpertParallelLayer::Forward(const float* x, int64_t tokens, float* out) {
+  if (lp_ == nullptr) {
+    return Status::InvalidArgument("the placement has no entry for layer " +
+                                   std::to_string(w_->layer));
+  }
+  if (tokens < 0 || tokens > (int64_t{1} << 24)) return Status::InvalidArgument("bad batch size");
+  if (tokens == 0) return Status::Ok();
+  const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : tokens;
+  const int64_t n = (tokens + mb - 1) / mb;
+  Status status;
+  for (int64_t i = 0; i <= n && status.ok(); ++i) {
+    // Dispatch microbatch i, then collect i - 1 while the expert ranks work on i.
+    if (i < n) {
+      Stage& st = *stages_[i % 2];
+      status = Dispatch(st, x, i * mb, std::min(mb, tokens - i * mb));
+    }
+    if (status.ok() && i > 0) status = Collect(*stages_[(i - 1) % 2], out);
+  }
+  if (!status.ok()) {
+    for (auto& s : stages_) {
+      for (Request& r : s->reqs) {
+        if (r.valid()) (void)t_->Cancel(r);
+      }
+      s->reqs.clear();
+      if (s->active) {
+        for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= s->rows_to[d];
+        s->active = false;
+      }
+    }
+  }
+  return status;
+}
+
+Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens) {
+  const MoeLayerWeights& w = *w_;
+  const int64_t hidden = w.spec.hidden;
+  const int k = w.spec.top_k;
+  const int ranks = placement_.num_ranks();
+  st.t0 = t0;
+  st.tokens = tokens;
+  const float* xs = x + t0 * hidden;
+
+  // Gate and plan.
+  st.gating.Run(xs, tokens);
+  std::fill(st.rows_to.begin(), st.rows_to.end(), 0.0);
+  std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
+  st.plan.Build(st.gating.ids().data(), tokens, k, *lp_, st.rows_to);  // rows_to: load after
+  for (int d = 0; d < ranks; ++d) {
+    st.rows_to[static_cast<size_t>(d)] = static_cast<double>(st.plan.rows_to(d));
+    in_flight_[static_cast<size_t>(d)] += st.rows_to[static_cast<size_t>(d)];
+    stats_.rows_per_rank[static_cast<size_t>(d)] += static_cast<uint64_t>(st.plan.rows_to(d));
+  }
+  st.active = true;
+
+  // Gather every row into its destination's block.
+  const int64_t rows = tokens * k;
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  st.rows_out.Reserve(static_cast<size_t>(rows) * row_bytes);
+  st.rows_in.Reserve(static_cast<size_t>(rows) * row_bytes);
+  float* send = st.rows_out.as<float>();
+  const int64_t chunk = 256;
+  pool_->ParallelFor((rows + chunk - 1) / chunk, [&](int64_t c, int) {
+    for (int64_t r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) {
+      std::memcpy(send + r * hidden, xs + static_cast<int64_t>(st.plan.row_token[static_cast<size_t>(r)]) * hidden,
+                  row_bytes);
+    }
+  });
+
+  // Post the receives first, then send header and rows to every rank that gets rows.
+  st.reqs.clear();
+  st.deadline = DeadlineIn(opts_.deadline);
+  float* recv = st.rows_in.as<float>();
+  for (int d = placement_.num_routers(); d < ranks; ++d) {
+    const int64_t n = st.plan.rows_to(d);
+    if (n == 0) continue;
+    const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
+    MOERUN_ASSIGN_OR_RETURN(Request rr, t_->Irecv(d, kTagResult, recv + off * hidden,
+                                                  static_cast<size_t>(n) * row_bytes));
+    st.reqs.push_back(rr);
+    char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
+    std::memset(hdr, 0, header_bytes_);
+    EpHeaderFixed h;
+    h.kind = static_cast<uint32_t>(EpKind::kDispatch);
+    h.layer = w.layer;
+    h.seq = seq_;
+    h.rows = n;
+    h.hidden = static_cast<int32_t>(hidden);
+    const auto& slots = lp_->rank_slots[static_cast<size_t>(d)];
+    h.slots = static_cast<int32_t>(slots.size());
+    std::memcpy(hdr, &h, sizeof h);
+    int32_t* counts = HeaderCounts(hdr);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      counts[i] = st.plan.slot_rows[static_cast<size_t>(slots[i])];
+    }
+    MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
+    st.reqs.push_back(hr);
+    MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, send + off * hidden,
+                                                  static_cast<size_t>(n) * row_bytes));
+    st.reqs.push_back(sr);
+  }
+  ++seq_;
+  ++stats_.microbatches;
+  stats_.rows_sent += static_cast<uint64_t>(rows);
+
+  // The shared expert runs here while the expert ranks work.
+  if (w.shared) {
+    if (static_cast<int64_t>(shared_rows_.size()) < tokens) {
+      const size_t old = shared_rows_.size();
+      shared_rows_.resize(static_cast<size_t>(tokens));
+      std::iota(shared_rows_.begin() + static_cast<std::ptrdiff_t>(old), shared_rows_.end(),
+                static_cast<int32_t>(old));
+    }
+    const int64_t ldy = shared_ffn_.PaddedHidden(hidden);
+    st.shared_y.Reserve(static_cast<size_t>(tokens * ldy) * sizeof(float));
+    const ExpertGroup g{&*w.shared, w.spec.SharedAct(w.layer), 0, tokens};
+    shared_ffn_.Run(std::span<const ExpertGroup>(&g, 1), xs, hidden, shared_rows_.data(),
+                    st.shared_y.as<float>(), ldy);
+  }
+  return Status::Ok();
+}
+
+Status ExpertParallelLayer::Collect(Stage& st, float* out) {
+  const MoeLayerWeights& w = *w_;
+  const int64_t hidden = w.spec.hidden;
+  const int k = w.spec.top_k;
+  Status s = t_->WaitAll(st.reqs, st.deadline, "expert-parallel layer");
+  st.reqs.clear();
+  for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
+  st.active = false;
+  if (!s.ok()) return s;
+
+  const float* recv = st.rows_in.as<float>();
+  const int64_t ldy = shared_ffn_.PaddedHidden(hidden);
+  const float* shared = w.shared ? st.shared_y.as<float>() : nullptr;
+  const int64_t chunk = 64;
+  const int64_t tokens = st.tokens;
+  pool_->ParallelFor((tokens + chunk - 1) / chunk, [&](int64_t c, int) {
+    const float* rows[64];
+    for (int64_t t = c * chunk; t < std::min(tokens, (c + 1) * chunk); ++t) {
+      for (int j = 0; j < k; ++j) {
+        rows[j] = recv + st.plan.assignment_row[static_cast<size_t>(t * k + j)] * hidden;
+      }
+      CombineToken(k, hidden, rows, st.gating.weights().data() + t * k,
+                   shared ? shared + t * ldy : nullptr,
+                   st.gating.shared_scale()[static_cast<size_t>(t)],
+                   out + (st.t0 + t) * hidden);
+    }
+  });
+  return Status::Ok();
+}
+
+}  // namespace moerun

@@ -1,0 +1,74 @@
+// The router side of an expert-parallel MoE layer.
+//
+// Forward cuts the batch into microbatches. For each: gate and top-k here, plan the dispatch
+// (exact rows per expert rank and slot; replicas chosen by in-flight load), send every expert
+// rank exactly its rows, compute the shared expert here, and, once microbatch i+1 is on its way,
+// collect microbatch i's outputs and combine them in slot order. The output is bitwise identical
+// to the single-process MoeLayer for any rank count, placement or microbatch size (the expert
+// kernels are batch-invariant and combine sums in a fixed order). Every wait has a deadline; a
+// rank that does not answer fails the call with an error naming it. Buffers grow to the largest
+// microbatch and are reused. Not reentrant: one Forward at a time.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "experts/cpu/aligned_buffer.h"
+#include "experts/cpu/grouped_ffn.h"
+#include "router/dispatch_plan.h"
+#include "router/placement.h"
+#include "runtime/gating.h"
+#include "runtime/moe_layer.h"
+#include "transport/transport.h"
+
+namespace moerun {
+
+struct EpOptions {
+  int64_t microbatch_tokens = 0;  // 0: the whole batch is one microbatch
+  std::chrono::milliseconds deadline{30000};
+};
+
+struct EpStats {
+  uint64_t microbatches = 0;
+  uint64_t rows_sent = 0;
+  std::vector<uint64_t> rows_per_rank;  // assignments sent to each rank, cumulative
+};
+
+class ExpertParallelLayer {
+ public:
+  // `weights` needs the router's tensors only (gate, biases, shared expert); `header_bytes` is
+  // the job's HeaderBytes.
+  ExpertParallelLayer(Transport* transport, const Placement& placement,
+                      std::shared_ptr<const MoeLayerWeights> weights, const CpuKernels& kernels,
+                      ThreadPool* pool, size_t header_bytes, EpOptions options);
+  ~ExpertParallelLayer();
+
+  Status Forward(const float* x, int64_t tokens, float* out);
+  const EpStats& stats() const { return stats_; }
+  const MoeLayerWeights& weights() const { return *w_; }
+  // Rows in flight per rank (what replica choice balances).
+  const std::vector<double>& in_flight() const { return in_flight_; }
+
+ private:
+  struct Stage;
+  Status Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens);
+  Status Collect(Stage& st, float* out);
+
+  Transport* t_;
+  const Placement& placement_;
+  const LayerPlacement* lp_;
+  std::shared_ptr<const MoeLayerWeights> w_;
+  const CpuKernels& kernels_;
+  ThreadPool* pool_;
+  size_t header_bytes_;
+  EpOptions opts_;
+  GroupedFfn shared_ffn_;
+  std::vector<int32_t> shared_rows_;
+  std::vector<double> in_flight_;
+  std::unique_ptr<Stage> stages_[2];
+  uint32_t seq_ = 0;
+  EpStats stats_;
+};
+
+}  // namespace moerun

@@ -1,0 +1,164 @@
+#include "runtime/expert_host.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "runtime/log.h"
+
+namespace moerun {
+
+ExpertHost::ExpertHost(Transport* transport, const Placement& placement,
+                       std::map<int, std::shared_ptr<const MoeLayerWeights>> layers,
+                       const CpuKernels& kernels, ThreadPool* pool, ExpertHostOptions options)
+    : t_(transport),
+      placement_(placement),
+      layers_(std::move(layers)),
+      kernels_(kernels),
+      pool_(pool),
+      opts_(options),
+      ffn_(kernels, pool) {
+  std::vector<int> ids;
+  for (const auto& [layer, w] : layers_) ids.push_back(layer);
+  header_bytes_ = HeaderBytes(placement_, ids);
+  routers_.resize(static_cast<size_t>(placement_.num_routers()));
+  for (auto& r : routers_) r.header = AlignedBuffer(header_bytes_);
+  counts_.reserve(Placement::kMaxSlotsPerRank);
+}
+
+Status ExpertHost::Serve() {
+  const int me = t_->rank();
+  for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
+    RouterState& rs = routers_[static_cast<size_t>(r)];
+    MOERUN_ASSIGN_OR_RETURN(rs.header_req, t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+  }
+  int alive = static_cast<int>(routers_.size());
+  uint64_t idle = 0;
+  while (alive > 0) {
+    bool progressed = false;
+    for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
+      RouterState& rs = routers_[static_cast<size_t>(r)];
+      if (!rs.header_req.valid()) continue;
+      MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
+      if (!done) continue;
+      rs.header_req = Request{};
+      progressed = true;
+      EpHeaderFixed h;
+      std::memcpy(&h, rs.header.data(), sizeof h);
+      if (h.magic != kEpMagic) {
+        return Status::Corrupt("rank " + std::to_string(me) + ": bad header from router " +
+                               std::to_string(r));
+      }
+      if (h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
+        rs.done = true;
+        --alive;
+        continue;
+      }
+      if (h.slots < 0 || h.slots > Placement::kMaxSlotsPerRank ||
+          sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) > header_bytes_) {
+        return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
+                               std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
+      }
+      counts_.assign(HeaderCounts(rs.header.data()), HeaderCounts(rs.header.data()) + h.slots);
+      // The next header may land while this microbatch is computed.
+      MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                              t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+      MOERUN_RETURN_IF_ERROR(Handle(r, h, counts_.data()));
+    }
+    if (progressed) {
+      idle = 0;
+    } else if (++idle > 2000) {
+      if (idle > 20000) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {
+        sched_yield();
+      }
+    }
+  }
+  for (auto& rs : routers_) {
+    for (Request& q : rs.out_req) {
+      if (q.valid()) MOERUN_RETURN_IF_ERROR(t_->Wait(q, DeadlineIn(opts_.deadline), "result send"));
+      q = Request{};
+    }
+  }
+  return Status::Ok();
+}
+
+Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* counts) {
+  const int me = t_->rank();
+  const auto lw = layers_.find(h.layer);
+  const LayerPlacement* lp = placement_.Layer(h.layer);
+  if (lw == layers_.end() || lp == nullptr) {
+    return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
+                                   std::to_string(h.layer));
+  }
+  const MoeLayerWeights& w = *lw->second;
+  const auto& slots = lp->rank_slots[static_cast<size_t>(me)];
+  const int64_t hidden = w.spec.hidden;
+  if (h.hidden != hidden || h.slots != static_cast<int32_t>(slots.size()) || h.rows < 0) {
+    return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
+                           std::to_string(h.layer) + " does not match this rank's placement");
+  }
+  int64_t rows = 0;
+  for (int i = 0; i < h.slots; ++i) {
+    if (counts[i] < 0) return Status::Corrupt("negative row count in a header");
+    rows += counts[i];
+  }
+  if (rows != h.rows) return Status::Corrupt("header row counts do not add up");
+
+  // Receive the rows.
+  const size_t bytes = static_cast<size_t>(rows * hidden) * sizeof(float);
+  in_.Reserve(bytes);
+  MOERUN_RETURN_IF_ERROR(t_->Recv(router, kTagRows, in_.data(), bytes, DeadlineIn(opts_.deadline)));
+
+  // One grouped pass over every local expert.
+  groups_.clear();
+  int64_t first = 0;
+  const ActParams act = w.spec.RoutedAct(w.layer);
+  for (int i = 0; i < h.slots; ++i) {
+    const int expert = lp->slots[static_cast<size_t>(slots[static_cast<size_t>(i)])].expert;
+    const ExpertWeights& ew = w.experts[static_cast<size_t>(expert)];
+    if (counts[i] > 0 && ew.w13.empty()) {
+      return Status::Internal("rank " + std::to_string(me) + " got rows for expert " +
+                              std::to_string(expert) + ", which it has not loaded");
+    }
+    groups_.push_back(ExpertGroup{&ew, act, first, counts[i]});
+    first += counts[i];
+  }
+  if (static_cast<int64_t>(rows_.size()) < rows) {
+    const size_t old = rows_.size();
+    rows_.resize(static_cast<size_t>(rows));
+    std::iota(rows_.begin() + static_cast<std::ptrdiff_t>(old), rows_.end(),
+              static_cast<int32_t>(old));
+  }
+  // Outputs go to one of two send buffers (the previous send from the other may be in flight),
+  // straight from the kernels when rows need no padding.
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  const int slot = rs.next_out;
+  rs.next_out ^= 1;
+  if (rs.out_req[slot].valid()) {
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rs.out_req[slot], DeadlineIn(opts_.deadline), "result send"));
+    rs.out_req[slot] = Request{};
+  }
+  rs.out[slot].Reserve(bytes);
+  float* out = rs.out[slot].as<float>();
+  const int64_t ldy = ffn_.PaddedHidden(hidden);
+  if (ldy == hidden) {
+    ffn_.Run(groups_, in_.as<float>(), hidden, rows_.data(), out, ldy);
+  } else {
+    y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));
+    const float* y = y_.as<float>();
+    ffn_.Run(groups_, in_.as<float>(), hidden, rows_.data(), y_.as<float>(), ldy);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
+    }
+  }
+  MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
+  ++served_;
+  return Status::Ok();
+}
+
+}  // namespace moerun

@@ -1,0 +1,64 @@
+// The service loop of an expert rank: receive a microbatch of rows from any router, run each
+// local expert over its rows as one grouped pass, send the outputs back; until every router has
+// said shutdown. Holds only this rank's experts. Buffers grow to the largest microbatch seen and
+// are reused (no allocation in steady state). Runs on the rank's main thread.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "experts/cpu/aligned_buffer.h"
+#include "experts/cpu/grouped_ffn.h"
+#include "router/placement.h"
+#include "runtime/ep_protocol.h"
+#include "runtime/moe_layer.h"
+#include "transport/transport.h"
+
+namespace moerun {
+
+struct ExpertHostOptions {
+  // How long a payload may take to follow its header before the router is declared gone.
+  std::chrono::milliseconds deadline{30000};
+};
+
+class ExpertHost {
+ public:
+  ExpertHost(Transport* transport, const Placement& placement,
+             std::map<int, std::shared_ptr<const MoeLayerWeights>> layers,
+             const CpuKernels& kernels, ThreadPool* pool, ExpertHostOptions options);
+
+  // Serves until every router has sent shutdown; an error if a message is malformed or a router
+  // stops mid-microbatch.
+  Status Serve();
+  uint64_t microbatches_served() const { return served_; }
+
+ private:
+  struct RouterState {
+    AlignedBuffer header;
+    Request header_req;
+    AlignedBuffer out[2];
+    Request out_req[2];
+    int next_out = 0;
+    bool done = false;
+  };
+  Status Handle(int router, const EpHeaderFixed& h, const int32_t* counts);
+
+  Transport* t_;
+  const Placement& placement_;
+  std::map<int, std::shared_ptr<const MoeLayerWeights>> layers_;
+  const CpuKernels& kernels_;
+  ThreadPool* pool_;
+  ExpertHostOptions opts_;
+  GroupedFfn ffn_;
+  size_t header_bytes_ = 0;
+  std::vector<RouterState> routers_;
+  std::vector<int32_t> counts_;
+  AlignedBuffer in_, y_;
+  std::vector<int32_t> rows_;
+  std::vector<ExpertGroup> groups_;
+  uint64_t served_ = 0;
+};
+
+}  // namespace moerun
