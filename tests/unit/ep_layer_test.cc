@@ -1,0 +1,140 @@
+// Expert parallelism inside one process (ranks as threads over the inproc transport): for every
+// golden fixture, rank count, placement and microbatch size, the output is bitwise the
+// single-process layer's.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "runtime/ep_job.h"
+#include "tests/unit/layer_fixtures.h"
+#include "transport/inproc.h"
+
+namespace moerun {
+namespace {
+
+using namespace moerun::testing;
+
+std::vector<float> SingleProcess(const std::string& fixture, const std::vector<float>& x,
+                                 int64_t tokens) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(2);
+  MoeLayer layer(LoadFixture(fixture, k), k, &pool);
+  std::vector<float> out(x.size());
+  EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
+  return out;
+}
+
+// Writes a placement with every expert on one rank and every third expert also on another.
+std::string ReplicaPlacement(const TempDir& tmp, int experts, int ranks) {
+  std::string slots;
+  for (int e = 0; e < experts; ++e) {
+    const int r = 1 + e % (ranks - 1);
+    slots += fmt::format("{}[{},{}]", slots.empty() ? "" : ",", r, e);
+    if (e % 3 == 0 && ranks > 2) slots += fmt::format(",[{},{}]", 1 + (e + 1) % (ranks - 1), e);
+  }
+  const std::string path = tmp.File("placement.json");
+  WriteFile(path, fmt::format("{{\"format\": \"moerun-placement-v1\", \"version\": 2, "
+                              "\"num_experts\": {}, \"num_ranks\": {}, \"num_routers\": 1, "
+                              "\"layers\": {{\"*\": [{}]}}}}",
+                              experts, ranks, slots));
+  return path;
+}
+
+// Runs the fixture's layer on `ranks` inproc ranks; returns router 0's output.
+std::vector<float> Distributed(const std::string& fixture, const std::vector<float>& x,
+                               int64_t tokens, int ranks, const std::string& placement,
+                               int64_t microbatch, EpStats* stats = nullptr, int routers = 1) {
+  JobOptions opts;
+  opts.routers = routers;
+  opts.source.model = FixtureDir(fixture);
+  opts.layers = {0};
+  opts.placement = placement;
+  opts.ep.microbatch_tokens = microbatch;
+  opts.ep.deadline = std::chrono::milliseconds(20000);
+  opts.threads = 1;
+  opts.isa = BestIsa();
+  std::vector<float> out(x.size());
+  const RouterWork work = [&](std::map<int, ExpertParallelLayer*>& layers) {
+    const Status s = layers.at(0)->Forward(x.data(), tokens, out.data());
+    if (stats) *stats = layers.at(0)->stats();
+    return s;
+  };
+  auto fabric = InprocFabric::Create(ranks);
+  std::vector<Status> results(static_cast<size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      auto t = fabric->Endpoint(r);
+      results[static_cast<size_t>(r)] = RunRank(t.get(), opts, work);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
+  }
+  return out;
+}
+
+class EpLayerTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EpLayerTest, BitwiseEqualToOneProcess) {
+  const std::string fixture = GetParam();
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir(fixture) + "/golden.safetensors", "input", &tokens);
+  const auto want = SingleProcess(fixture, x, tokens);
+  const int experts = LoadModelSpec(FixtureDir(fixture))->num_experts;
+  TempDir tmp;
+  for (int ranks : {2, 3, 4}) {
+    const std::string replicas = ReplicaPlacement(tmp, experts, ranks);
+    for (const std::string& placement : {std::string("linear"), std::string("round_robin"), replicas}) {
+      for (int64_t mb : {0, 7}) {
+        SCOPED_TRACE(fmt::format("{} ranks {} {} mb {}", fixture, ranks, placement, mb));
+        const auto got = Distributed(fixture, x, tokens, ranks, placement, mb);
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFixtures, EpLayerTest, ::testing::ValuesIn(FixtureNames()),
+                         [](const auto& tp) { return tp.param; });
+
+// A second router rank (idle here) takes no experts and still shuts the job down cleanly.
+TEST(EpLayerTest, TwoRouters) {
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir("deepseek_v3") + "/golden.safetensors", "input", &tokens);
+  const auto got = Distributed("deepseek_v3", x, tokens, 4, "round_robin", 5, nullptr, 2);
+  const auto want = SingleProcess("deepseek_v3", x, tokens);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
+}
+
+TEST(EpLayerTest, ReplicasSpreadTheLoad) {
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir("qwen3_moe") + "/golden.safetensors", "input", &tokens);
+  TempDir tmp;
+  // Every expert on both expert ranks: the plan splits the rows about evenly.
+  std::string slots;
+  for (int e = 0; e < 16; ++e) {
+    slots += fmt::format("{}[1,{}],[2,{}]", slots.empty() ? "" : ",", e, e);
+  }
+  const std::string path = tmp.File("both.json");
+  WriteFile(path, fmt::format("{{\"format\": \"moerun-placement-v1\", \"version\": 1, "
+                              "\"num_experts\": 16, \"num_ranks\": 3, \"num_routers\": 1, "
+                              "\"layers\": {{\"*\": [{}]}}}}",
+                              slots));
+  EpStats stats;
+  const auto got = Distributed("qwen3_moe", x, tokens, 3, path, 0, &stats);
+  const auto want = SingleProcess("qwen3_moe", x, tokens);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
+  const double a = static_cast<double>(stats.rows_per_rank[1]);
+  const double b = static_cast<double>(stats.rows_per_rank[2]);
+  EXPECT_EQ(a + b, static_cast<double>(tokens * 4));
+  EXPECT_LE(std::abs(a - b), 1.0) << a << " vs " << b;
+}
+
+}  // namespace
+}  // namespace moerun
