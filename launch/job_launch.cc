@@ -12,8 +12,7 @@ namespace moerun {
 void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
   cmd->add_option("--transport", f->transport,
                   "mpi or inproc (default: mpi when started by mpirun/srun, else inproc)");
-  cmd->add_option("--ranks", f->ranks, "inproc: number of ranks, run as threads")
-      ->default_val(1);
+  cmd->add_option("--ranks", f->ranks, "inproc: number of ranks, run as threads")->default_val(1);
   cmd->add_option("--routers", f->routers, "Router ranks (the first R ranks)")->default_val(1);
   cmd->add_option("--placement", f->placement,
                   "Expert placement: linear, round_robin or a placement JSON file")
@@ -29,8 +28,8 @@ void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
 Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
   std::unique_ptr<JobLaunch> j(new JobLaunch());
   j->flags_ = flags;
-  j->transport_ = flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc")
-                                          : flags.transport;
+  j->transport_ =
+      flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc") : flags.transport;
   if (flags.routers < 1) return Status::InvalidArgument("--routers must be at least 1");
   if (flags.microbatch_tokens < 0) {
     return Status::InvalidArgument("--microbatch-tokens must not be negative");
@@ -42,9 +41,10 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
     MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateMpiTransport());
     j->rank_ = j->mpi_->rank();
     j->size_ = j->mpi_->size();
-    InitLogging(j->rank_, j->rank_ < flags.routers ? "router" : "expert",
-                std::string(spdlog::level::to_string_view(spdlog::default_logger()->level()).data(),
-                            spdlog::level::to_string_view(spdlog::default_logger()->level()).size()));
+    InitLogging(
+        j->rank_, j->rank_ < flags.routers ? "router" : "expert",
+        std::string(spdlog::level::to_string_view(spdlog::default_logger()->level()).data(),
+                    spdlog::level::to_string_view(spdlog::default_logger()->level()).size()));
   } else if (j->transport_ == "inproc") {
     if (flags.ranks < 1 || flags.ranks > 256) {
       return Status::InvalidArgument("--ranks must be in 1..256");

@@ -39,6 +39,8 @@ class JobLaunch {
   Status Run(const JobOptions& options, const RouterWork& work);
   // Ends the whole job (MPI_Abort under mpirun) after a fatal error.
   [[noreturn]] void Abort(int exit_code);
+  // The MPI endpoint (null for inproc), for benchmarks that time the raw transport.
+  Transport* mpi_transport() const { return mpi_.get(); }
   // JobOptions::ep and the rest from the flags.
   void Fill(JobOptions* options) const;
 

@@ -6,6 +6,8 @@
 
 #include "bench/layer_bench.h"
 #include "bench/sgemm_baseline.h"
+#include "bench/transport_bench.h"
+#include "launch/job_launch.h"
 #include "runtime/log.h"
 
 int main(int argc, char** argv) {
@@ -37,6 +39,26 @@ int main(int argc, char** argv) {
     layer->add_flag("--no-sgemm{false}", lf.sgemm, "Skip the OpenBLAS baseline");
     layer->add_flag("--json", lf.json, "Print the JSON report on stdout");
 
+    moerun::bench::TransportBenchFlags tf;
+    CLI::App* transport = app.add_subcommand(
+        "transport", "Dispatch + combine against MPI_Alltoallv, and layer overlap (under mpirun)");
+    transport->add_option("--tokens", tf.tokens, "Tokens per batch");
+    transport->add_option("--bytes-per-peer", tf.bytes_per_peer,
+                          "Or: choose the tokens so each expert rank gets about this many bytes");
+    transport->add_option("--hidden", tf.hidden, "Hidden size")->default_val(7168);
+    transport->add_option("--topk", tf.topk, "Experts per token")->default_val(8);
+    transport->add_option("--experts", tf.experts, "Experts")->default_val(256);
+    transport->add_option("--inter", tf.inter, "Expert intermediate size for the layer timing");
+    transport->add_option("--shared-inter", tf.shared_inter,
+                          "A shared expert of this size on the router (layer timing)");
+    transport->add_option("--overlap-microbatch", tf.microbatch_tokens,
+                          "Microbatch tokens of the overlapped layer timing (default: T/4)");
+    transport->add_option("--iters", tf.iters, "Timed rounds")->default_val(20);
+    transport->add_option("--seed", tf.seed, "Routing and weight seed")->default_val(1);
+    transport->add_flag("--no-layer{false}", tf.layer, "Skip the whole-layer timing");
+    transport->add_flag("--json", tf.json, "Print the JSON report on rank 0's stdout");
+    moerun::AddLaunchFlags(transport, &tf.launch);
+
     std::string shapes;
     int threads = 0;
     double min_time = 1.0;
@@ -63,6 +85,7 @@ int main(int argc, char** argv) {
       }
       return moerun::bench::RunLayerBench(lf);
     }
+    if (transport->parsed()) return moerun::bench::RunTransportBench(tf);
     if (sgemm->parsed()) {
       auto s = moerun::bench::ShapesFromArg(shapes);
       if (!s.ok()) {

@@ -70,6 +70,7 @@ Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
 
 Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
   if (!source.model.empty()) return LoadModelSpec(source.model);
+  if (source.spec) return *source.spec;
   PresetOptions o;
   o.seed = source.seed;
   o.experts = source.experts;
@@ -91,8 +92,8 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
 
   int threads = opts.threads;
   if (threads <= 0) {
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
-                              std::max(1, ranks));
+    threads =
+        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, ranks));
   }
   ThreadPool pool(threads);
   const CpuKernels& kernels = KernelsFor(opts.isa);
@@ -102,19 +103,21 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
   std::map<int, std::shared_ptr<const MoeLayerWeights>> weights;
   size_t experts_here = 0;
   for (int layer : opts.layers) {
-    std::vector<bool> mask = router ? std::vector<bool>(static_cast<size_t>(spec.num_experts), false)
-                                    : placement.ExpertsOf(rank, layer);
+    std::vector<bool> mask = router
+                                 ? std::vector<bool>(static_cast<size_t>(spec.num_experts), false)
+                                 : placement.ExpertsOf(rank, layer);
     for (bool b : mask) experts_here += b;
-    MOERUN_ASSIGN_OR_RETURN(weights[layer],
-                            LoadFor(opts.source, spec, layer, std::move(mask), kernels, threads,
-                                    "rank " + std::to_string(rank) + " layer " +
-                                        std::to_string(layer)));
+    MOERUN_ASSIGN_OR_RETURN(
+        weights[layer],
+        LoadFor(opts.source, spec, layer, std::move(mask), kernels, threads,
+                "rank " + std::to_string(rank) + " layer " + std::to_string(layer)));
   }
   size_t bytes = 0;
   for (const auto& [l, w] : weights) bytes += w->ExpertBytes();
-  spdlog::info("{} rank {}: {} layer(s), {} expert slot(s), {:.1f} MiB of weights, loaded in {:.2f} s",
-               role, rank, opts.layers.size(), experts_here, static_cast<double>(bytes) / (1 << 20),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
+  spdlog::info(
+      "{} rank {}: {} layer(s), {} expert slot(s), {:.1f} MiB of weights, loaded in {:.2f} s", role,
+      rank, opts.layers.size(), experts_here, static_cast<double>(bytes) / (1 << 20),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
 
   MOERUN_RETURN_IF_ERROR(t->Barrier(SteadyClock::now() + opts.startup_timeout));
   if (rank == 0) {

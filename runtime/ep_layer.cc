@@ -115,7 +115,8 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
   const int64_t chunk = 256;
   pool_->ParallelFor((rows + chunk - 1) / chunk, [&](int64_t c, int) {
     for (int64_t r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) {
-      std::memcpy(send + r * hidden, xs + static_cast<int64_t>(st.plan.row_token[static_cast<size_t>(r)]) * hidden,
+      std::memcpy(send + r * hidden,
+                  xs + static_cast<int64_t>(st.plan.row_token[static_cast<size_t>(r)]) * hidden,
                   row_bytes);
     }
   });
@@ -196,8 +197,7 @@ Status ExpertParallelLayer::Collect(Stage& st, float* out) {
       }
       CombineToken(k, hidden, rows, st.gating.weights().data() + t * k,
                    shared ? shared + t * ldy : nullptr,
-                   st.gating.shared_scale()[static_cast<size_t>(t)],
-                   out + (st.t0 + t) * hidden);
+                   st.gating.shared_scale()[static_cast<size_t>(t)], out + (st.t0 + t) * hidden);
     }
   });
   return Status::Ok();

@@ -33,7 +33,8 @@ Status ExpertHost::Serve() {
   const int me = t_->rank();
   for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
     RouterState& rs = routers_[static_cast<size_t>(r)];
-    MOERUN_ASSIGN_OR_RETURN(rs.header_req, t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+    MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                            t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
   }
   int alive = static_cast<int>(routers_.size());
   uint64_t idle = 0;

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A frozen expert rank must fail the job within its deadline, naming the rank, never hang.
+#
+#   frozen_rank.sh MOERUN_BIN [DATA_DIR]
+#
+# Starts `mpirun -np 3 moerun forward --preset qwen3-30b-a3b --experts 16 ... --deadline-ms 3000`
+# on an input that takes several seconds, waits for "all 3 ranks ready", then SIGSTOPs expert
+# rank 2 (found through OMPI_COMM_WORLD_RANK=2 and a tag unique to this run in its environment).
+# Asserts: mpirun exits non-zero within 30 s of the STOP, and its output names rank 2 and the
+# deadline. If the run ended before the STOP landed, retries once with a 4x bigger input, then
+# fails loudly.
+set -uo pipefail
+
+MOERUN=${1:?usage: frozen_rank.sh MOERUN_BIN [DATA_DIR]}
+MOERUN=$(realpath "$MOERUN")
+HERE=$(cd "$(dirname "$0")" && pwd)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+WORK=$(mktemp -d /tmp/moerun-frozen.XXXXXX)
+TAG="frozen-$$-$RANDOM$RANDOM"
+MPI_PID=""
+
+# Every process of this run: the ones carrying our tag in their environment.
+tagged_pids() {
+  local p
+  for p in /proc/[0-9]*; do
+    grep -qzx "MOERUN_TEST_TAG=$TAG" "$p/environ" 2>/dev/null && echo "${p#/proc/}"
+  done
+}
+
+cleanup() {
+  local p
+  for p in $(tagged_pids); do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
+  if [[ -n "$MPI_PID" ]]; then kill -KILL "$MPI_PID" 2>/dev/null; wait "$MPI_PID" 2>/dev/null; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT; trap 'exit 143' TERM; trap 'exit 129' HUP
+
+fail() { echo "FAIL: $*"; [[ -f "$WORK/log" ]] && { echo "--- mpirun output:"; cat "$WORK/log"; }; exit 1; }
+
+rank2_pid() {
+  local p
+  for p in $(tagged_pids); do
+    if grep -qzx 'OMPI_COMM_WORLD_RANK=2' "/proc/$p/environ" 2>/dev/null &&
+       grep -qz moerun "/proc/$p/cmdline" 2>/dev/null; then
+      echo "$p"
+    fi
+  done
+}
+
+# One attempt: 0 = the freeze was exercised and checked, 2 = the run ended before the STOP.
+attempt() {
+  local tokens=$1
+  rm -f "$WORK/log" "$WORK/out.safetensors"
+  python3 "$HERE/st_tool.py" input "$WORK/in.safetensors" "$tokens" 2048 || fail "cannot write the input"
+  MOERUN_TEST_TAG=$TAG timeout -k 5 110 mpirun --allow-run-as-root --oversubscribe \
+    --mca mpi_yield_when_idle 1 -np 3 "$MOERUN" forward --preset qwen3-30b-a3b --experts 16 \
+    --input "$WORK/in.safetensors" --output "$WORK/out.safetensors" --microbatch-tokens 64 \
+    --deadline-ms 3000 >"$WORK/log" 2>&1 &
+  MPI_PID=$!
+
+  # Ready?
+  local t0=$SECONDS
+  until grep -q "all 3 ranks ready" "$WORK/log" 2>/dev/null; do
+    if ! kill -0 "$MPI_PID" 2>/dev/null; then
+      wait "$MPI_PID"; local rc=$?; MPI_PID=""
+      fail "mpirun ended (exit $rc) before the ranks were ready"
+    fi
+    (( SECONDS - t0 > 60 )) && fail "the ranks were not ready after 60 s"
+    sleep 0.1
+  done
+  local pid
+  pid=$(rank2_pid)
+  if [[ -z "$pid" ]]; then
+    if ! kill -0 "$MPI_PID" 2>/dev/null; then wait "$MPI_PID"; MPI_PID=""; return 2; fi
+    fail "could not find expert rank 2's process"
+  fi
+  [[ $(wc -w <<<"$pid") -eq 1 ]] || fail "more than one rank-2 process: $pid"
+  # Let a few microbatches flow first, so that the freeze hits a running exchange.
+  sleep 0.5
+  kill -STOP "$pid" 2>/dev/null || { wait "$MPI_PID"; MPI_PID=""; return 2; }
+  local stopped_at=$SECONDS stopped_rt=$EPOCHREALTIME
+  echo "stopped expert rank 2 (pid $pid) $(( SECONDS - t0 )) s after start"
+  if grep -q "^moerun forward:" "$WORK/log"; then
+    # The output line was already written: the STOP came too late to matter.
+    kill -CONT "$pid" 2>/dev/null
+    wait "$MPI_PID"; MPI_PID=""; return 2
+  fi
+
+  local resumed=""
+  while kill -0 "$MPI_PID" 2>/dev/null; do
+    if [[ -z "$resumed" ]] && grep -q "^moerun forward:" "$WORK/log"; then
+      # Rank 2 had already answered everything: let it finish, and retry bigger.
+      kill -CONT "$pid" 2>/dev/null; resumed=1
+    fi
+    if (( SECONDS - stopped_at > 30 )); then
+      fail "mpirun still running 30 s after rank 2 was stopped (hang)"
+    fi
+    sleep 0.2
+  done
+  wait "$MPI_PID"; local rc=$?; MPI_PID=""
+  local took
+  took=$(awk -v a="$stopped_rt" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+  if grep -q "^moerun forward:" "$WORK/log"; then
+    echo "--- note: the run completed although rank 2 was stopped"
+    cat "$WORK/log"; return 2
+  fi
+  [[ $rc -ne 0 ]] || fail "mpirun exited 0 although rank 2 was stopped"
+  [[ $rc -ne 124 && $rc -ne 137 ]] || fail "mpirun had to be killed by timeout (exit $rc)"
+  grep -Eiq "rank 2([^0-9]|$)" "$WORK/log" || fail "the output does not name rank 2"
+  grep -iq "deadline" "$WORK/log" || fail "the output does not mention the deadline"
+  echo "--- mpirun output:"; cat "$WORK/log"
+  echo "PASS frozen_rank: $tokens tokens, mpirun exit $rc ${took} s after the STOP; rank 2 and the deadline named"
+  return 0
+}
+
+# FROZEN_TOKENS: the input sizes to try, in order (default: 16384, then 65536).
+for tokens in ${FROZEN_TOKENS:-16384 65536}; do
+  attempt "$tokens"; rc=$?
+  [[ $rc -eq 0 ]] && exit 0
+  echo "the run with $tokens tokens ended before the freeze could matter; trying a bigger input"
+done
+fail "could not exercise the freeze: every run finished before rank 2 was stopped"
