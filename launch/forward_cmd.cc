@@ -201,7 +201,8 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.layers = {*layer};
 
   int rc = 0;
-  const RouterWork work = [&](std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+    if (rank != 0) return Status::Ok();
     ExpertParallelLayer& ep = *layers.at(*layer);
     MOERUN_ASSIGN_OR_RETURN(std::vector<float> x, ReadMatrix(io->input, ep.weights().spec.hidden));
     std::vector<float> out(x.size());

@@ -1,4 +1,5 @@
-// moerun: the expert-parallel MoE runtime. Subcommands: forward (one layer, one process).
+// moerun: the expert-parallel MoE runtime. Subcommands: forward (one layer over an input), serve
+// (the long-running runtime).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
@@ -6,6 +7,7 @@
 #include "experts/cpu/isa.h"
 #include "experts/cuda/cuda_device.h"
 #include "launch/forward_cmd.h"
+#include "launch/serve_cmd.h"
 #include "moerun/build_info.h"
 #include "runtime/log.h"
 
@@ -41,6 +43,7 @@ int main(int argc, char** argv) {
     app.add_flag("--version", version, "Print the build, CPU and GPU this binary sees");
     app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
     auto forward = moerun::AddForwardCommand(app);
+    auto serve = moerun::AddServeCommand(app);
     CLI11_PARSE(app, argc, argv);
     moerun::InitLogging(moerun::RankFromEnvironment(), "main", log_level);
     if (version) {
@@ -48,6 +51,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (const int rc = forward(); rc >= 0) return rc;
+    if (const int rc = serve(); rc >= 0) return rc;
     std::fprintf(stderr, "%s", app.help().c_str());
     return 2;
   } catch (const std::bad_alloc&) {

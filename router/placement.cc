@@ -111,7 +111,9 @@ Result<Placement> Placement::FromJson(const std::string& text, const std::string
     }
     return Status::Ok();
   };
-  if (doc.value("format", std::string()) != "moerun-placement-v1") {
+  const auto format = doc.find("format");
+  if (format == doc.end() || !format->is_string() ||
+      format->get<std::string>() != "moerun-placement-v1") {
     return Status::InvalidArgument(source + ": \"format\" must be \"moerun-placement-v1\"");
   }
   int64_t version = 0, experts = 0, ranks = 0, routers = 0;
@@ -180,8 +182,8 @@ Status Placement::CheckFits(int ranks, int routers, int num_experts) const {
   if (num_ranks_ != ranks || num_routers_ != routers) {
     return Status::InvalidArgument("the placement is for " + std::to_string(num_ranks_) +
                                    " ranks with " + std::to_string(num_routers_) +
-                                   " routers, but this job has " + std::to_string(ranks) +
-                                   " ranks with " + std::to_string(routers));
+                                   " router(s), but this job has " + std::to_string(ranks) +
+                                   " ranks with " + std::to_string(routers) + " router(s)");
   }
   if (num_experts_ != num_experts) {
     return Status::InvalidArgument("the placement is for " + std::to_string(num_experts_) +

@@ -141,7 +141,7 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
                                                            header_bytes, opts.ep));
     by_number[l] = layers.back().get();
   }
-  Status s = rank == 0 && work ? work(by_number) : Status::Ok();
+  Status s = work ? work(rank, by_number) : Status::Ok();
   if (!s.ok()) return s;
   return SendShutdown(t, placement, header_bytes, opts.ep.deadline);
 }

@@ -2,8 +2,9 @@
 //
 // Ranks [0, routers) are routers: they load the router's tensors (gate, biases, shared expert)
 // and run ExpertParallelLayer; the others load only the experts the placement gives them and run
-// ExpertHost. Every rank loads, then all meet at a barrier (the job is ready), then router 0 runs
-// `work`; when it returns, every router tells the expert ranks to shut down.
+// ExpertHost. Every rank loads, then all meet at a barrier (the job is ready), then every router
+// runs `work`; when it returns, that router tells the expert ranks it is done (they stop once
+// every router has).
 #pragma once
 
 #include <chrono>
@@ -47,8 +48,8 @@ struct JobOptions {
 // The model spec a source describes (experts scaled as the preset says).
 Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note = nullptr);
 
-// What router 0 does once the job is ready: it gets the layers by number.
-using RouterWork = std::function<Status(std::map<int, ExpertParallelLayer*>& layers)>;
+// What each router rank does once the job is ready; it gets its rank and the layers by number.
+using RouterWork = std::function<Status(int rank, std::map<int, ExpertParallelLayer*>& layers)>;
 
 // Runs this rank's part of the job to the end. An error from any wait names the rank that did not
 // answer; the caller ends the job (Transport::Abort) so that no rank is left waiting.

@@ -3,6 +3,8 @@
 #   - 10 minutes of fuzzing (MOERUN_FUZZ_SECONDS to change)
 #   - the thread-sanitizer build and its unit tests
 #   - every kernel variant the CPU has, forced one at a time through the CLI tests (MOERUN_ISA)
+#   - the whole multi-rank matrix: every golden fixture x 2/3/4 ranks x placements x
+#     microbatching, under mpirun and across two network-namespace hosts (MOERUN_FULL=1)
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights), JSON in build/bench/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,9 @@ for isa in scalar avx2 avx512; do
   printf '\n==== CLI tests with MOERUN_ISA=%s ====\n' "$isa"
   MOERUN_ISA=$isa ctest --test-dir build --output-on-failure -L cli --timeout 900
 done
+
+printf '\n==== multi-rank matrix (mpirun, namespace hosts) ====\n'
+MOERUN_FULL=1 ctest --test-dir build --output-on-failure -L 'mpi|multihost' --timeout 1800
 
 printf '\n==== benchmarks ====\n'
 mkdir -p build/bench

@@ -12,7 +12,7 @@ want=(
   libopenmpi-dev openmpi-bin libucx-dev
 )
 if [[ "${1:-}" == "--test" ]]; then
-  want+=(clang libclang-rt-14-dev clang-format python3)
+  want+=(clang libclang-rt-14-dev clang-format python3 iproute2)
 fi
 
 missing=()

@@ -74,7 +74,19 @@ class MpiTransport : public Transport {
     std::array<MPI_Status, kMaxChunks> st{};
     const int rc = MPI_Testall(e->chunks, e->reqs.data(), &done, st.data());
     if (rc != MPI_SUCCESS) {
-      const Status s = Status::Unavailable("MPI_Testall: " + MpiError(rc));
+      // Some chunk failed (e.g. MPI_ERR_TRUNCATE: a longer message than the receive expects).
+      // Chunks still pending are withdrawn before the entry is reused.
+      int code = rc;
+      for (int c = 0; c < e->chunks; ++c) {
+        const int err = rc == MPI_ERR_IN_STATUS ? st[static_cast<size_t>(c)].MPI_ERROR : rc;
+        if (err != MPI_SUCCESS && err != MPI_ERR_PENDING) code = err;
+      }
+      WithdrawPending(e);
+      const Status s = code == MPI_ERR_TRUNCATE
+                           ? Status::InvalidArgument("message longer than the " +
+                                                     std::to_string(e->bytes) +
+                                                     " bytes the receiver expected")
+                           : Status::Unavailable("MPI_Testall: " + MpiError(code));
       Release(r);
       return s;
     }
@@ -101,16 +113,7 @@ class MpiTransport : public Transport {
   Status Cancel(Request r) override {
     Entry* e = Find(r);
     if (e == nullptr) return Status::Ok();
-    for (int c = 0; c < e->chunks; ++c) {
-      MPI_Request& q = e->reqs[static_cast<size_t>(c)];
-      if (q == MPI_REQUEST_NULL) continue;
-      if (e->send) {
-        MPI_Request_free(&q);  // a send to a frozen peer cannot be withdrawn; forget it
-      } else {
-        MPI_Cancel(&q);
-        MPI_Wait(&q, MPI_STATUS_IGNORE);
-      }
-    }
+    WithdrawPending(e);
     Release(r);
     return Status::Ok();
   }
@@ -133,6 +136,25 @@ class MpiTransport : public Transport {
     Entry& e = entries_[index];
     if (!e.used || e.generation != static_cast<uint32_t>(r.id >> 32)) return nullptr;
     return &e;
+  }
+
+  // Withdraws the chunks of an entry that are still active. Receives are cancelled and reaped.
+  // A send is cancelled if MPI still can; one already matched by a peer that stopped cannot be
+  // reaped without waiting on that peer, so it is left to MPI (its buffer must outlive the job:
+  // after such a failure the job is ended anyway).
+  void WithdrawPending(Entry* e) {
+    for (int c = 0; c < e->chunks; ++c) {
+      MPI_Request& q = e->reqs[static_cast<size_t>(c)];
+      if (q == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&q);
+      if (!e->send) {
+        MPI_Wait(&q, MPI_STATUS_IGNORE);
+        continue;
+      }
+      int done = 0;
+      for (int i = 0; i < 1000 && !done; ++i) MPI_Test(&q, &done, MPI_STATUS_IGNORE);
+      if (!done) MPI_Request_free(&q);
+    }
   }
 
   void Release(Request r) {

@@ -1,0 +1,78 @@
+#include "runtime/serve_config.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/unit/test_util.h"
+
+namespace moerun {
+namespace {
+
+TEST(ServeConfigTest, ShippedConfigsParse) {
+  for (const char* name : {"tiny", "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-20b",
+                           "step-3.5-flash"}) {
+    auto c = LoadServeConfig(testing::DataDir() + "/../../configs/" + name + ".yaml");
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status().ToString();
+  }
+  auto tiny = LoadServeConfig(testing::DataDir() + "/../../configs/tiny.yaml");
+  EXPECT_NE(tiny->model.find("tests/data/hf-moe/deepseek_v3"), std::string::npos);
+  EXPECT_EQ(tiny->ranks, 4);
+  EXPECT_EQ(tiny->placement, "round_robin");
+  auto q = LoadServeConfig(testing::DataDir() + "/../../configs/qwen3-30b-a3b.yaml");
+  EXPECT_EQ(q->preset, "qwen3-30b-a3b");
+  EXPECT_EQ(q->dtype, "bf16");
+  EXPECT_EQ(q->layers, std::vector<int>{-1});
+}
+
+TEST(ServeConfigTest, EveryKey) {
+  auto c = ParseServeConfig(R"(
+model: m
+layers: [3, 5]
+transport: inproc
+ranks: 3
+routers: 2
+placement: p.json
+microbatch_tokens: 16
+deadline_ms: 1234
+startup_timeout_s: 99
+threads: 2
+isa: avx2
+log_level: debug
+batching: {max_batch_tokens: 8, max_wait_us: 9, max_queue_tokens: 10, max_queue_requests: 11}
+)",
+                            "c.yaml", "/base");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->model, "/base/m");
+  EXPECT_EQ(c->placement, "/base/p.json");
+  EXPECT_EQ(c->layers, (std::vector<int>{3, 5}));
+  EXPECT_EQ(c->routers, 2);
+  EXPECT_EQ(c->deadline_ms, 1234);
+  EXPECT_EQ(c->batching.max_queue_requests, 11);
+}
+
+TEST(ServeConfigTest, ErrorsNameTheKey) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"model: a\npreset: b\n", "exactly one"},
+      {"layers: [0]\n", "exactly one"},
+      {"model: a\ncolour: red\n", "unknown key \"colour\""},
+      {"model: a\nranks: 0\n", "\"ranks\" must be in"},
+      {"model: a\nranks: many\n", "\"ranks\" must be a number"},
+      {"model: a\ntransport: tcp\n", "transport"},
+      {"model: a\nlayers: [-1]\n", "layers"},
+      {"model: a\nlayers: {a: 1}\n", "layers"},
+      {"model: a\nbatching: {max_batch_tokens: 0}\n", "max_batch_tokens"},
+      {"model: a\nbatching: {speed: 1}\n", "unknown key \"speed\""},
+      {"preset: {name: x, colour: 1}\n", "unknown key \"colour\""},
+      {"model: [a\n", "not valid YAML"},
+      {"- a\n- b\n", "mapping"},
+  };
+  for (const auto& [text, want] : bad) {
+    auto c = ParseServeConfig(text, "c.yaml", "");
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_NE(c.status().message().find(want), std::string::npos)
+        << text << " -> " << c.status().message();
+  }
+  EXPECT_EQ(LoadServeConfig("/nonexistent.yaml").status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace moerun
