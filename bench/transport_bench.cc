@@ -86,10 +86,10 @@ class OurRoundTrip {
     const int64_t mine = rows_[static_cast<size_t>(t_->rank())];
     if (mine > 0) {
       MOERUN_RETURN_IF_ERROR(t_->Recv(0, kTagHeader, headers_.data(), header_bytes_, deadline));
-      MOERUN_RETURN_IF_ERROR(t_->Recv(0, kTagRows, recv_.data(),
-                                      static_cast<size_t>(mine) * row_bytes, deadline));
-      MOERUN_RETURN_IF_ERROR(t_->Send(0, kTagResult, recv_.data(),
-                                      static_cast<size_t>(mine) * row_bytes, deadline));
+      MOERUN_RETURN_IF_ERROR(
+          t_->Recv(0, kTagRows, recv_.data(), static_cast<size_t>(mine) * row_bytes, deadline));
+      MOERUN_RETURN_IF_ERROR(
+          t_->Send(0, kTagResult, recv_.data(), static_cast<size_t>(mine) * row_bytes, deadline));
     }
     return 0.0;
   }
@@ -132,11 +132,13 @@ Result<double> TimeLayer(JobLaunch& job, const TransportBenchFlags& f, int64_t t
   for (auto& v : x) v = d(rng);
   std::vector<float> out(x.size());
   std::vector<double> ms;
-  const RouterWork work = [&](std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+    if (rank != 0) return Status::Ok();
     for (int it = -1; it < std::max(3, f.iters / 4); ++it) {
       const auto t0 = Clock::now();
       MOERUN_RETURN_IF_ERROR(layers.at(0)->Forward(x.data(), tokens, out.data()));
-      if (it >= 0) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      if (it >= 0)
+        ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }
     return Status::Ok();
   };
@@ -152,8 +154,9 @@ int RunTransportBench(const TransportBenchFlags& f) {
   JobLaunch& job = **launched;
   const int n = job.size();
   if (n < 2) {
-    return FailWith(Status::InvalidArgument(
-        "moebench transport needs at least 2 ranks (mpirun -np N, or --transport inproc --ranks N)"));
+    return FailWith(
+        Status::InvalidArgument("moebench transport needs at least 2 ranks (mpirun -np N, or "
+                                "--transport inproc --ranks N)"));
   }
   if (f.hidden <= 0 || f.hidden > (1 << 20) || f.topk <= 0 || f.experts < f.topk ||
       f.experts > 65536 || f.iters <= 0 || f.iters > 100000) {
@@ -162,8 +165,8 @@ int RunTransportBench(const TransportBenchFlags& f) {
   const int64_t row_bytes = f.hidden * 4;
   int64_t tokens = f.tokens;
   if (tokens <= 0 && f.bytes_per_peer > 0) {
-    tokens = std::max<int64_t>(1, (f.bytes_per_peer * (n - 1) + row_bytes * f.topk - 1) /
-                                      (row_bytes * f.topk));
+    tokens = std::max<int64_t>(
+        1, (f.bytes_per_peer * (n - 1) + row_bytes * f.topk - 1) / (row_bytes * f.topk));
   }
   if (tokens <= 0 || tokens > (1 << 22)) {
     return FailWith(Status::InvalidArgument("give --tokens (1..4194304) or --bytes-per-peer"));
@@ -199,12 +202,14 @@ int RunTransportBench(const TransportBenchFlags& f) {
 
   // Our dispatch + combine, on the job's MPI endpoint (the baseline is MPI's own collective).
   if (job.transport() != "mpi") {
-    return FailWith(Status::Unsupported("moebench transport compares against MPI_Alltoallv: run "
-                                        "it under mpirun with --transport mpi"));
+    return FailWith(
+        Status::Unsupported("moebench transport compares against MPI_Alltoallv: run "
+                            "it under mpirun with --transport mpi"));
   }
   std::vector<int64_t> send(static_cast<size_t>(n), 0), recv(static_cast<size_t>(n), 0);
   if (job.rank() == 0) {
-    for (int d = 1; d < n; ++d) send[static_cast<size_t>(d)] = rows[static_cast<size_t>(d)] * row_bytes;
+    for (int d = 1; d < n; ++d)
+      send[static_cast<size_t>(d)] = rows[static_cast<size_t>(d)] * row_bytes;
   } else {
     recv[0] = rows[static_cast<size_t>(job.rank())] * row_bytes;
   }
@@ -244,14 +249,16 @@ int RunTransportBench(const TransportBenchFlags& f) {
     auto overlapped = TimeLayer(job, f, tokens, mb);
     if (!overlapped.ok()) return FailWith(overlapped.status());
     if (job.rank() == 0) {
-      report["layer"] = {{"expert_intermediate", f.inter > 0 ? f.inter : std::max<int64_t>(16, f.hidden / 8)},
-                         {"shared_intermediate", f.shared_inter},
-                         {"ms_one_microbatch", *plain},
-                         {"ms_overlapped", *overlapped},
-                         {"microbatch_tokens", mb},
-                         {"overlap_gain", *plain / *overlapped}};
-      std::fprintf(stderr, "layer: %.3f ms as one microbatch, %.3f ms in microbatches of %lld -> "
-                           "overlap_gain %.2f\n",
+      report["layer"] = {
+          {"expert_intermediate", f.inter > 0 ? f.inter : std::max<int64_t>(16, f.hidden / 8)},
+          {"shared_intermediate", f.shared_inter},
+          {"ms_one_microbatch", *plain},
+          {"ms_overlapped", *overlapped},
+          {"microbatch_tokens", mb},
+          {"overlap_gain", *plain / *overlapped}};
+      std::fprintf(stderr,
+                   "layer: %.3f ms as one microbatch, %.3f ms in microbatches of %lld -> "
+                   "overlap_gain %.2f\n",
                    *plain, *overlapped, static_cast<long long>(mb), *plain / *overlapped);
     }
   }

@@ -18,8 +18,8 @@ struct TransportBenchFlags {
   int64_t hidden = 7168;
   int topk = 8;
   int experts = 256;
-  int64_t inter = 0;  // expert intermediate size for the layer timing (0: hidden / 8)
-  int64_t shared_inter = 0;  // a shared expert on the router, for the layer timing (0: none)
+  int64_t inter = 0;              // expert intermediate size for the layer timing (0: hidden / 8)
+  int64_t shared_inter = 0;       // a shared expert on the router, for the layer timing (0: none)
   int64_t microbatch_tokens = 0;  // for the overlapped layer timing (0: a quarter of the batch)
   int iters = 20;
   uint64_t seed = 1;

@@ -82,9 +82,10 @@ int RunServe(const ServeFlags& f) {
   const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& eps) -> Status {
     Batcher batcher(c.batching, spec->hidden);
     if (rank == 0) {
-      spdlog::info("serving {} layer(s) of {} on {} ranks; ready in {:.2f} s; stop with SIGTERM",
-                   eps.size(), FamilyName(spec->family), (*job)->size(),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      spdlog::info(
+          "serving {} layer(s) of {} on {} ranks; ready in {:.2f} s; stop with SIGTERM", eps.size(),
+          FamilyName(spec->family), (*job)->size(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       if (!f.ready_file.empty()) std::ofstream(f.ready_file) << "ready\n";
     }
     Status failed;

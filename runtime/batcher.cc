@@ -5,7 +5,9 @@
 namespace moerun {
 
 Batcher::Batcher(BatcherOptions options, int64_t hidden)
-    : opts_(options), hidden_(hidden), ring_(static_cast<size_t>(std::max(1, options.max_queue_requests))) {
+    : opts_(options),
+      hidden_(hidden),
+      ring_(static_cast<size_t>(std::max(1, options.max_queue_requests))) {
   batch_.reserve(ring_.size());
 }
 
@@ -43,8 +45,7 @@ bool Batcher::TakeBatch(std::vector<Slot>* batch, bool flush) {
     tokens += s.req.tokens;
   }
   const bool full = tokens >= opts_.max_batch_tokens || n < count_;
-  const bool waited =
-      Clock::now() - first.enqueued >= std::chrono::microseconds(opts_.max_wait_us);
+  const bool waited = Clock::now() - first.enqueued >= std::chrono::microseconds(opts_.max_wait_us);
   if (!full && !waited && !flush) return false;
   for (size_t i = 0; i < n; ++i) {
     batch->push_back(ring_[head_]);

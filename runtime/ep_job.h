@@ -26,8 +26,8 @@ namespace moerun {
 
 // Where a layer's weights come from.
 struct WeightSource {
-  std::string model;   // checkpoint folder, or
-  std::string preset;  // preset name, or
+  std::string model;              // checkpoint folder, or
+  std::string preset;             // preset name, or
   std::optional<ModelSpec> spec;  // any shape, with seeded weights as presets make them
   uint64_t seed = 1;
   int experts = 0;

@@ -81,10 +81,10 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   }
   ServeConfig c;
   Reader r(root, source);
-  MOERUN_RETURN_IF_ERROR(r.CheckKeys({"model", "preset", "layers", "transport", "ranks", "routers",
-                                      "placement", "microbatch_tokens", "deadline_ms",
-                                      "startup_timeout_s", "threads", "isa", "batching",
-                                      "log_level"}));
+  MOERUN_RETURN_IF_ERROR(
+      r.CheckKeys({"model", "preset", "layers", "transport", "ranks", "routers", "placement",
+                   "microbatch_tokens", "deadline_ms", "startup_timeout_s", "threads", "isa",
+                   "batching", "log_level"}));
   MOERUN_RETURN_IF_ERROR(r.GetString("model", &c.model));
   if (const YAML::Node p = root["preset"]) {
     Reader pr(p, source + ": \"preset\"");
@@ -137,12 +137,15 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   MOERUN_RETURN_IF_ERROR(r.GetString("log_level", &c.log_level));
   if (const YAML::Node b = root["batching"]) {
     Reader br(b, source + ": \"batching\"");
+    MOERUN_RETURN_IF_ERROR(br.CheckKeys(
+        {"max_batch_tokens", "max_wait_us", "max_queue_tokens", "max_queue_requests"}));
     MOERUN_RETURN_IF_ERROR(
-        br.CheckKeys({"max_batch_tokens", "max_wait_us", "max_queue_tokens", "max_queue_requests"}));
-    MOERUN_RETURN_IF_ERROR(br.Get<int64_t>("max_batch_tokens", &c.batching.max_batch_tokens, 1, 1 << 24));
+        br.Get<int64_t>("max_batch_tokens", &c.batching.max_batch_tokens, 1, 1 << 24));
     MOERUN_RETURN_IF_ERROR(br.Get<int64_t>("max_wait_us", &c.batching.max_wait_us, 0, 60000000));
-    MOERUN_RETURN_IF_ERROR(br.Get<int64_t>("max_queue_tokens", &c.batching.max_queue_tokens, 1, int64_t{1} << 30));
-    MOERUN_RETURN_IF_ERROR(br.Get<int>("max_queue_requests", &c.batching.max_queue_requests, 1, 1 << 20));
+    MOERUN_RETURN_IF_ERROR(
+        br.Get<int64_t>("max_queue_tokens", &c.batching.max_queue_tokens, 1, int64_t{1} << 30));
+    MOERUN_RETURN_IF_ERROR(
+        br.Get<int>("max_queue_requests", &c.batching.max_queue_requests, 1, 1 << 20));
   }
   return c;
 }

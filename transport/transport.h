@@ -46,8 +46,12 @@ class Transport {
   virtual Result<Request> Irecv(int peer, int tag, void* buf, size_t bytes) = 0;
   // true: completed (and released); false: still in flight; error: failed (and released).
   virtual Result<bool> Test(Request r) = 0;
-  // Withdraws a request that has not completed; its buffer is free afterwards.
+  // Withdraws a request that has not completed. A cancelled receive never writes its buffer
+  // again. A cancelled send is withdrawn where the backend can (can_withdraw_sends); elsewhere
+  // (mpi) a peer may still read it: keep its buffer valid until the transport is destroyed, and
+  // treat the (peer, tag) channel as unusable (the runtime ends the job after such a failure).
   virtual Status Cancel(Request r) = 0;
+  virtual bool can_withdraw_sends() const { return true; }
   virtual Status RegisterMemory(void* /*p*/, size_t /*bytes*/) { return Status::Ok(); }
   // Ends the whole job now (after a fatal error such as a peer that stopped answering).
   [[noreturn]] virtual void Abort(int exit_code) = 0;

@@ -40,13 +40,13 @@ TEST(BatcherTest, MergesUpToMaxTokensAndReturnsEachRequestItsRows) {
     outs.emplace_back(static_cast<size_t>(3 * hidden), -1.0f);
   }
   for (int r = 0; r < 6; ++r) {
-    ASSERT_TRUE(b.Submit(BatchRequest{7, xs[r].data(), outs[r].data(), 3, &Done::Callback, &done}).ok());
+    ASSERT_TRUE(
+        b.Submit(BatchRequest{7, xs[r].data(), outs[r].data(), 3, &Done::Callback, &done}).ok());
   }
   std::vector<int64_t> sizes;
   b.Stop();
-  b.Run([&](int layer, const float* x, int64_t t, float* out) {
-          return AddLayer(layer, x, t, out, hidden, &sizes);
-        },
+  b.Run([&](int layer, const float* x, int64_t t,
+            float* out) { return AddLayer(layer, x, t, out, hidden, &sizes); },
         [] { return false; });
   EXPECT_EQ(done.calls.load(), 6);
   EXPECT_EQ(sizes, (std::vector<int64_t>{6, 6, 6}));  // 3 + 3 fit in 8; a third would not
@@ -65,9 +65,8 @@ TEST(BatcherTest, SendsAPartialBatchAfterMaxWait) {
   std::atomic<bool> stop{false};
   std::vector<int64_t> sizes;
   std::thread runner([&] {
-    b.Run([&](int layer, const float* in, int64_t t, float* y) {
-            return AddLayer(layer, in, t, y, 2, &sizes);
-          },
+    b.Run([&](int layer, const float* in, int64_t t,
+              float* y) { return AddLayer(layer, in, t, y, 2, &sizes); },
           [&] { return stop.load(); });
   });
   ASSERT_TRUE(b.Submit(BatchRequest{0, x.data(), out.data(), 1, &Done::Callback, &done}).ok());
@@ -88,16 +87,19 @@ TEST(BatcherTest, LayersAreNotMixedAndOrderIsKept) {
   Done done;
   const int layers[4] = {1, 1, 2, 1};
   for (int i = 0; i < 4; ++i) {
-    ASSERT_TRUE(b.Submit(BatchRequest{layers[i], x.data(), outs[i].data(), 1, &Done::Callback, &done}).ok());
+    ASSERT_TRUE(
+        b.Submit(BatchRequest{layers[i], x.data(), outs[i].data(), 1, &Done::Callback, &done})
+            .ok());
   }
   std::vector<int> seen;
   b.Stop();
-  b.Run([&](int layer, const float* in, int64_t t, float* y) {
-          seen.push_back(layer);
-          for (int64_t i = 0; i < t; ++i) y[i] = in[i] + static_cast<float>(layer);
-          return Status::Ok();
-        },
-        [] { return false; });
+  b.Run(
+      [&](int layer, const float* in, int64_t t, float* y) {
+        seen.push_back(layer);
+        for (int64_t i = 0; i < t; ++i) y[i] = in[i] + static_cast<float>(layer);
+        return Status::Ok();
+      },
+      [] { return false; });
   EXPECT_EQ(seen, (std::vector<int>{1, 2, 1}));
   for (int i = 0; i < 4; ++i) EXPECT_EQ(outs[i][0], static_cast<float>(layers[i]));
 }
@@ -136,9 +138,8 @@ TEST(BatcherTest, ManySubmittersOneRunner) {
   std::atomic<bool> stop{false};
   std::vector<int64_t> sizes;
   std::thread runner([&] {
-    b.Run([&](int layer, const float* in, int64_t t, float* y) {
-            return AddLayer(layer, in, t, y, 2, &sizes);
-          },
+    b.Run([&](int layer, const float* in, int64_t t,
+              float* y) { return AddLayer(layer, in, t, y, 2, &sizes); },
           [&] { return stop.load(); });
   });
   std::vector<std::thread> subs;
@@ -157,7 +158,8 @@ TEST(BatcherTest, ManySubmittersOneRunner) {
     });
   }
   for (auto& s : subs) s.join();
-  while (done.calls.load() < kThreads * kPer) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (done.calls.load() < kThreads * kPer)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   stop = true;
   runner.join();
   for (int id = 0; id < kThreads * kPer; ++id) {

@@ -8,8 +8,8 @@ namespace moerun {
 namespace {
 
 TEST(ServeConfigTest, ShippedConfigsParse) {
-  for (const char* name : {"tiny", "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-20b",
-                           "step-3.5-flash"}) {
+  for (const char* name :
+       {"tiny", "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-20b", "step-3.5-flash"}) {
     auto c = LoadServeConfig(testing::DataDir() + "/../../configs/" + name + ".yaml");
     ASSERT_TRUE(c.ok()) << name << ": " << c.status().ToString();
   }

@@ -2,8 +2,8 @@
 
 #include <mpi.h>
 
-#include <array>
 #include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include "runtime/log.h"
@@ -11,9 +11,13 @@
 namespace moerun {
 namespace {
 
-// Messages are cut into chunks that fit MPI's int counts.
-constexpr size_t kChunk = size_t{1} << 30;
-constexpr int kMaxChunks = 16;  // 16 GiB per message
+// Receives use matched probes (MPI_Improbe + MPI_Imrecv): a message is taken off MPI's queue
+// only once its size is known, so a message of the wrong size is drained into scratch memory
+// and reported, never written over a buffer too small for it (Open MPI's vader/CMA path can
+// write past a receive buffer on truncation). Every logical message is one MPI message; above
+// 2 GiB its datatype is built from 1 GiB blocks, so message boundaries always hold.
+
+constexpr size_t kBlock = size_t{1} << 30;
 
 std::string MpiError(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -22,14 +26,42 @@ std::string MpiError(int code) {
   return std::string(text, static_cast<size_t>(len));
 }
 
+// The datatype and count that carry `bytes` bytes as one message. *owned is set when the caller
+// must free the type (after posting; MPI keeps it alive until the operation completes).
+void TypeFor(size_t bytes, MPI_Datatype* type, int* count, bool* owned) {
+  *owned = false;
+  if (bytes <= static_cast<size_t>(std::numeric_limits<int>::max())) {
+    *type = MPI_BYTE;
+    *count = static_cast<int>(bytes);
+    return;
+  }
+  MPI_Datatype block;
+  MPI_Type_contiguous(static_cast<int>(kBlock), MPI_BYTE, &block);
+  const int blocks = static_cast<int>(bytes / kBlock);
+  const int rest = static_cast<int>(bytes % kBlock);
+  int lens[2] = {blocks, rest};
+  MPI_Aint disp[2] = {0, static_cast<MPI_Aint>(static_cast<size_t>(blocks) * kBlock)};
+  MPI_Datatype types[2] = {block, MPI_BYTE};
+  MPI_Type_create_struct(rest > 0 ? 2 : 1, lens, disp, types, type);
+  MPI_Type_commit(type);
+  MPI_Type_free(&block);
+  *count = 1;
+  *owned = true;
+}
+
+enum class Phase : uint8_t { kFree, kUnmatched, kPosted };
+
 struct Entry {
   uint32_t generation = 0;
-  bool used = false;
+  Phase phase = Phase::kFree;
   bool send = false;
   int peer = 0;
+  int tag = 0;
+  void* buf = nullptr;
   size_t bytes = 0;
-  int chunks = 0;
-  std::array<MPI_Request, kMaxChunks> reqs{};
+  MPI_Request req = MPI_REQUEST_NULL;
+  size_t wrong_size = 0;  // a mismatched message's size (its receive then fails)
+  bool mismatch = false;
 };
 
 int g_endpoints = 0;
@@ -41,12 +73,13 @@ class MpiTransport : public Transport {
     MPI_Comm_size(comm_, &size_);
     entries_.resize(1024);
     for (uint32_t i = 1024; i > 0; --i) free_.push_back(i - 1);
+    unmatched_.reserve(1024);
     ++g_endpoints;
   }
 
   ~MpiTransport() override {
     for (uint32_t i = 0; i < entries_.size(); ++i) {
-      if (entries_[i].used) (void)Cancel(Request{MakeId(i), entries_[i].peer});
+      if (entries_[i].phase != Phase::kFree) (void)Cancel(Request{MakeId(i), entries_[i].peer});
     }
     MPI_Comm_free(&comm_);
     if (--g_endpoints == 0) {
@@ -59,62 +92,84 @@ class MpiTransport : public Transport {
   const char* name() const override { return "mpi"; }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  bool can_withdraw_sends() const override { return false; }
 
   Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) override {
-    return Post(true, peer, tag, const_cast<void*>(buf), bytes);
+    MOERUN_ASSIGN_OR_RETURN(const uint32_t index,
+                            NewEntry(true, peer, tag, const_cast<void*>(buf), bytes));
+    Entry& e = entries_[index];
+    MPI_Datatype type;
+    int count = 0;
+    bool owned = false;
+    TypeFor(bytes, &type, &count, &owned);
+    const int rc = MPI_Isend(buf, count, type, peer, tag, comm_, &e.req);
+    if (owned) MPI_Type_free(&type);
+    if (rc != MPI_SUCCESS) {
+      Release(index);
+      return Status::Unavailable("MPI_Isend to rank " + std::to_string(peer) + ": " + MpiError(rc));
+    }
+    e.phase = Phase::kPosted;
+    return Request{MakeId(index), peer};
   }
+
   Result<Request> Irecv(int peer, int tag, void* buf, size_t bytes) override {
-    return Post(false, peer, tag, buf, bytes);
+    MOERUN_ASSIGN_OR_RETURN(const uint32_t index, NewEntry(false, peer, tag, buf, bytes));
+    entries_[index].phase = Phase::kUnmatched;
+    unmatched_.push_back(index);
+    MatchReceives();
+    return Request{MakeId(index), peer};
   }
 
   Result<bool> Test(Request r) override {
     Entry* e = Find(r);
     if (e == nullptr) return Status::InvalidArgument("mpi: unknown request");
+    const uint32_t index = Index(r);
+    MatchReceives();
+    if (e->phase == Phase::kUnmatched) return false;
     int done = 0;
-    std::array<MPI_Status, kMaxChunks> st{};
-    const int rc = MPI_Testall(e->chunks, e->reqs.data(), &done, st.data());
+    MPI_Status st;
+    const int rc = MPI_Test(&e->req, &done, &st);
     if (rc != MPI_SUCCESS) {
-      // Some chunk failed (e.g. MPI_ERR_TRUNCATE: a longer message than the receive expects).
-      // Chunks still pending are withdrawn before the entry is reused.
-      int code = rc;
-      for (int c = 0; c < e->chunks; ++c) {
-        const int err = rc == MPI_ERR_IN_STATUS ? st[static_cast<size_t>(c)].MPI_ERROR : rc;
-        if (err != MPI_SUCCESS && err != MPI_ERR_PENDING) code = err;
-      }
-      WithdrawPending(e);
-      const Status s = code == MPI_ERR_TRUNCATE
-                           ? Status::InvalidArgument("message longer than the " +
-                                                     std::to_string(e->bytes) +
-                                                     " bytes the receiver expected")
-                           : Status::Unavailable("MPI_Testall: " + MpiError(code));
-      Release(r);
+      const Status s =
+          Status::Unavailable(std::string(e->send ? "send to" : "receive from") + " rank " +
+                              std::to_string(e->peer) + ": " + MpiError(rc));
+      Release(index);
       return s;
     }
     if (!done) return false;
-    if (!e->send) {
-      size_t got = 0;
-      for (int c = 0; c < e->chunks; ++c) {
-        int count = 0;
-        MPI_Get_count(&st[static_cast<size_t>(c)], MPI_BYTE, &count);
-        got += static_cast<size_t>(count);
-      }
-      if (got != e->bytes) {
-        const Status s =
-            Status::InvalidArgument("message of " + std::to_string(got) + " bytes where " +
-                                    std::to_string(e->bytes) + " were expected");
-        Release(r);
-        return s;
-      }
+    if (e->mismatch) {
+      const Status s =
+          Status::InvalidArgument("message of " + std::to_string(e->wrong_size) + " bytes where " +
+                                  std::to_string(e->bytes) + " were expected");
+      Release(index);
+      return s;
     }
-    Release(r);
+    Release(index);
     return true;
   }
 
   Status Cancel(Request r) override {
     Entry* e = Find(r);
     if (e == nullptr) return Status::Ok();
-    WithdrawPending(e);
-    Release(r);
+    const uint32_t index = Index(r);
+    if (e->phase == Phase::kUnmatched) {
+      // Never handed to MPI: nothing can arrive in its buffer.
+      for (size_t i = 0; i < unmatched_.size(); ++i) {
+        if (unmatched_[i] == index) {
+          unmatched_.erase(unmatched_.begin() + static_cast<std::ptrdiff_t>(i));
+          break;
+        }
+      }
+    } else if (e->req != MPI_REQUEST_NULL) {
+      // A matched receive is already arriving, and MPI cannot withdraw a send a peer may be
+      // reading: give it a moment to finish, then leave it to MPI (its buffer must outlive the
+      // transport; the runtime ends the job after such a failure).
+      MPI_Cancel(&e->req);
+      int done = 0;
+      for (int i = 0; i < 1000 && !done; ++i) MPI_Test(&e->req, &done, MPI_STATUS_IGNORE);
+      if (!done) MPI_Request_free(&e->req);
+    }
+    Release(index);
     return Status::Ok();
   }
 
@@ -125,50 +180,27 @@ class MpiTransport : public Transport {
   }
 
  private:
-  static uint64_t MakeIdWith(uint32_t index, uint32_t generation) {
-    return (static_cast<uint64_t>(generation) << 32) | (index + 1u);
+  static uint32_t Index(Request r) { return static_cast<uint32_t>((r.id & 0xffffffffu) - 1); }
+  uint64_t MakeId(uint32_t index) const {
+    return (static_cast<uint64_t>(entries_[index].generation) << 32) | (index + 1u);
   }
-  uint64_t MakeId(uint32_t index) const { return MakeIdWith(index, entries_[index].generation); }
 
   Entry* Find(Request r) {
     const uint64_t index = (r.id & 0xffffffffu) - 1;
     if (r.id == 0 || index >= entries_.size()) return nullptr;
     Entry& e = entries_[index];
-    if (!e.used || e.generation != static_cast<uint32_t>(r.id >> 32)) return nullptr;
+    if (e.phase == Phase::kFree || e.generation != static_cast<uint32_t>(r.id >> 32))
+      return nullptr;
     return &e;
   }
 
-  // Withdraws the chunks of an entry that are still active. Receives are cancelled and reaped.
-  // A send is cancelled if MPI still can; one already matched by a peer that stopped cannot be
-  // reaped without waiting on that peer, so it is left to MPI (its buffer must outlive the job:
-  // after such a failure the job is ended anyway).
-  void WithdrawPending(Entry* e) {
-    for (int c = 0; c < e->chunks; ++c) {
-      MPI_Request& q = e->reqs[static_cast<size_t>(c)];
-      if (q == MPI_REQUEST_NULL) continue;
-      MPI_Cancel(&q);
-      if (!e->send) {
-        MPI_Wait(&q, MPI_STATUS_IGNORE);
-        continue;
-      }
-      int done = 0;
-      for (int i = 0; i < 1000 && !done; ++i) MPI_Test(&q, &done, MPI_STATUS_IGNORE);
-      if (!done) MPI_Request_free(&q);
-    }
-  }
-
-  void Release(Request r) {
-    const uint32_t index = static_cast<uint32_t>((r.id & 0xffffffffu) - 1);
-    Entry& e = entries_[index];
-    e.used = false;
-    ++e.generation;
-    free_.push_back(index);
-  }
-
-  Result<Request> Post(bool send, int peer, int tag, void* buf, size_t bytes) {
+  Result<uint32_t> NewEntry(bool send, int peer, int tag, void* buf, size_t bytes) {
     if (peer < 0 || peer >= size_)
       return Status::InvalidArgument("mpi: no rank " + std::to_string(peer));
-    if (bytes > kChunk * kMaxChunks) return Status::InvalidArgument("mpi: message too large");
+    if (tag < 0) return Status::InvalidArgument("mpi: negative tag");
+    if (bytes / kBlock > static_cast<size_t>(std::numeric_limits<int>::max())) {
+      return Status::InvalidArgument("mpi: message too large");
+    }
     if (free_.empty()) {
       const uint32_t old = static_cast<uint32_t>(entries_.size());
       entries_.resize(old * 2);
@@ -177,32 +209,75 @@ class MpiTransport : public Transport {
     const uint32_t index = free_.back();
     free_.pop_back();
     Entry& e = entries_[index];
-    e.used = true;
     e.send = send;
     e.peer = peer;
+    e.tag = tag;
+    e.buf = buf;
     e.bytes = bytes;
-    e.chunks = bytes == 0 ? 1 : static_cast<int>((bytes + kChunk - 1) / kChunk);
-    for (int c = 0; c < e.chunks; ++c) {
-      const size_t off = static_cast<size_t>(c) * kChunk;
-      const int n = static_cast<int>(std::min(kChunk, bytes - off));
-      char* p = static_cast<char*>(buf) + (bytes == 0 ? 0 : off);
-      const int rc =
-          send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, comm_, &e.reqs[static_cast<size_t>(c)])
-               : MPI_Irecv(p, n, MPI_BYTE, peer, tag, comm_, &e.reqs[static_cast<size_t>(c)]);
-      if (rc != MPI_SUCCESS) {
-        for (int d = 0; d < c; ++d) MPI_Request_free(&e.reqs[static_cast<size_t>(d)]);
-        Release(Request{MakeId(index), peer});
-        return Status::Unavailable(std::string(send ? "MPI_Isend" : "MPI_Irecv") + " to rank " +
-                                   std::to_string(peer) + ": " + MpiError(rc));
+    e.req = MPI_REQUEST_NULL;
+    e.mismatch = false;
+    e.wrong_size = 0;
+    return index;
+  }
+
+  void Release(uint32_t index) {
+    Entry& e = entries_[index];
+    e.phase = Phase::kFree;
+    ++e.generation;
+    free_.push_back(index);
+  }
+
+  // Hands arrived messages to the receives waiting for them, oldest receive first per
+  // (peer, tag), so that receives are matched in the order they were posted.
+  void MatchReceives() {
+    size_t kept = 0;
+    blocked_.clear();
+    for (size_t i = 0; i < unmatched_.size(); ++i) {
+      const uint32_t index = unmatched_[i];
+      Entry& e = entries_[index];
+      const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(e.peer)) << 32) |
+                           static_cast<uint32_t>(e.tag);
+      bool behind = false;
+      for (uint64_t b : blocked_) behind |= b == key;
+      int flag = 0;
+      MPI_Message msg = MPI_MESSAGE_NULL;
+      MPI_Status st;
+      if (!behind) MPI_Improbe(e.peer, e.tag, comm_, &flag, &msg, &st);
+      if (!flag) {
+        if (!behind) blocked_.push_back(key);
+        unmatched_[kept++] = index;
+        continue;
       }
+      MPI_Count count = 0;
+      MPI_Get_elements_x(&st, MPI_BYTE, &count);
+      void* dst = e.buf;
+      size_t bytes = e.bytes;
+      if (static_cast<size_t>(count) != e.bytes) {
+        // Drain it into scratch memory; the receive fails once it has arrived.
+        e.mismatch = true;
+        e.wrong_size = static_cast<size_t>(count);
+        scratch_.resize(std::max(scratch_.size(), e.wrong_size));
+        dst = scratch_.data();
+        bytes = e.wrong_size;
+      }
+      MPI_Datatype type;
+      int n = 0;
+      bool owned = false;
+      TypeFor(bytes, &type, &n, &owned);
+      MPI_Imrecv(dst, n, type, &msg, &e.req);
+      if (owned) MPI_Type_free(&type);
+      e.phase = Phase::kPosted;
     }
-    return Request{MakeId(index), peer};
+    unmatched_.resize(kept);
   }
 
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_;
+  std::vector<uint32_t> unmatched_;  // receives not yet matched, in posting order
+  std::vector<uint64_t> blocked_;    // scratch of MatchReceives
+  std::vector<char> scratch_;        // where messages of the wrong size are drained
 };
 
 }  // namespace
