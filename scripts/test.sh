@@ -22,7 +22,8 @@ ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
 
 step "sanitizer build (address, undefined) + unit tests"
 cmake --preset asan >/dev/null
-cmake --build build-asan -j "$jobs"
+cmake --build build-asan -j "$jobs" --target moerun_unit_tests moerun_router_tests \
+  moerun_transport_tests moerun_alloc_tests moerun_fuzz_replay moerun_isa_kernels
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" -L unit --timeout 900
 

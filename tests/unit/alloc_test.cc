@@ -1,6 +1,9 @@
 // Steady state allocates nothing: after warm-up, many batches through the single-process layer
 // and through an expert-parallel job (router and expert ranks as threads) make no heap
 // allocation on any thread. This binary replaces operator new to count them.
+// The replacements below pair malloc/aligned_alloc with free on purpose.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
