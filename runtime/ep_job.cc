@@ -1,6 +1,8 @@
 #include "runtime/ep_job.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "runtime/checkpoint.h"
@@ -66,6 +68,22 @@ Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
   return t->WaitAll(reqs, DeadlineIn(deadline), "shutdown");
 }
 
+// Compute threads of a rank when not given: the host's cores shared among the ranks on it that
+// compute. A router mostly waits while the expert ranks work, so expert ranks share the cores
+// among themselves; routers get an equal share of all ranks on the host.
+int DefaultThreads(int rank, int ranks, int routers) {
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  int local = ranks;    // ranks on this host (inproc: all of them)
+  int local_first = 0;  // the global rank of this host's first rank
+  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(v));
+  if (const char* lr = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) {
+    local_first = rank - std::atoi(lr);
+  }
+  if (rank < routers) return std::max(1, cores / local);
+  const int local_routers = std::clamp(routers - local_first, 0, local);
+  return std::max(1, cores / std::max(1, local - local_routers));
+}
+
 }  // namespace
 
 Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
@@ -90,11 +108,7 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
                           Placement::Make(opts.placement, spec.num_experts, ranks, opts.routers));
   const size_t header_bytes = HeaderBytes(placement, opts.layers);
 
-  int threads = opts.threads;
-  if (threads <= 0) {
-    threads =
-        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, ranks));
-  }
+  const int threads = opts.threads > 0 ? opts.threads : DefaultThreads(rank, ranks, opts.routers);
   ThreadPool pool(threads);
   const CpuKernels& kernels = KernelsFor(opts.isa);
 
