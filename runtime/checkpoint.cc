@@ -111,7 +111,11 @@ Result<TensorRef> Checkpoint::Get(const std::string& name) const {
   if (it == weight_map_.end()) {
     return Status::NotFound("tensor '" + name + "' is not in the checkpoint " + path_);
   }
-  MOERUN_ASSIGN_OR_RETURN(const SafetensorsFile* f, Shard(it->second));
+  auto shard = Shard(it->second);
+  if (!shard.ok()) {
+    return shard.status().WithContext("tensor '" + name + "' is in shard " + it->second);
+  }
+  const SafetensorsFile* f = *shard;
   auto t = f->Get(name);
   if (!t.ok()) {
     return Status::Corrupt("the index of " + path_ + " places tensor '" + name + "' in " +
