@@ -17,8 +17,6 @@ ExpertHost::ExpertHost(Transport* transport, const Placement& placement,
     : t_(transport),
       placement_(placement),
       layers_(std::move(layers)),
-      kernels_(kernels),
-      pool_(pool),
       opts_(options),
       ffn_(kernels, pool) {
   std::vector<int> ids;

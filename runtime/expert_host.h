@@ -48,8 +48,6 @@ class ExpertHost {
   Transport* t_;
   const Placement& placement_;
   std::map<int, std::shared_ptr<const MoeLayerWeights>> layers_;
-  const CpuKernels& kernels_;
-  ThreadPool* pool_;
   ExpertHostOptions opts_;
   GroupedFfn ffn_;
   size_t header_bytes_ = 0;
