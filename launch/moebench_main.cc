@@ -1,10 +1,12 @@
 // moebench: benchmarks that compare moerun against a baseline measured in the same run and
-// print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm), and
-// sgemm (the baseline's child process).
+// print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm),
+// transport (dispatch + combine vs MPI_Alltoallv), serve (load on a router's serving endpoint),
+// and sgemm (the baseline's child process). Bad flags exit with 2.
 #include <CLI/CLI.hpp>
 #include <sstream>
 
 #include "bench/layer_bench.h"
+#include "bench/serve_bench.h"
 #include "bench/sgemm_baseline.h"
 #include "bench/transport_bench.h"
 #include "launch/job_launch.h"
@@ -59,6 +61,35 @@ int main(int argc, char** argv) {
     transport->add_flag("--json", tf.json, "Print the JSON report on rank 0's stdout");
     moerun::AddLaunchFlags(transport, &tf.launch);
 
+    moerun::bench::ServeBenchFlags sf;
+    CLI::App* serve = app.add_subcommand(
+        "serve", "Load a router's serving endpoint (closed or open loop), optionally verified");
+    serve->add_option("--target", sf.target, "HOST:PORT of a router")->required();
+    serve->add_option("--concurrency", sf.concurrency, "Connections")->default_val(1);
+    serve->add_option("--duration", sf.duration_s, "Measured seconds")->default_val(10);
+    serve->add_option("--tokens-per-request", sf.tokens_per_request, "Tokens per request")
+        ->default_val(1);
+    serve->add_option("--rate", sf.rate, "Open loop: requests/s in total (default: closed loop)");
+    serve->add_option("--layer", sf.layer.layer, "Model layer (default: the server's)");
+    serve->add_option("--dtype", sf.dtype, "Request data: f32 or bf16")->default_val("f32");
+    serve->add_option("--deadline-ms", sf.deadline_ms, "Deadline sent in each request")
+        ->default_val(0);
+    serve->add_option("--warmup", sf.warmup_s, "Seconds left out of the statistics")
+        ->default_val(1.0);
+    serve->add_option("--hidden", sf.hidden, "Hidden size (required without --verify)");
+    serve->add_option("--inputs", sf.inputs, "Distinct request inputs")->default_val(64);
+    serve->add_option("--seed-inputs", sf.seed_inputs, "Seed of the inputs")->default_val(1);
+    serve->add_flag("--verify", sf.verify, "Check every answer bitwise against the local layer");
+    auto* serve_model = serve->add_option("--model", sf.layer.model, "--verify: model folder");
+    auto* serve_preset = serve->add_option("--preset", sf.layer.preset, "--verify: preset name");
+    serve_model->excludes(serve_preset);
+    serve->add_option("--seed", sf.layer.seed, "--verify: preset seed")->default_val(1);
+    serve->add_option("--experts", sf.layer.experts, "--verify: preset expert count");
+    serve->add_option("--weights-dtype", sf.layer.dtype, "--verify: preset weights f32, bf16")
+        ->default_val("f32");
+    serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
+    serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
+
     std::string shapes;
     int threads = 0;
     double min_time = 1.0;
@@ -67,7 +98,12 @@ int main(int argc, char** argv) {
     sgemm->add_option("--threads", threads);
     sgemm->add_option("--min-time", min_time);
 
-    CLI11_PARSE(app, argc, argv);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      const int rc = app.exit(e);  // prints help or the error
+      return rc == 0 ? 0 : 2;
+    }
     if (layer->parsed()) {
       lf.tokens.clear();
       std::stringstream ss(tokens);
@@ -86,6 +122,7 @@ int main(int argc, char** argv) {
       return moerun::bench::RunLayerBench(lf);
     }
     if (transport->parsed()) return moerun::bench::RunTransportBench(tf);
+    if (serve->parsed()) return moerun::bench::RunServeBench(sf);
     if (sgemm->parsed()) {
       auto s = moerun::bench::ShapesFromArg(shapes);
       if (!s.ok()) {

@@ -1,12 +1,21 @@
 #include "launch/serve_cmd.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <csignal>
 #include <fstream>
+#include <mutex>
 
+#include "launch/control_endpoint.h"
+#include "launch/host_port.h"
 #include "launch/job_launch.h"
 #include "launch/layer_source.h"
+#include "launch/rank_services.h"
+#include "launch/serving_endpoint.h"
 #include "runtime/batcher.h"
+#include "runtime/expert_host.h"
 #include "runtime/layer_loader.h"
 #include "runtime/log.h"
 #include "runtime/serve_config.h"
@@ -21,6 +30,8 @@ extern "C" void OnStopSignal(int) { g_stop.store(true); }
 struct ServeFlags {
   std::string config;
   std::string ready_file;
+  std::string pid_file;
+  std::string listen, control_listen, metrics_listen, token_file;
 };
 
 Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<int>& wanted) {
@@ -37,11 +48,55 @@ Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<
   return out;
 }
 
+// Many connections need many descriptors: take the hard limit.
+void RaiseDescriptorLimit() {
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)setrlimit(RLIMIT_NOFILE, &rl);
+  }
+}
+
+// Per rank of this process (one under mpirun; all of them with inproc).
+struct Ranks {
+  std::mutex mu;
+  std::map<int, std::unique_ptr<RankServices>> by_rank;
+  RankServices* Get(int rank) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = by_rank.find(rank);
+    return it == by_rank.end() ? nullptr : it->second.get();
+  }
+};
+
 int RunServe(const ServeFlags& f) {
   auto config = LoadServeConfig(f.config);
   if (!config.ok()) return FailWith(config.status());
-  const ServeConfig& c = *config;
-  InitLogging(RankFromEnvironment(), "main", c.log_level);
+  ServeConfig c = *config;
+  // Flags override the config's addresses.
+  if (!f.listen.empty()) c.serving.listen = f.listen;
+  if (!f.control_listen.empty()) c.serving.control_listen = f.control_listen;
+  if (!f.metrics_listen.empty()) c.serving.metrics_listen = f.metrics_listen;
+  if (!f.token_file.empty()) c.serving.token_file = f.token_file;
+  const ServingConfig& sc = c.serving;
+  auto listen = ParseHostPort(sc.listen);
+  if (!listen.ok()) return FailWith(listen.status().WithContext("serving listen address"));
+  auto control_listen = ParseHostPort(sc.control_listen);
+  if (!control_listen.ok()) {
+    return FailWith(control_listen.status().WithContext("control listen address"));
+  }
+  auto metrics_listen = ParseHostPort(sc.metrics_listen);
+  if (!metrics_listen.ok()) {
+    return FailWith(metrics_listen.status().WithContext("metrics listen address"));
+  }
+  std::string token;
+  if (!sc.token_file.empty()) {
+    auto t = ReadTokenFile(sc.token_file);
+    if (!t.ok()) return FailWith(t.status());
+    token = *t;
+  }
+  const int env_rank = RankFromEnvironment();
+  InitLogging(env_rank, env_rank >= 0 && env_rank < c.routers ? "router" : "expert", c.log_level);
+  RaiseDescriptorLimit();
   auto isa = ChooseIsa(c.isa);
   if (!isa.ok()) return FailWith(isa.status());
   LaunchFlags lf;
@@ -75,38 +130,144 @@ int RunServe(const ServeFlags& f) {
   auto layers = ResolveLayers(*spec, c.layers);
   if (!layers.ok()) return FailWith(layers.status());
   opts.layers = *layers;
+  if (c.batching.max_batch_tokens < 1) c.batching.max_batch_tokens = 1;
 
   std::signal(SIGTERM, OnStopSignal);
   std::signal(SIGINT, OnStopSignal);
+  if (!f.pid_file.empty() && (*job)->rank() == 0) std::ofstream(f.pid_file) << ::getpid() << "\n";
   const auto started = std::chrono::steady_clock::now();
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& eps) -> Status {
-    Batcher batcher(c.batching, spec->hidden);
+
+  // Each rank's services start before it loads (so /health/live answers during loading).
+  Ranks ranks;
+  opts.hooks.placement = [&](int rank, Transport* t, const Placement& placement,
+                             const ModelSpec& model) -> Status {
+    MOERUN_ASSIGN_OR_RETURN(
+        auto rs, RankServices::Start(rank, placement, model, opts.layers, t, *metrics_listen));
+    std::lock_guard<std::mutex> lock(ranks.mu);
+    ranks.by_rank[rank] = std::move(rs);
+    return Status::Ok();
+  };
+  opts.hooks.done = [&](int rank) {
+    std::unique_ptr<RankServices> gone;
+    std::lock_guard<std::mutex> lock(ranks.mu);
+    gone = std::move(ranks.by_rank[rank]);
+  };
+  opts.hooks.ready = [&](int rank) {
+    if (RankServices* rs = ranks.Get(rank)) rs->set_loaded();
     if (rank == 0) {
       spdlog::info(
-          "serving {} layer(s) of {} on {} ranks; ready in {:.2f} s; stop with SIGTERM", eps.size(),
-          FamilyName(spec->family), (*job)->size(),
+          "every rank loaded its weights: ready {:.2f} s after start",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    }
+  };
+  opts.hooks.expert_host = [&](int rank, ExpertHost& host) {
+    if (RankServices* rs = ranks.Get(rank)) rs->Attach(&host);
+  };
+  opts.hooks.health = PeerHealthOptions{std::chrono::milliseconds(sc.probe_interval_ms),
+                                        std::chrono::milliseconds(sc.probe_deadline_ms)};
+  std::mutex health_mu;
+  std::map<int, PeerHealth*> health_of;
+  opts.hooks.router_health = [&](int rank, PeerHealth* h) {
+    std::lock_guard<std::mutex> lock(health_mu);
+    health_of[rank] = h;
+  };
+
+  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& eps) -> Status {
+    RankServices* rs = ranks.Get(rank);
+    PeerHealth* health = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(health_mu);
+      health = health_of[rank];
+    }
+    for (auto& [l, ep] : eps) rs->Attach(ep);
+    Batcher batcher(c.batching, spec->hidden);
+
+    ServingOptions so;
+    so.framed.listen = WithPortOffset(*listen, rank);
+    so.framed.name = "router " + std::to_string(rank) + " serving";
+    so.framed.max_frame_bytes = static_cast<uint32_t>(sc.max_frame_bytes);
+    so.framed.max_connections = sc.max_connections;
+    so.framed.frame_timeout = std::chrono::milliseconds(sc.frame_timeout_ms);
+    so.framed.max_buffered_bytes = sc.max_buffered_bytes;
+    so.max_inflight_per_connection = sc.max_inflight_per_connection;
+    so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
+    ServedModel served;
+    served.layers = opts.layers;
+    served.hidden = spec->hidden;
+    served.max_request_tokens = sc.max_request_tokens;
+    MOERUN_ASSIGN_OR_RETURN(auto endpoint,
+                            ServingEndpoint::Start(so, served, &batcher, &rs->metrics()));
+    std::unique_ptr<ControlEndpoint> control;
+    if (rank == 0) {
+      if (token.empty()) {
+        spdlog::warn("no control token file (serving.token_file or --token-file): moectl is off");
+      } else {
+        FramedServerOptions co;
+        co.listen = *control_listen;
+        co.name = "control";
+        co.max_connections = 64;
+        ControlProvider provider;
+        provider.status = [rs] { return rs->Status(); };
+        provider.placement = [rs] { return rs->PlacementInfo(); };
+        provider.stats = [rs] { return rs->Stats(); };
+        MOERUN_ASSIGN_OR_RETURN(control,
+                                ControlEndpoint::Start(co, token, provider, &rs->metrics()));
+      }
+      spdlog::info(
+          "serving {} layer(s) of {} on {} ranks at {}; ready in {:.2f} s; stop with SIGTERM",
+          eps.size(), FamilyName(spec->family), (*job)->size(),
+          FormatHostPort(WithPortOffset(*listen, rank)),
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       if (!f.ready_file.empty()) std::ofstream(f.ready_file) << "ready\n";
     }
-    Status failed;
+
+    Counter* batches = rs->metrics().AddCounter("moerun_batches_total", "Batches run");
+    Counter* batch_tokens =
+        rs->metrics().AddCounter("moerun_batch_tokens_total", "Tokens of the batches run");
+    std::chrono::steady_clock::time_point drain_until{};
+    bool draining = false;
+    auto refresh = [&] {
+      if (health != nullptr) health->Poll();
+      const BatcherStats st = batcher.stats();
+      rs->Refresh(health, static_cast<int64_t>(st.queued_requests), st.queued_tokens);
+    };
     batcher.Run(
-        [&](int layer, const float* x, int64_t tokens, float* out) -> Status {
+        [&](int layer, const float* x, int64_t tokens, float* out,
+            std::chrono::steady_clock::time_point deadline) -> Status {
           const auto it = eps.find(layer);
           if (it == eps.end()) {
             return Status::InvalidArgument("layer " + std::to_string(layer) + " is not served");
           }
-          Status s = it->second->Forward(x, tokens, out);
-          if (s.code() == StatusCode::kDeadlineExceeded || s.code() == StatusCode::kUnavailable) {
-            failed = s;  // an expert rank is gone: stop serving
-            g_stop.store(true);
-          }
+          if (health != nullptr) health->Poll();
+          Status s = it->second->Forward(x, tokens, out, deadline);
+          batches->Inc();
+          batch_tokens->Inc(static_cast<uint64_t>(tokens));
+          if (s.ok()) rs->CountRequestServed();
           return s;
         },
-        [] { return g_stop.load(); });
+        [&] {
+          if (!g_stop.load()) return false;
+          if (!draining) {
+            draining = true;
+            rs->set_draining();
+            endpoint->BeginDrain();
+            drain_until =
+                std::chrono::steady_clock::now() + std::chrono::seconds(sc.drain_timeout_s);
+          }
+          if (endpoint->in_flight() == 0) return true;
+          if (std::chrono::steady_clock::now() >= drain_until) {
+            spdlog::warn("drain timeout: {} request(s) still in flight", endpoint->in_flight());
+            return true;
+          }
+          return false;
+        },
+        refresh);
+    endpoint->Stop();
+    if (control) control->Stop();
     const BatcherStats st = batcher.stats();
-    spdlog::info("router {} stopping: {} batches, {} requests, {} tokens served", rank, st.batches,
-                 st.requests, st.tokens);
-    return failed;
+    spdlog::info("router {} stopping: {} batches, {} requests, {} tokens served, {} expired", rank,
+                 st.batches, st.requests, st.tokens, st.expired);
+    return Status::Ok();
   };
   const Status s = (*job)->Run(opts, work);
   if (!s.ok()) (*job)->Abort(FailWith(s));
@@ -122,7 +283,14 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--config", flags->config, "YAML config (see configs/ and the README)")
       ->required();
   cmd->add_option("--ready-file", flags->ready_file,
-                  "Write this file once every rank has loaded its weights");
+                  "Write this file once every rank has loaded its weights and router 0 listens");
+  cmd->add_option("--pid-file", flags->pid_file, "Write rank 0's process id here");
+  cmd->add_option("--listen", flags->listen,
+                  "Serving endpoint HOST:PORT of router 0 (router i: PORT + i)");
+  cmd->add_option("--control-listen", flags->control_listen, "moectl endpoint HOST:PORT");
+  cmd->add_option("--metrics-listen", flags->metrics_listen,
+                  "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r)");
+  cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
   return [flags, cmd]() -> int {
     if (!cmd->parsed()) return -1;
     return RunServe(*flags);

@@ -9,6 +9,7 @@ Batcher::Batcher(BatcherOptions options, int64_t hidden)
       hidden_(hidden),
       ring_(static_cast<size_t>(std::max(1, options.max_queue_requests))) {
   batch_.reserve(ring_.size());
+  expired_.reserve(ring_.size());
 }
 
 Status Batcher::Submit(const BatchRequest& r) {
@@ -31,8 +32,26 @@ Status Batcher::Submit(const BatchRequest& r) {
   return Status::Ok();
 }
 
+void Batcher::DropExpired(Clock::time_point now) {
+  // Compacts the ring, keeping FIFO order of the live requests.
+  size_t kept = 0;
+  for (size_t i = 0; i < count_; ++i) {
+    Slot& s = ring_[(head_ + i) % ring_.size()];
+    if (s.req.deadline <= now) {
+      expired_.push_back(s);
+      queued_tokens_ -= s.req.tokens;
+    } else {
+      if (kept != i) ring_[(head_ + kept) % ring_.size()] = s;
+      ++kept;
+    }
+  }
+  count_ = kept;
+}
+
 bool Batcher::TakeBatch(std::vector<Slot>* batch, bool flush) {
   batch->clear();
+  const auto now = Clock::now();
+  DropExpired(now);
   if (count_ == 0) return false;
   const Slot& first = ring_[head_];
   // Tokens of the head's layer that can go together, in FIFO order.
@@ -45,7 +64,7 @@ bool Batcher::TakeBatch(std::vector<Slot>* batch, bool flush) {
     tokens += s.req.tokens;
   }
   const bool full = tokens >= opts_.max_batch_tokens || n < count_;
-  const bool waited = Clock::now() - first.enqueued >= std::chrono::microseconds(opts_.max_wait_us);
+  const bool waited = now - first.enqueued >= std::chrono::microseconds(opts_.max_wait_us);
   if (!full && !waited && !flush) return false;
   for (size_t i = 0; i < n; ++i) {
     batch->push_back(ring_[head_]);
@@ -56,26 +75,50 @@ bool Batcher::TakeBatch(std::vector<Slot>* batch, bool flush) {
   return true;
 }
 
-void Batcher::Run(FunctionRef<Status(int, const float*, int64_t, float*)> forward,
-                  FunctionRef<bool()> stop_requested) {
+void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionRef<void()> idle,
+                  std::chrono::milliseconds poll) {
+  auto answer_expired = [&] {
+    for (const Slot& s : expired_) {
+      BatchInfo info;
+      info.queue_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s.enqueued).count();
+      s.req.done(s.req.ctx,
+                 Status::DeadlineExceeded("the deadline passed after " +
+                                          std::to_string(info.queue_us) + " us in the queue"),
+                 info);
+    }
+    expired_.clear();
+  };
   for (;;) {
+    bool have = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      for (;;) {
-        if (stop_requested()) stopping_ = true;
-        if (TakeBatch(&batch_, stopping_)) break;
-        if (stopping_ && count_ == 0) return;
-        if (count_ == 0) {
-          cv_.wait_for(lock, std::chrono::milliseconds(100));
-        } else {
-          const auto due = ring_[head_].enqueued + std::chrono::microseconds(opts_.max_wait_us);
-          cv_.wait_until(lock, std::min(due, Clock::now() + std::chrono::milliseconds(100)));
+      if (stop_requested()) stopping_ = true;
+      have = TakeBatch(&batch_, stopping_);
+      stats_.expired += expired_.size();
+      if (!have && stopping_ && count_ == 0 && expired_.empty()) return;
+      if (!have && expired_.empty()) {
+        auto until = Clock::now() + poll;
+        if (count_ > 0) {
+          until =
+              std::min(until, ring_[head_].enqueued + std::chrono::microseconds(opts_.max_wait_us));
         }
+        cv_.wait_until(lock, until);
       }
     }
+    answer_expired();
+    if (!have) {
+      idle();
+      continue;
+    }
     // Gather, run, scatter.
+    const auto started = Clock::now();
     int64_t tokens = 0;
-    for (const Slot& s : batch_) tokens += s.req.tokens;
+    auto deadline = Clock::time_point::max();
+    for (const Slot& s : batch_) {
+      tokens += s.req.tokens;
+      deadline = std::min(deadline, s.req.deadline);
+    }
     const size_t bytes = static_cast<size_t>(tokens * hidden_) * sizeof(float);
     in_.Reserve(bytes);
     out_.Reserve(bytes);
@@ -86,7 +129,12 @@ void Batcher::Run(FunctionRef<Status(int, const float*, int64_t, float*)> forwar
                   static_cast<size_t>(s.req.tokens * hidden_) * sizeof(float));
       off += s.req.tokens;
     }
-    const Status st = forward(batch_.front().req.layer, in, tokens, out_.as<float>());
+    const Status st = forward(batch_.front().req.layer, in, tokens, out_.as<float>(), deadline);
+    const auto finished = Clock::now();
+    BatchInfo info;
+    info.batch_tokens = tokens;
+    info.compute_us =
+        std::chrono::duration_cast<std::chrono::microseconds>(finished - started).count();
     off = 0;
     for (const Slot& s : batch_) {
       if (st.ok()) {
@@ -94,12 +142,17 @@ void Batcher::Run(FunctionRef<Status(int, const float*, int64_t, float*)> forwar
                     static_cast<size_t>(s.req.tokens * hidden_) * sizeof(float));
       }
       off += s.req.tokens;
-      s.req.done(s.req.ctx, st);
+      info.queue_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(started - s.enqueued).count();
+      s.req.done(s.req.ctx, st, info);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.batches;
-    stats_.requests += batch_.size();
-    stats_.tokens += static_cast<uint64_t>(tokens);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.batches;
+      stats_.requests += batch_.size();
+      stats_.tokens += static_cast<uint64_t>(tokens);
+    }
+    idle();
   }
 }
 
@@ -113,7 +166,10 @@ void Batcher::Stop() {
 
 BatcherStats Batcher::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  BatcherStats s = stats_;
+  s.queued_requests = count_;
+  s.queued_tokens = queued_tokens_;
+  return s;
 }
 
 }  // namespace moerun

@@ -27,17 +27,29 @@ struct BatcherOptions {
   int max_queue_requests = 4096;
 };
 
+// What a request's callback learns besides its status.
+struct BatchInfo {
+  int64_t queue_us = 0;      // from Submit to the start of its batch
+  int64_t compute_us = 0;    // of its batch
+  int64_t batch_tokens = 0;  // tokens of its batch
+};
+
 struct BatchRequest {
   int layer = 0;
   const float* x = nullptr;  // [tokens][hidden]
   float* out = nullptr;      // [tokens][hidden]
   int64_t tokens = 0;
-  void (*done)(void* ctx, const Status& status) = nullptr;
+  void (*done)(void* ctx, const Status& status, const BatchInfo& info) = nullptr;
   void* ctx = nullptr;
+  // A request still queued at its deadline is answered kDeadlineExceeded without computing it;
+  // a batch's forward gets the earliest deadline of its requests.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 
 struct BatcherStats {
-  uint64_t batches = 0, requests = 0, tokens = 0, refused = 0;
+  uint64_t batches = 0, requests = 0, tokens = 0, refused = 0, expired = 0;
+  uint64_t queued_requests = 0;  // now
+  int64_t queued_tokens = 0;     // now
 };
 
 class Batcher {
@@ -45,10 +57,13 @@ class Batcher {
   Batcher(BatcherOptions options, int64_t hidden);
 
   Status Submit(const BatchRequest& request);
-  // Runs batches until Stop (or `stop_requested` returns true, polled every 100 ms) and the queue
-  // is empty. forward(layer, x, tokens, out) computes one batch.
-  void Run(FunctionRef<Status(int, const float*, int64_t, float*)> forward,
-           FunctionRef<bool()> stop_requested);
+  using Forward = FunctionRef<Status(int layer, const float* x, int64_t tokens, float* out,
+                                     std::chrono::steady_clock::time_point deadline)>;
+  // Runs batches until Stop (or `stop_requested` returns true) and the queue is empty.
+  // forward(layer, x, tokens, out, deadline) computes one batch; `idle` runs between batches and
+  // at least every `poll` while nothing is queued (stop_requested is polled as often).
+  void Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionRef<void()> idle,
+           std::chrono::milliseconds poll = std::chrono::milliseconds(50));
   void Stop();
   BatcherStats stats() const;
 
@@ -58,8 +73,10 @@ class Batcher {
     BatchRequest req;
     Clock::time_point enqueued;
   };
-  // Takes the next batch off the queue (lock held); false when nothing is ready.
+  // Takes the next batch off the queue (lock held); false when nothing is ready. Requests past
+  // their deadline go to expired_ instead.
   bool TakeBatch(std::vector<Slot>* batch, bool flush);
+  void DropExpired(Clock::time_point now);
 
   const BatcherOptions opts_;
   const int64_t hidden_;
@@ -70,7 +87,7 @@ class Batcher {
   int64_t queued_tokens_ = 0;
   bool stopping_ = false;
   BatcherStats stats_;
-  std::vector<Slot> batch_;
+  std::vector<Slot> batch_, expired_;
   AlignedBuffer in_, out_;
 };
 

@@ -107,6 +107,16 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
   MOERUN_ASSIGN_OR_RETURN(Placement placement,
                           Placement::Make(opts.placement, spec.num_experts, ranks, opts.routers));
   const size_t header_bytes = HeaderBytes(placement, opts.layers);
+  if (opts.hooks.placement) {
+    MOERUN_RETURN_IF_ERROR(opts.hooks.placement(rank, t, placement, spec));
+  }
+  struct Done {
+    const JobHooks& hooks;
+    int rank;
+    ~Done() {
+      if (hooks.done) hooks.done(rank);
+    }
+  } done_hook{opts.hooks, rank};
 
   const int threads = opts.threads > 0 ? opts.threads : DefaultThreads(rank, ranks, opts.routers);
   ThreadPool pool(threads);
@@ -138,11 +148,13 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
     spdlog::info("all {} ranks ready ({} router(s), {} expert ranks, placement {} v{})", ranks,
                  opts.routers, ranks - opts.routers, opts.placement, placement.version());
   }
+  if (opts.hooks.ready) opts.hooks.ready(rank);
 
   if (!router) {
     ExpertHostOptions ho;
     ho.deadline = opts.ep.deadline;
     ExpertHost host(t, placement, weights, kernels, &pool, ho);
+    if (opts.hooks.expert_host) opts.hooks.expert_host(rank, host);
     MOERUN_RETURN_IF_ERROR(host.Serve());
     spdlog::debug("expert rank {} served {} microbatches", rank, host.microbatches_served());
     return Status::Ok();
@@ -155,8 +167,26 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
                                                            header_bytes, opts.ep));
     by_number[l] = layers.back().get();
   }
+  std::unique_ptr<PeerHealth> health;
+  if (opts.hooks.health) {
+    health = std::make_unique<PeerHealth>(t, placement, header_bytes, *opts.hooks.health);
+    for (auto& l : layers) l->set_health(health.get());
+    if (opts.hooks.router_health) opts.hooks.router_health(rank, health.get());
+  }
   Status s = work ? work(rank, by_number) : Status::Ok();
   if (!s.ok()) return s;
+  layers.clear();
+  if (health) {
+    // Late transfers and probes finish before the shutdown message queues behind them.
+    health->StopProbing();
+    const Deadline until = DeadlineIn(opts.ep.deadline);
+    while (!health->idle() && SteadyClock::now() < until) {
+      health->Poll();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (opts.hooks.router_health) opts.hooks.router_health(rank, nullptr);
+    health.reset();
+  }
   return SendShutdown(t, placement, header_bytes, opts.ep.deadline);
 }
 

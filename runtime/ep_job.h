@@ -19,6 +19,7 @@
 #include "router/placement.h"
 #include "runtime/ep_layer.h"
 #include "runtime/model_spec.h"
+#include "runtime/peer_health.h"
 #include "runtime/status.h"
 #include "transport/transport.h"
 
@@ -34,6 +35,25 @@ struct WeightSource {
   DType dtype = DType::kF32;
 };
 
+class ExpertHost;
+
+// What a long-running job (serve) hooks into a rank's life; all optional.
+struct JobHooks {
+  // Every rank (its number first), once the placement is made, before loading; an error ends
+  // the rank's part of the job.
+  std::function<Status(int, Transport*, const Placement&, const ModelSpec&)> placement;
+  // Every rank whose placement hook ran, when its part ends (the transport is still valid).
+  std::function<void(int)> done;
+  // Every rank, once every rank has loaded its weights.
+  std::function<void(int)> ready;
+  // Expert ranks, before serving.
+  std::function<void(int, ExpertHost&)> expert_host;
+  // Routers: with health options, a PeerHealth probes the expert ranks and takes over the
+  // transfers of missed deadlines (see runtime/peer_health.h); it is handed over before work.
+  std::optional<PeerHealthOptions> health;
+  std::function<void(int, PeerHealth*)> router_health;
+};
+
 struct JobOptions {
   WeightSource source;
   std::vector<int> layers;  // MoE layers to serve (resolved, non-empty)
@@ -43,6 +63,7 @@ struct JobOptions {
   std::chrono::milliseconds startup_timeout{600000};
   int threads = 0;  // per rank; 0: cores / ranks on this host
   Isa isa = Isa::kScalar;
+  JobHooks hooks;
 };
 
 // The model spec a source describes (experts scaled as the preset says).

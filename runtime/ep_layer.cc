@@ -35,6 +35,7 @@ ExpertParallelLayer::ExpertParallelLayer(Transport* transport, const Placement& 
       opts_(options),
       shared_ffn_(kernels, pool),
       in_flight_(static_cast<size_t>(placement.num_ranks()), 0.0) {
+  what_ = "expert-parallel layer " + std::to_string(w_->layer);
   for (auto& s : stages_) s = std::make_unique<Stage>(*w_, kernels_, pool_);
   for (auto& s : stages_) {
     s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement.num_ranks()));
@@ -52,7 +53,7 @@ ExpertParallelLayer::~ExpertParallelLayer() {
   }
 }
 
-Status ExpertParallelLayer::Forward(const float* x, int64_t tokens, float* out) {
+Status ExpertParallelLayer::Forward(const float* x, int64_t tokens, float* out, Deadline deadline) {
   if (lp_ == nullptr) {
     return Status::InvalidArgument("the placement has no entry for layer " +
                                    std::to_string(w_->layer));
@@ -61,28 +62,57 @@ Status ExpertParallelLayer::Forward(const float* x, int64_t tokens, float* out) 
   if (tokens == 0) return Status::Ok();
   const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : tokens;
   const int64_t n = (tokens + mb - 1) / mb;
+  call_deadline_ = deadline;
   Status status;
   for (int64_t i = 0; i <= n && status.ok(); ++i) {
     // Dispatch microbatch i, then collect i - 1 while the expert ranks work on i.
     if (i < n) {
       Stage& st = *stages_[i % 2];
+      const auto t0 = SteadyClock::now();
       status = Dispatch(st, x, i * mb, std::min(mb, tokens - i * mb));
+      if (dispatch_hist_ && status.ok()) {
+        dispatch_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
+      }
     }
-    if (status.ok() && i > 0) status = Collect(*stages_[(i - 1) % 2], out);
+    if (status.ok() && i > 0) {
+      const auto t0 = SteadyClock::now();
+      status = Collect(*stages_[(i - 1) % 2], out);
+      if (combine_hist_ && status.ok()) {
+        combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
+      }
+    }
   }
-  if (!status.ok()) {
-    for (auto& s : stages_) {
+  if (!status.ok()) Abandon(status);
+  return status;
+}
+
+void ExpertParallelLayer::Abandon(const Status& why) {
+  const bool strand = health_ != nullptr && why.code() == StatusCode::kDeadlineExceeded;
+  for (auto& s : stages_) {
+    if (strand &&
+        std::any_of(s->reqs.begin(), s->reqs.end(), [](const Request& r) { return r.valid(); })) {
+      // The late transfers keep their buffers; this stage starts over with new ones.
+      std::vector<AlignedBuffer> bufs;
+      bufs.push_back(std::move(s->rows_out));
+      bufs.push_back(std::move(s->rows_in));
+      bufs.push_back(std::move(s->headers));
+      health_->Strand(std::move(s->reqs), std::move(bufs));
+      s->reqs = std::vector<Request>();
+      s->reqs.reserve(static_cast<size_t>(3 * placement_.num_ranks()));
+      s->rows_out = AlignedBuffer();
+      s->rows_in = AlignedBuffer();
+      s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement_.num_ranks()));
+    } else {
       for (Request& r : s->reqs) {
         if (r.valid()) (void)t_->Cancel(r);
       }
-      s->reqs.clear();
-      if (s->active) {
-        for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= s->rows_to[d];
-        s->active = false;
-      }
+    }
+    s->reqs.clear();
+    if (s->active) {
+      for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= s->rows_to[d];
+      s->active = false;
     }
   }
-  return status;
 }
 
 Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens) {
@@ -99,6 +129,17 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
   std::fill(st.rows_to.begin(), st.rows_to.end(), 0.0);
   std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
   st.plan.Build(st.gating.ids().data(), tokens, k, *lp_, st.rows_to);  // rows_to: load after
+  if (health_ != nullptr) {
+    for (int d = placement_.num_routers(); d < ranks; ++d) {
+      if (st.plan.rows_to(d) > 0 && !health_->usable(d)) health_->Poll();  // still late?
+      if (st.plan.rows_to(d) > 0 && !health_->usable(d)) {
+        return Status::Unavailable("expert rank " + std::to_string(d) +
+                                   " is not answering; requests that need its experts fail "
+                                   "until it catches up");
+      }
+    }
+  }
+  if (routing_observer_) routing_observer_(st.gating.ids().data(), tokens, k);
   for (int d = 0; d < ranks; ++d) {
     st.rows_to[static_cast<size_t>(d)] = static_cast<double>(st.plan.rows_to(d));
     in_flight_[static_cast<size_t>(d)] += st.rows_to[static_cast<size_t>(d)];
@@ -123,7 +164,7 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
 
   // Post the receives first, then send header and rows to every rank that gets rows.
   st.reqs.clear();
-  st.deadline = DeadlineIn(opts_.deadline);
+  st.deadline = std::min(DeadlineIn(opts_.deadline), call_deadline_);
   float* recv = st.rows_in.as<float>();
   for (int d = placement_.num_routers(); d < ranks; ++d) {
     const int64_t n = st.plan.rows_to(d);
@@ -178,11 +219,11 @@ Status ExpertParallelLayer::Collect(Stage& st, float* out) {
   const MoeLayerWeights& w = *w_;
   const int64_t hidden = w.spec.hidden;
   const int k = w.spec.top_k;
-  Status s = t_->WaitAll(st.reqs, st.deadline, "expert-parallel layer");
+  // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
+  MOERUN_RETURN_IF_ERROR(t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false));
   st.reqs.clear();
   for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
   st.active = false;
-  if (!s.ok()) return s;
 
   const float* recv = st.rows_in.as<float>();
   const int64_t ldy = shared_ffn_.PaddedHidden(hidden);

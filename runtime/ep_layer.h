@@ -11,7 +11,9 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "experts/cpu/aligned_buffer.h"
@@ -19,7 +21,9 @@
 #include "router/dispatch_plan.h"
 #include "router/placement.h"
 #include "runtime/gating.h"
+#include "runtime/metrics.h"
 #include "runtime/moe_layer.h"
+#include "runtime/peer_health.h"
 #include "transport/transport.h"
 
 namespace moerun {
@@ -44,7 +48,23 @@ class ExpertParallelLayer {
                       ThreadPool* pool, size_t header_bytes, EpOptions options);
   ~ExpertParallelLayer();
 
-  Status Forward(const float* x, int64_t tokens, float* out);
+  // `deadline` bounds every wait (with the options' deadline, whichever comes first). A rank that
+  // misses it fails the call with kDeadlineExceeded naming it. With a PeerHealth set, the late
+  // transfers are handed to it (they stay posted until the rank catches up) and calls whose plan
+  // needs a rank that is not answering fail at once with kUnavailable; without one they are
+  // cancelled (the caller ends the job).
+  Status Forward(const float* x, int64_t tokens, float* out, Deadline deadline = Deadline::max());
+  void set_health(PeerHealth* health) { health_ = health; }
+  // Seconds spent per microbatch dispatching (gate, plan, gather, send) and collecting (wait for
+  // the expert ranks, combine); null to skip.
+  void set_timing(Histogram* dispatch, Histogram* combine) {
+    dispatch_hist_ = dispatch;
+    combine_hist_ = combine;
+  }
+  // Called once per microbatch with the gate's choices: (ids [tokens][k], tokens, k).
+  void set_routing_observer(std::function<void(const int32_t*, int64_t, int)> f) {
+    routing_observer_ = std::move(f);
+  }
   const EpStats& stats() const { return stats_; }
   const MoeLayerWeights& weights() const { return *w_; }
   // Rows in flight per rank (what replica choice balances).
@@ -54,6 +74,7 @@ class ExpertParallelLayer {
   struct Stage;
   Status Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens);
   Status Collect(Stage& st, float* out);
+  void Abandon(const Status& why);
 
   Transport* t_;
   const Placement& placement_;
@@ -69,6 +90,12 @@ class ExpertParallelLayer {
   std::unique_ptr<Stage> stages_[2];
   uint32_t seq_ = 0;
   EpStats stats_;
+  std::string what_;  // names the layer in errors
+  PeerHealth* health_ = nullptr;
+  Histogram* dispatch_hist_ = nullptr;
+  Histogram* combine_hist_ = nullptr;
+  Deadline call_deadline_ = Deadline::max();
+  std::function<void(const int32_t*, int64_t, int)> routing_observer_;
 };
 
 }  // namespace moerun

@@ -5,7 +5,9 @@
 // then the rows themselves (rows x hidden F32, slot after slot); the expert rank answers with the
 // same number of rows, in the same order, each the expert's output for that row. Messages between
 // one router and one expert rank keep their order, so several microbatches can be in flight.
-// A header of kind kShutdown ends the expert rank's service for that router.
+// A header of kind kShutdown ends the expert rank's service for that router. A header of kind
+// kPing asks for an EpPong on kTagPong; since an expert rank handles one router's messages in
+// order, the pong also says that every earlier microbatch of that router has been answered.
 #pragma once
 
 #include <algorithm>
@@ -20,9 +22,10 @@ namespace moerun {
 inline constexpr int kTagHeader = 11;
 inline constexpr int kTagRows = 12;
 inline constexpr int kTagResult = 13;
+inline constexpr int kTagPong = 14;
 inline constexpr uint32_t kEpMagic = 0x45454f4d;  // "MOEE"
 
-enum class EpKind : uint32_t { kDispatch = 1, kShutdown = 2 };
+enum class EpKind : uint32_t { kDispatch = 1, kShutdown = 2, kPing = 3 };
 
 struct EpHeaderFixed {
   uint32_t magic = kEpMagic;
@@ -34,6 +37,18 @@ struct EpHeaderFixed {
   int32_t slots = 0;  // count entries that follow
 };
 static_assert(sizeof(EpHeaderFixed) == 32);
+
+// An expert rank's answer to kPing: the ping's seq and what the rank reports of itself.
+struct EpPong {
+  uint32_t magic = kEpMagic;
+  uint32_t seq = 0;
+  uint64_t microbatches = 0;  // microbatches it has computed, for every router
+  uint64_t rows = 0;          // rows (token, expert assignments) it has computed
+  uint64_t resident_bytes = 0;
+  uint64_t pid = 0;
+  char host[64] = {};  // NUL-terminated
+};
+static_assert(sizeof(EpPong) == 104);
 
 // Header size for a job: the fixed part plus one count per slot of the busiest rank, over all
 // layers served.

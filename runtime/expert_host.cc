@@ -9,6 +9,9 @@
 
 #include "runtime/log.h"
 
+#include <unistd.h>
+#include "runtime/metrics.h"
+
 namespace moerun {
 
 ExpertHost::ExpertHost(Transport* transport, const Placement& placement,
@@ -56,6 +59,12 @@ Status ExpertHost::Serve() {
         --alive;
         continue;
       }
+      if (h.kind == static_cast<uint32_t>(EpKind::kPing)) {
+        MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+        MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
+        continue;
+      }
       if (h.slots < 0 || h.slots > Placement::kMaxSlotsPerRank ||
           sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) > header_bytes_) {
         return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
@@ -78,11 +87,31 @@ Status ExpertHost::Serve() {
     }
   }
   for (auto& rs : routers_) {
+    if (rs.pong_req.valid()) {
+      MOERUN_RETURN_IF_ERROR(t_->Wait(rs.pong_req, DeadlineIn(opts_.deadline), "pong send"));
+      rs.pong_req = Request{};
+    }
     for (Request& q : rs.out_req) {
       if (q.valid()) MOERUN_RETURN_IF_ERROR(t_->Wait(q, DeadlineIn(opts_.deadline), "result send"));
       q = Request{};
     }
   }
+  return Status::Ok();
+}
+
+Status ExpertHost::Pong(int router, uint32_t seq) {
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  if (rs.pong_req.valid()) {
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rs.pong_req, DeadlineIn(opts_.deadline), "pong send"));
+    rs.pong_req = Request{};
+  }
+  rs.pong.seq = seq;
+  rs.pong.microbatches = served_;
+  rs.pong.rows = rows_served_;
+  rs.pong.resident_bytes = static_cast<uint64_t>(ProcessResidentBytes());
+  rs.pong.pid = static_cast<uint64_t>(::getpid());
+  ::gethostname(rs.pong.host, sizeof rs.pong.host - 1);
+  MOERUN_ASSIGN_OR_RETURN(rs.pong_req, t_->Isend(router, kTagPong, &rs.pong, sizeof rs.pong));
   return Status::Ok();
 }
 
@@ -125,6 +154,7 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
                               std::to_string(expert) + ", which it has not loaded");
     }
     groups_.push_back(ExpertGroup{&ew, act, first, counts[i]});
+    if (rows_observer_ && counts[i] > 0) rows_observer_(h.layer, expert, counts[i]);
     first += counts[i];
   }
   if (static_cast<int64_t>(rows_.size()) < rows) {
@@ -157,6 +187,7 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
   }
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
   ++served_;
+  rows_served_ += static_cast<uint64_t>(rows);
   return Status::Ok();
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -33,6 +34,12 @@ class ExpertHost {
   // stops mid-microbatch.
   Status Serve();
   uint64_t microbatches_served() const { return served_; }
+  uint64_t rows_served() const { return rows_served_; }
+  // Rows computed per (layer, logical expert), if set before Serve (e.g. a metrics counter);
+  // called on the serving thread, once per expert per microbatch.
+  void set_rows_observer(std::function<void(int layer, int expert, int64_t rows)> f) {
+    rows_observer_ = std::move(f);
+  }
 
  private:
   struct RouterState {
@@ -40,10 +47,13 @@ class ExpertHost {
     Request header_req;
     AlignedBuffer out[2];
     Request out_req[2];
+    EpPong pong;
+    Request pong_req;
     int next_out = 0;
     bool done = false;
   };
   Status Handle(int router, const EpHeaderFixed& h, const int32_t* counts);
+  Status Pong(int router, uint32_t seq);
 
   Transport* t_;
   const Placement& placement_;
@@ -57,6 +67,8 @@ class ExpertHost {
   std::vector<int32_t> rows_;
   std::vector<ExpertGroup> groups_;
   uint64_t served_ = 0;
+  uint64_t rows_served_ = 0;
+  std::function<void(int, int, int64_t)> rows_observer_;
 };
 
 }  // namespace moerun

@@ -84,7 +84,7 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   MOERUN_RETURN_IF_ERROR(
       r.CheckKeys({"model", "preset", "layers", "transport", "ranks", "routers", "placement",
                    "microbatch_tokens", "deadline_ms", "startup_timeout_s", "threads", "isa",
-                   "batching", "log_level"}));
+                   "batching", "serving", "log_level"}));
   MOERUN_RETURN_IF_ERROR(r.GetString("model", &c.model));
   if (const YAML::Node p = root["preset"]) {
     Reader pr(p, source + ": \"preset\"");
@@ -146,6 +146,35 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
         br.Get<int64_t>("max_queue_tokens", &c.batching.max_queue_tokens, 1, int64_t{1} << 30));
     MOERUN_RETURN_IF_ERROR(
         br.Get<int>("max_queue_requests", &c.batching.max_queue_requests, 1, 1 << 20));
+  }
+  if (const YAML::Node n = root["serving"]) {
+    Reader sr(n, source + ": \"serving\"");
+    ServingConfig& v = c.serving;
+    MOERUN_RETURN_IF_ERROR(
+        sr.CheckKeys({"listen", "control_listen", "metrics_listen", "token_file", "max_frame_bytes",
+                      "max_connections", "max_inflight_per_connection", "max_buffered_bytes",
+                      "max_request_tokens", "default_deadline_ms", "frame_timeout_ms",
+                      "probe_interval_ms", "probe_deadline_ms", "drain_timeout_s"}));
+    MOERUN_RETURN_IF_ERROR(sr.GetString("listen", &v.listen));
+    MOERUN_RETURN_IF_ERROR(sr.GetString("control_listen", &v.control_listen));
+    MOERUN_RETURN_IF_ERROR(sr.GetString("metrics_listen", &v.metrics_listen));
+    MOERUN_RETURN_IF_ERROR(sr.GetString("token_file", &v.token_file));
+    v.token_file = Resolve(v.token_file, base_dir);
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int64_t>("max_frame_bytes", &v.max_frame_bytes, 64, int64_t{1} << 31));
+    MOERUN_RETURN_IF_ERROR(sr.Get<int>("max_connections", &v.max_connections, 1, 1 << 20));
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int>("max_inflight_per_connection", &v.max_inflight_per_connection, 1, 1 << 16));
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int64_t>("max_buffered_bytes", &v.max_buffered_bytes, 1 << 20, int64_t{1} << 40));
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int64_t>("max_request_tokens", &v.max_request_tokens, 1, int64_t{1} << 24));
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int64_t>("default_deadline_ms", &v.default_deadline_ms, 1, 86400000));
+    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("frame_timeout_ms", &v.frame_timeout_ms, 1, 3600000));
+    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_interval_ms", &v.probe_interval_ms, 1, 3600000));
+    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_deadline_ms", &v.probe_deadline_ms, 1, 3600000));
+    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("drain_timeout_s", &v.drain_timeout_s, 0, 86400));
   }
   return c;
 }

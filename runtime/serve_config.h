@@ -11,6 +11,25 @@
 
 namespace moerun {
 
+// The network side (routers listen on port + router rank; every rank's HTTP on metrics port +
+// rank).
+struct ServingConfig {
+  std::string listen = "0.0.0.0:5700";            // serving endpoint of router 0
+  std::string control_listen = "127.0.0.1:5800";  // moectl endpoint (router 0; needs token_file)
+  std::string metrics_listen = "0.0.0.0:9700";    // HTTP /metrics and /health of rank 0
+  std::string token_file;                         // control token (empty: no control endpoint)
+  int64_t max_frame_bytes = 64 << 20;
+  int max_connections = 4096;
+  int max_inflight_per_connection = 64;
+  int64_t max_buffered_bytes = int64_t{1} << 30;
+  int64_t max_request_tokens = 65536;
+  int64_t default_deadline_ms = 30000;
+  int64_t frame_timeout_ms = 10000;
+  int64_t probe_interval_ms = 1000;
+  int64_t probe_deadline_ms = 2000;
+  int64_t drain_timeout_s = 30;
+};
+
 struct ServeConfig {
   // Weights: a checkpoint folder, or a preset.
   std::string model;
@@ -31,6 +50,7 @@ struct ServeConfig {
   int threads = 0;
   std::string isa;
   BatcherOptions batching;
+  ServingConfig serving;
   std::string log_level = "info";
 };
 

@@ -10,9 +10,10 @@ want=(
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libucx-dev
+  libboost-dev libboost-system-dev libprotobuf-dev protobuf-compiler
 )
 if [[ "${1:-}" == "--test" ]]; then
-  want+=(clang libclang-rt-14-dev clang-format python3 iproute2)
+  want+=(clang libclang-rt-14-dev clang-format python3 iproute2 prometheus curl)
 fi
 
 missing=()

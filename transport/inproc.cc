@@ -26,6 +26,7 @@ class InprocTransport : public Transport {
   int size() const override { return fabric_->size(); }
 
   Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) override {
+    CountSent(peer, bytes);
     return fabric_->Post(true, rank_, peer, tag, buf, nullptr, bytes);
   }
   Result<Request> Irecv(int peer, int tag, void* buf, size_t bytes) override {
@@ -67,6 +68,45 @@ std::unique_ptr<Transport> InprocFabric::Endpoint(int rank) {
 void InprocFabric::Freeze(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   frozen_[static_cast<size_t>(rank)] = true;
+}
+
+void InprocFabric::Complete(Op& s, Op& r) {
+  if (s.bytes != r.bytes) {
+    s.state = r.state = State::kFailed;
+    s.other_bytes = r.bytes;
+    r.other_bytes = s.bytes;
+  } else {
+    if (s.bytes > 0) std::memcpy(r.rbuf, s.sbuf, s.bytes);
+    s.state = r.state = State::kDone;
+  }
+}
+
+void InprocFabric::Thaw(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  frozen_[static_cast<size_t>(rank)] = false;
+  for (int dst = 0; dst < ranks_; ++dst) {
+    auto& sends = pending_sends_[static_cast<size_t>(dst)];
+    auto& recvs = pending_recvs_[static_cast<size_t>(dst)];
+    for (size_t i = 0; i < sends.size();) {
+      Op& s = ops_[sends[i]];
+      bool matched = false;
+      if (s.src == rank) {
+        for (size_t j = 0; j < recvs.size(); ++j) {
+          Op& r = ops_[recvs[j]];
+          if (r.src != s.src || r.dst != s.dst || r.tag != s.tag) continue;
+          Complete(s, r);
+          recvs.erase(recvs.begin() + static_cast<std::ptrdiff_t>(j));
+          matched = true;
+          break;
+        }
+      }
+      if (matched) {
+        sends.erase(sends.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+  }
 }
 
 InprocFabric::Op* InprocFabric::Find(Request r) {
@@ -118,16 +158,7 @@ Result<Request> InprocFabric::Post(bool send, int me, int peer, int tag, const v
     for (size_t i = 0; i < others.size(); ++i) {
       Op& o = ops_[others[i]];
       if (o.src != op.src || o.dst != op.dst || o.tag != tag) continue;
-      Op& s = send ? op : o;
-      Op& r = send ? o : op;
-      if (s.bytes != r.bytes) {
-        s.state = r.state = State::kFailed;
-        s.other_bytes = r.bytes;
-        r.other_bytes = s.bytes;
-      } else {
-        if (s.bytes > 0) std::memcpy(r.rbuf, s.sbuf, s.bytes);
-        s.state = r.state = State::kDone;
-      }
+      Complete(send ? op : o, send ? o : op);
       others.erase(others.begin() + static_cast<std::ptrdiff_t>(i));
       return req;
     }

@@ -22,6 +22,8 @@ class InprocFabric : public std::enable_shared_from_this<InprocFabric> {
 
   // Fault injection for tests: messages from `rank` are held back forever, as from a frozen peer.
   void Freeze(int rank);
+  // Lets the held-back messages of `rank` go, in order, and new ones flow again.
+  void Thaw(int rank);
 
  private:
   friend class InprocTransport;
@@ -36,6 +38,8 @@ class InprocFabric : public std::enable_shared_from_this<InprocFabric> {
     size_t bytes = 0;
     size_t other_bytes = 0;  // size of the mismatched peer message, for the error
   };
+  // A matched send and receive: copies, or fails both on a size mismatch (lock held).
+  static void Complete(Op& send, Op& recv);
 
   explicit InprocFabric(int ranks);
   Result<Request> Post(bool send, int me, int peer, int tag, const void* sbuf, void* rbuf,

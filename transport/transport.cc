@@ -6,7 +6,8 @@
 
 namespace moerun {
 
-Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char* what) {
+Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char* what,
+                          bool cancel_late) {
   size_t pending = 0;
   for (const Request& r : reqs) pending += r.valid();
   uint64_t spins = 0;
@@ -31,8 +32,9 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
     if (SteadyClock::now() >= deadline) {
       int peer = -1;
       for (Request& o : reqs) {
-        if (o.valid()) {
-          if (peer < 0) peer = o.peer;
+        if (!o.valid()) continue;
+        if (peer < 0 || o.peer < peer) peer = o.peer;
+        if (cancel_late) {
           (void)Cancel(o);
           o = Request{};
         }

@@ -13,6 +13,8 @@
 // cancelled. RegisterMemory is a hint for RDMA backends (a no-op here).
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -56,9 +58,12 @@ class Transport {
   // Ends the whole job now (after a fatal error such as a peer that stopped answering).
   [[noreturn]] virtual void Abort(int exit_code) = 0;
 
-  // Waits for every request (invalid ones are skipped). On a failure or at the deadline the
-  // remaining ones are cancelled and the error names the peer; `what` says what was awaited.
-  Status WaitAll(std::span<Request> reqs, Deadline deadline, const char* what = "transfer");
+  // Waits for every request (invalid ones are skipped); completed ones become invalid. On a
+  // failure or at the deadline the remaining ones are cancelled (at the deadline only with
+  // cancel_late; otherwise they stay valid for the caller) and the error names the peer (the
+  // lowest late one); `what` says what was awaited.
+  Status WaitAll(std::span<Request> reqs, Deadline deadline, const char* what = "transfer",
+                 bool cancel_late = true);
   // Waits for one request.
   Status Wait(Request r, Deadline deadline, const char* what = "transfer");
   // Blocking send/recv with a deadline.
@@ -66,6 +71,26 @@ class Transport {
   Status Recv(int peer, int tag, void* buf, size_t bytes, Deadline deadline);
   // All ranks reach this point (a dissemination barrier over Isend/Irecv).
   Status Barrier(Deadline deadline);
+
+  // Bytes this rank has posted to `peer` with Isend since it started (any thread may read;
+  // peers beyond kCountedPeers are not counted).
+  static constexpr int kCountedPeers = 1024;
+  uint64_t sent_bytes(int peer) const {
+    return peer >= 0 && peer < kCountedPeers
+               ? sent_[static_cast<size_t>(peer)].load(std::memory_order_relaxed)
+               : 0;
+  }
+
+ protected:
+  // Backends call this from Isend.
+  void CountSent(int peer, size_t bytes) {
+    if (peer >= 0 && peer < kCountedPeers) {
+      sent_[static_cast<size_t>(peer)].fetch_add(bytes, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  std::array<std::atomic<uint64_t>, kCountedPeers> sent_{};
 };
 
 // Tags at and above this value are reserved for the transport's own collectives.

@@ -12,7 +12,7 @@ namespace {
 struct Done {
   std::atomic<int> calls{0};
   std::atomic<int> failed{0};
-  static void Callback(void* ctx, const Status& s) {
+  static void Callback(void* ctx, const Status& s, const BatchInfo&) {
     auto* d = static_cast<Done*>(ctx);
     if (!s.ok()) ++d->failed;
     ++d->calls;
@@ -45,9 +45,9 @@ TEST(BatcherTest, MergesUpToMaxTokensAndReturnsEachRequestItsRows) {
   }
   std::vector<int64_t> sizes;
   b.Stop();
-  b.Run([&](int layer, const float* x, int64_t t,
-            float* out) { return AddLayer(layer, x, t, out, hidden, &sizes); },
-        [] { return false; });
+  b.Run([&](int layer, const float* x, int64_t t, float* out,
+            auto) { return AddLayer(layer, x, t, out, hidden, &sizes); },
+        [] { return false; }, [] {});
   EXPECT_EQ(done.calls.load(), 6);
   EXPECT_EQ(sizes, (std::vector<int64_t>{6, 6, 6}));  // 3 + 3 fit in 8; a third would not
   for (int r = 0; r < 6; ++r) {
@@ -65,9 +65,9 @@ TEST(BatcherTest, SendsAPartialBatchAfterMaxWait) {
   std::atomic<bool> stop{false};
   std::vector<int64_t> sizes;
   std::thread runner([&] {
-    b.Run([&](int layer, const float* in, int64_t t,
-              float* y) { return AddLayer(layer, in, t, y, 2, &sizes); },
-          [&] { return stop.load(); });
+    b.Run([&](int layer, const float* in, int64_t t, float* y,
+              auto) { return AddLayer(layer, in, t, y, 2, &sizes); },
+          [&] { return stop.load(); }, [] {});
   });
   ASSERT_TRUE(b.Submit(BatchRequest{0, x.data(), out.data(), 1, &Done::Callback, &done}).ok());
   for (int i = 0; i < 200 && done.calls.load() == 0; ++i) {
@@ -94,12 +94,12 @@ TEST(BatcherTest, LayersAreNotMixedAndOrderIsKept) {
   std::vector<int> seen;
   b.Stop();
   b.Run(
-      [&](int layer, const float* in, int64_t t, float* y) {
+      [&](int layer, const float* in, int64_t t, float* y, auto) {
         seen.push_back(layer);
         for (int64_t i = 0; i < t; ++i) y[i] = in[i] + static_cast<float>(layer);
         return Status::Ok();
       },
-      [] { return false; });
+      [] { return false; }, [] {});
   EXPECT_EQ(seen, (std::vector<int>{1, 2, 1}));
   for (int i = 0; i < 4; ++i) EXPECT_EQ(outs[i][0], static_cast<float>(layers[i]));
 }
@@ -122,8 +122,9 @@ TEST(BatcherTest, BoundedQueueRefusesAndStoppedRefuses) {
   EXPECT_EQ(b.Submit(BatchRequest{0, x.data(), out.data(), 1, &Done::Callback, &done}).code(),
             StatusCode::kUnavailable);
   // An error from forward reaches every request of the batch.
-  b.Run([](int, const float*, int64_t, float*) { return Status::Unavailable("rank 2 is gone"); },
-        [] { return false; });
+  b.Run([](int, const float*, int64_t, float*,
+           auto) { return Status::Unavailable("rank 2 is gone"); },
+        [] { return false; }, [] {});
   EXPECT_EQ(done.failed.load(), 2);
 }
 
@@ -138,9 +139,9 @@ TEST(BatcherTest, ManySubmittersOneRunner) {
   std::atomic<bool> stop{false};
   std::vector<int64_t> sizes;
   std::thread runner([&] {
-    b.Run([&](int layer, const float* in, int64_t t,
-              float* y) { return AddLayer(layer, in, t, y, 2, &sizes); },
-          [&] { return stop.load(); });
+    b.Run([&](int layer, const float* in, int64_t t, float* y,
+              auto) { return AddLayer(layer, in, t, y, 2, &sizes); },
+          [&] { return stop.load(); }, [] {});
   });
   std::vector<std::thread> subs;
   for (int t = 0; t < kThreads; ++t) {
@@ -166,6 +167,46 @@ TEST(BatcherTest, ManySubmittersOneRunner) {
     for (float v : outs[id]) ASSERT_EQ(v, static_cast<float>(id));
   }
   for (int64_t s : sizes) EXPECT_LE(s, 64);
+}
+
+}  // namespace
+}  // namespace moerun
+
+namespace moerun {
+namespace {
+
+TEST(BatcherTest, ExpiredRequestsAreAnsweredWithoutComputingAndDeadlinesReachForward) {
+  BatcherOptions o;
+  o.max_batch_tokens = 100;
+  o.max_wait_us = 0;
+  Batcher b(o, 1);
+  std::vector<float> x(4, 1.0f), out(4);
+  Done done;
+  const auto now = std::chrono::steady_clock::now();
+  BatchRequest late{0, x.data(), out.data(), 1, &Done::Callback, &done};
+  late.deadline = now - std::chrono::milliseconds(1);
+  BatchRequest live{0, x.data() + 1, out.data() + 1, 1, &Done::Callback, &done};
+  live.deadline = now + std::chrono::hours(1);
+  ASSERT_TRUE(b.Submit(late).ok());
+  ASSERT_TRUE(b.Submit(live).ok());
+  b.Stop();
+  std::vector<int64_t> sizes;
+  std::chrono::steady_clock::time_point seen{};
+  int idles = 0;
+  b.Run(
+      [&](int, const float* in, int64_t t, float* y, std::chrono::steady_clock::time_point d) {
+        sizes.push_back(t);
+        seen = d;
+        for (int64_t i = 0; i < t; ++i) y[i] = in[i];
+        return Status::Ok();
+      },
+      [] { return false; }, [&] { ++idles; });
+  EXPECT_EQ(done.calls.load(), 2);
+  EXPECT_EQ(done.failed.load(), 1);  // the late one
+  EXPECT_EQ(sizes, (std::vector<int64_t>{1}));
+  EXPECT_EQ(seen, live.deadline);
+  EXPECT_EQ(b.stats().expired, 1u);
+  EXPECT_GE(idles, 1);
 }
 
 }  // namespace

@@ -140,3 +140,75 @@ TEST(EpLayerTest, ReplicasSpreadTheLoad) {
 
 }  // namespace
 }  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// An expert rank that stops answering: the call fails by its deadline naming the rank, calls
+// that need it then fail at once, /health would say so; once it answers again, its late
+// transfers drain in order and the layer computes bitwise the same as before.
+TEST(EpLayerTest, FrozenRankFailsFastThenRecovers) {
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir("deepseek_v3") + "/golden.safetensors", "input", &tokens);
+  const auto want = SingleProcess("deepseek_v3", x, tokens);
+  JobOptions opts;
+  opts.source.model = FixtureDir("deepseek_v3");
+  opts.layers = {0};
+  opts.placement = "round_robin";
+  opts.ep.microbatch_tokens = 3;
+  opts.ep.deadline = std::chrono::milliseconds(20000);
+  opts.threads = 1;
+  opts.isa = BestIsa();
+  opts.hooks.health =
+      PeerHealthOptions{std::chrono::milliseconds(20), std::chrono::milliseconds(100)};
+  PeerHealth* health = nullptr;
+  opts.hooks.router_health = [&](int, PeerHealth* h) { health = h; };
+  auto fabric = InprocFabric::Create(3);
+  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+    if (rank != 0) return Status::Ok();
+    ExpertParallelLayer* l = layers.at(0);
+    std::vector<float> out(x.size());
+    EXPECT_TRUE(l->Forward(x.data(), tokens, out.data()).ok());
+    EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
+
+    fabric->Freeze(2);
+    const auto t0 = SteadyClock::now();
+    Status s = l->Forward(x.data(), tokens, out.data(), DeadlineIn(std::chrono::milliseconds(300)));
+    EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+    EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s.ToString();
+    EXPECT_LT(SteadyClock::now() - t0, std::chrono::seconds(5));
+    EXPECT_FALSE(health->usable(2));
+    EXPECT_FALSE(health->all_answering());
+    s = l->Forward(x.data(), tokens, out.data());
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s.ToString();
+
+    fabric->Thaw(2);
+    const auto until = SteadyClock::now() + std::chrono::seconds(10);
+    while (!health->all_answering() && SteadyClock::now() < until) {
+      health->Poll();
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_TRUE(health->all_answering());
+    std::fill(out.begin(), out.end(), 0.0f);
+    s = l->Forward(x.data(), tokens, out.data());
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
+    const auto peers = health->Snapshot();
+    EXPECT_EQ(peers.size(), 2u);
+    return Status::Ok();
+  };
+  std::vector<Status> results(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      auto t = fabric->Endpoint(r);
+      results[static_cast<size_t>(r)] = RunRank(t.get(), opts, work);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(results[static_cast<size_t>(r)].ok()) << r;
+}
+
+}  // namespace
+}  // namespace moerun

@@ -109,6 +109,7 @@ class MpiTransport : public Transport {
       return Status::Unavailable("MPI_Isend to rank " + std::to_string(peer) + ": " + MpiError(rc));
     }
     e.phase = Phase::kPosted;
+    CountSent(peer, bytes);
     return Request{MakeId(index), peer};
   }
 

@@ -1,0 +1,43 @@
+// `moebench serve`: a load generator for a router's serving endpoint (TCP, length-prefixed
+// InferRequest/InferResponse frames). N connections send requests of T tokens each, drawn from P
+// fixed pseudo-random inputs:
+//   - closed loop (no --rate): one thread per connection, one request in flight at a time;
+//   - open loop (--rate R requests/s in total): per connection a sender on a fixed schedule of
+//     R/N per second and a receiver; latency counts from the scheduled send time, so a server that
+//     falls behind is charged for the wait (no coordinated omission); at most 1024 requests in
+//     flight per connection, skipped sends count as "client_backlog" errors.
+// With --verify every answer must be bitwise equal to the local MoE layer's output for its input,
+// computed once before the run (the layer is batch-invariant and identical on every ISA).
+// Prints a human summary on stderr and, with --json, a JSON report on stdout. Requests sent
+// during the warmup are left out of the statistics (their errors still fail the run).
+// Exit code: 0 all answers OK (and verified), 1 any error or mismatch, 2 bad flags.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "launch/layer_source.h"
+
+namespace moerun::bench {
+
+struct ServeBenchFlags {
+  std::string target;              // --target HOST:PORT
+  int concurrency = 1;             // --concurrency: connections
+  double duration_s = 10;          // --duration: measured seconds
+  int64_t tokens_per_request = 1;  // --tokens-per-request
+  double rate = 0;                 // --rate: requests/s in total (0: closed loop)
+  std::string dtype = "f32";       // --dtype of the request data: f32 | bf16
+  int64_t deadline_ms = 0;         // --deadline-ms sent in each request (0: the server's default)
+  double warmup_s = 1;             // --warmup
+  int64_t hidden = 0;              // --hidden (required without --verify)
+  int inputs = 64;                 // --inputs: distinct request inputs
+  uint64_t seed_inputs = 1;        // --seed-inputs
+  bool verify = false;             // --verify against the local layer
+  LayerFlags layer;  // --layer (also the request's layer), and with --verify --model/--preset,
+                     // --seed, --experts, --weights-dtype (into layer.dtype)
+  bool json = false;
+};
+
+int RunServeBench(const ServeBenchFlags& f);
+
+}  // namespace moerun::bench

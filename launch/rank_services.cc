@@ -1,0 +1,295 @@
+#include "launch/rank_services.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "runtime/ep_layer.h"
+#include "runtime/expert_host.h"
+#include "runtime/log.h"
+
+namespace moerun {
+
+namespace {
+std::string HostName() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "?";
+  return buf;
+}
+}  // namespace
+
+Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placement& placement,
+                                                          const ModelSpec& spec,
+                                                          const std::vector<int>& layers,
+                                                          const Transport* transport,
+                                                          const HostPort& metrics_listen) {
+  std::unique_ptr<RankServices> rs(new RankServices());
+  rs->rank_ = rank;
+  rs->router_ = rank < placement.num_routers();
+  rs->model_ = FamilyName(spec.family);
+  rs->placement_ = placement;
+  rs->layers_ = layers;
+  rs->transport_ = transport;
+  MetricsRegistry& m = rs->metrics_;
+  const std::string role = rs->router_ ? "router" : "expert";
+  m.AddGauge("moerun_rank_info", "This rank: its number and role (value 1)",
+             {{"rank", std::to_string(rank)}, {"role", role}})
+      ->Set(1);
+  RankServices* raw = rs.get();
+  m.AddCallbackGauge("moerun_weights_loaded", "1 once every rank has loaded its weights",
+                     [raw] { return raw->loaded_.load() ? 1.0 : 0.0; });
+  m.AddCallbackGauge("moerun_process_resident_memory_bytes", "Resident memory of this process",
+                     [] { return ProcessResidentBytes(); });
+  for (int peer = 0; peer < placement.num_ranks(); ++peer) {
+    if (peer == rank) continue;
+    m.AddCallbackCounter(
+        "moerun_sent_bytes_total", "Bytes this rank sent to each peer rank",
+        [transport, peer] { return static_cast<double>(transport->sent_bytes(peer)); },
+        {{"peer", std::to_string(peer)}});
+  }
+  for (int layer : layers) {
+    auto& ex = rs->by_expert_[layer];
+    for (int e = 0; e < spec.num_experts; ++e) {
+      const Labels l = {{"layer", std::to_string(layer)}, {"expert", std::to_string(e)}};
+      ex.push_back(rs->router_ ? m.AddCounter("moerun_assignments_total",
+                                              "(token, expert) assignments the gate chose, per "
+                                              "layer and logical expert",
+                                              l)
+                               : m.AddCounter("moerun_expert_rows_total",
+                                              "Rows this expert rank computed, per layer and "
+                                              "logical expert",
+                                              l));
+    }
+    if (!rs->router_) continue;
+    auto& br = rs->by_rank_[layer];
+    for (int r = 0; r < placement.num_ranks(); ++r) {
+      br.push_back(
+          r < placement.num_routers()
+              ? nullptr
+              : m.AddCounter("moerun_rank_assignments_total",
+                             "(token, expert) assignments sent to each expert rank",
+                             {{"layer", std::to_string(layer)}, {"rank", std::to_string(r)}}));
+    }
+    rs->rank_seen_[layer].assign(static_cast<size_t>(placement.num_ranks()), 0);
+    rs->balancedness_[layer] = m.AddGauge(
+        "moerun_balancedness", "Mean / max assignments per expert rank since the start (1 = even)",
+        {{"layer", std::to_string(layer)}});
+  }
+  if (rs->router_) {
+    rs->dispatch_ = m.AddHistogram("moerun_dispatch_duration_seconds",
+                                   "Per microbatch: gate, plan, gather and send", LatencyBuckets());
+    rs->combine_ =
+        m.AddHistogram("moerun_combine_duration_seconds",
+                       "Per microbatch: wait for the expert ranks and combine", LatencyBuckets());
+    rs->queue_requests_ =
+        m.AddGauge("moerun_queue_depth_requests", "Requests waiting in the router's batcher");
+    rs->queue_tokens_ =
+        m.AddGauge("moerun_queue_depth_tokens", "Tokens waiting in the router's batcher");
+    for (int r = 0; r < placement.num_ranks(); ++r) {
+      rs->answering_by_rank_.push_back(
+          r < placement.num_routers()
+              ? nullptr
+              : m.AddGauge("moerun_rank_answering",
+                           "1 while an expert rank answers probes and has no late transfers",
+                           {{"rank", std::to_string(r)}}));
+      if (r >= placement.num_routers()) rs->answering_by_rank_.back()->Set(1);
+    }
+  }
+
+  std::map<std::string, HttpHandler> routes;
+  routes["/metrics"] = [raw] {
+    HttpReply r;
+    r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+    r.body = raw->metrics_.Render();
+    return r;
+  };
+  routes["/health/live"] = [] { return HttpReply{200, "text/plain; charset=utf-8", "live\n"}; };
+  routes["/health/ready"] = [raw] {
+    std::string why;
+    if (raw->Ready(&why)) return HttpReply{200, "text/plain; charset=utf-8", "ready\n"};
+    return HttpReply{503, "text/plain; charset=utf-8", "not ready: " + why + "\n"};
+  };
+  const HostPort where = WithPortOffset(metrics_listen, rank);
+  MOERUN_ASSIGN_OR_RETURN(rs->http_,
+                          HttpServer::Start(where, std::move(routes),
+                                            role + " rank " + std::to_string(rank) + " http"));
+  return rs;
+}
+
+RankServices::~RankServices() {
+  if (http_) http_->Stop();
+}
+
+uint16_t RankServices::http_port() const { return http_ ? http_->port() : 0; }
+
+bool RankServices::Ready(std::string* why) const {
+  if (!loaded_.load()) {
+    *why = "weights are loading";
+    return false;
+  }
+  if (draining_.load()) {
+    *why = "draining";
+    return false;
+  }
+  if (router_ && !answering_.load()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string list;
+    for (const PeerView& p : peers_) {
+      if (!p.answering) list += (list.empty() ? "" : ", ") + std::to_string(p.rank);
+    }
+    *why = "expert rank(s) " + list + " not answering";
+    return false;
+  }
+  return true;
+}
+
+void RankServices::Attach(ExpertParallelLayer* layer) {
+  ep_layers_.push_back(layer);
+  layer->set_timing(dispatch_, combine_);
+  auto it = by_expert_.find(layer->weights().layer);
+  if (it == by_expert_.end()) return;
+  std::vector<Counter*>* counters = &it->second;
+  layer->set_routing_observer([counters](const int32_t* ids, int64_t tokens, int k) {
+    for (int64_t i = 0; i < tokens * k; ++i) {
+      const int32_t e = ids[i];
+      if (e >= 0 && static_cast<size_t>(e) < counters->size()) (*counters)[e]->Inc();
+    }
+  });
+}
+
+void RankServices::Attach(ExpertHost* host) {
+  auto* by_expert = &by_expert_;
+  host->set_rows_observer([by_expert](int layer, int expert, int64_t rows) {
+    auto it = by_expert->find(layer);
+    if (it != by_expert->end() && expert >= 0 && static_cast<size_t>(expert) < it->second.size()) {
+      it->second[static_cast<size_t>(expert)]->Inc(static_cast<uint64_t>(rows));
+    }
+  });
+}
+
+void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
+                           int64_t queued_tokens) {
+  if (!router_) return;
+  queue_requests_->Set(static_cast<double>(queued_requests));
+  queue_tokens_->Set(static_cast<double>(queued_tokens));
+  for (ExpertParallelLayer* l : ep_layers_) {
+    const int layer = l->weights().layer;
+    auto& seen = rank_seen_[layer];
+    auto& counters = by_rank_[layer];
+    const auto& now = l->stats().rows_per_rank;
+    uint64_t most = 0, total = 0;
+    int n = 0;
+    for (size_t r = 0; r < now.size() && r < seen.size(); ++r) {
+      if (counters[r] == nullptr) continue;
+      if (now[r] > seen[r]) counters[r]->Inc(now[r] - seen[r]);
+      seen[r] = now[r];
+      most = std::max(most, counters[r]->value());
+      total += counters[r]->value();
+      ++n;
+    }
+    balancedness_[layer]->Set(
+        most == 0 ? 1.0 : static_cast<double>(total) / n / static_cast<double>(most));
+  }
+  if (health != nullptr) {
+    std::vector<PeerView> peers = health->Snapshot();
+    for (const PeerView& p : peers) {
+      if (Gauge* g = answering_by_rank_[static_cast<size_t>(p.rank)]) g->Set(p.answering ? 1 : 0);
+    }
+    answering_ = health->all_answering();
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_ = std::move(peers);
+  }
+}
+
+moerun::v1::StatusResponse RankServices::Status() const {
+  moerun::v1::StatusResponse s;
+  s.set_model(model_);
+  s.set_num_ranks(placement_.num_ranks());
+  s.set_num_routers(placement_.num_routers());
+  s.set_placement_version(placement_.version());
+  std::string why;
+  s.set_ready(Ready(&why));
+  s.set_uptime_s(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+  s.set_requests(requests_.load());
+  std::vector<PeerView> peers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers = peers_;
+  }
+  for (int r = 0; r < placement_.num_ranks(); ++r) {
+    moerun::v1::RankStatus* rs = s.add_ranks();
+    rs->set_rank(r);
+    const bool is_router = r < placement_.num_routers();
+    rs->set_role(is_router ? "router" : "expert");
+    if (r == rank_) {
+      rs->set_host(HostName());
+      rs->set_pid(::getpid());
+      rs->set_resident_bytes(static_cast<uint64_t>(ProcessResidentBytes()));
+      rs->set_state(loaded_.load() ? "ready" : "loading");
+    } else if (is_router) {
+      rs->set_state("unknown (another router)");
+    } else {
+      rs->set_state(loaded_.load() ? "ready" : "loading");
+    }
+    for (const PeerView& p : peers) {
+      if (p.rank != r) continue;
+      rs->set_host(p.host);
+      rs->set_pid(static_cast<int64_t>(p.pid));
+      rs->set_rows_served(p.rows);
+      rs->set_resident_bytes(p.resident_bytes);
+      rs->set_last_seen_s(p.last_seen_s);
+      if (!p.answering) rs->set_state(p.stranded ? "late (catching up)" : "not answering");
+    }
+    uint64_t assigned = 0;
+    for (int layer : layers_) {
+      moerun::v1::LayerExperts* le = rs->add_layers();
+      le->set_layer(layer);
+      if (const LayerPlacement* lp = placement_.Layer(layer)) {
+        for (int slot : lp->rank_slots[static_cast<size_t>(r)]) {
+          le->add_experts(lp->slots[static_cast<size_t>(slot)].expert);
+        }
+      }
+      auto it = by_rank_.find(layer);
+      if (it != by_rank_.end() && it->second[static_cast<size_t>(r)] != nullptr) {
+        assigned += it->second[static_cast<size_t>(r)]->value();
+      }
+    }
+    rs->set_assignments(assigned);
+  }
+  for (int layer : layers_) {
+    moerun::v1::LayerLoad* ll = s.add_layers();
+    ll->set_layer(layer);
+    uint64_t total = 0;
+    auto it = by_expert_.find(layer);
+    if (it != by_expert_.end()) {
+      for (const Counter* c : it->second) total += c->value();
+    }
+    ll->set_assignments(total);
+    auto b = balancedness_.find(layer);
+    ll->set_balancedness(b != balancedness_.end() ? b->second->value() : 1.0);
+  }
+  return s;
+}
+
+moerun::v1::PlacementResponse RankServices::PlacementInfo() const {
+  moerun::v1::PlacementResponse p;
+  p.set_version(placement_.version());
+  p.set_json(placement_.ToJson());
+  return p;
+}
+
+moerun::v1::StatsResponse RankServices::Stats() const {
+  moerun::v1::StatsResponse s;
+  for (const auto& [layer, counters] : by_expert_) {
+    for (size_t e = 0; e < counters.size(); ++e) {
+      moerun::v1::ExpertLoad* el = s.add_experts();
+      el->set_layer(layer);
+      el->set_expert(static_cast<int>(e));
+      el->set_assignments(counters[e]->value());
+    }
+  }
+  return s;
+}
+
+}  // namespace moerun

@@ -1,0 +1,91 @@
+// What one rank of `moerun serve` offers besides its share of the layer: its metrics registry,
+// its HTTP endpoint (/metrics, /health/live, /health/ready on metrics port + rank), and on routers
+// the counters the serving path updates and the view moectl's status is made from.
+//
+// Threads: created on the rank's thread before loading; the HTTP and control threads read it
+// (atomics, metrics, or under mu); the rank's thread updates it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "launch/host_port.h"
+#include "launch/http_server.h"
+#include "moerun/v1/control.pb.h"
+#include "router/placement.h"
+#include "runtime/metrics.h"
+#include "runtime/model_spec.h"
+#include "runtime/peer_health.h"
+#include "transport/transport.h"
+
+namespace moerun {
+
+class ExpertParallelLayer;
+class ExpertHost;
+
+class RankServices {
+ public:
+  // Registers the rank's metrics and starts its HTTP endpoint at metrics_listen + rank.
+  static Result<std::unique_ptr<RankServices>> Start(int rank, const Placement& placement,
+                                                     const ModelSpec& spec,
+                                                     const std::vector<int>& layers,
+                                                     const Transport* transport,
+                                                     const HostPort& metrics_listen);
+  ~RankServices();
+
+  bool router() const { return router_; }
+  MetricsRegistry& metrics() { return metrics_; }
+  void set_loaded() { loaded_ = true; }
+  void set_draining() { draining_ = true; }
+  uint16_t http_port() const;
+
+  // Routers: wires a layer's observers to this rank's counters.
+  void Attach(ExpertParallelLayer* layer);
+  // Expert ranks: counts the rows the host computes.
+  void Attach(ExpertHost* host);
+  // Routers: called from the router thread between batches and when idle.
+  void Refresh(const PeerHealth* health, int64_t queued_requests, int64_t queued_tokens);
+  void CountRequestServed() { requests_.fetch_add(1, std::memory_order_relaxed); }
+
+  // moectl's answers (router 0).
+  moerun::v1::StatusResponse Status() const;
+  moerun::v1::PlacementResponse PlacementInfo() const;
+  moerun::v1::StatsResponse Stats() const;
+
+ private:
+  RankServices() = default;
+  bool Ready(std::string* why) const;
+
+  int rank_ = 0;
+  bool router_ = false;
+  std::string model_;
+  Placement placement_;
+  std::vector<int> layers_;
+  const Transport* transport_ = nullptr;
+  MetricsRegistry metrics_;
+  std::unique_ptr<HttpServer> http_;
+  std::atomic<bool> loaded_{false}, draining_{false}, answering_{true};
+  std::atomic<uint64_t> requests_{0};
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  // Per layer: assignments per logical expert (routers: as the gate chose; expert ranks: rows
+  // computed) and, on routers, per rank.
+  std::map<int, std::vector<Counter*>> by_expert_;
+  std::map<int, std::vector<Counter*>> by_rank_;
+  std::map<int, Gauge*> balancedness_;
+  std::map<int, std::vector<uint64_t>> rank_seen_;  // what by_rank_ already counts (router thread)
+  Histogram* dispatch_ = nullptr;
+  Histogram* combine_ = nullptr;
+  Gauge* queue_requests_ = nullptr;
+  Gauge* queue_tokens_ = nullptr;
+  std::vector<Gauge*> answering_by_rank_;
+  mutable std::mutex mu_;
+  std::vector<PeerView> peers_;  // under mu_
+  std::vector<ExpertParallelLayer*> ep_layers_;
+};
+
+}  // namespace moerun

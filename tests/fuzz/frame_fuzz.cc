@@ -1,0 +1,112 @@
+// libFuzzer target for FrameDecoder and the serving/control messages. The first input byte sets
+// the size of the pieces the rest is fed in (0: all at once); every frame the decoder returns is
+// parsed as an InferRequest and as a ControlRequest (arbitrary bytes must never crash the parser)
+// and an InferRequest that parses is re-encoded and decoded again. Invariants checked against a
+// plain walk of the length prefixes:
+//   - the frames come out whole, in order, byte for byte, none over the limit;
+//   - a prefix over the limit is an error right after the frames before it, and stays one;
+//   - the decoder never holds more than what it was fed, nor, once drained, more than one
+//     header + one maximal frame.
+// A violation aborts so that the fuzzer reports it with the input that broke it.
+#include <google/protobuf/stubs/logging.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "launch/frame.h"
+#include "moerun/v1/control.pb.h"
+#include "moerun/v1/serving.pb.h"
+
+namespace {
+
+constexpr uint32_t kMaxFrame = 1u << 20;
+
+void Check(bool invariant) {
+  if (!invariant) std::abort();
+}
+
+void ParseFrame(const std::string& body) {
+  moerun::v1::InferRequest req;
+  if (req.ParseFromString(body)) {
+    const std::string again = req.SerializeAsString();
+    moerun::v1::InferRequest back;
+    Check(back.ParseFromString(again));
+    Check(back.SerializeAsString() == again);
+    auto frame = moerun::EncodeFrame(req);
+    Check(frame.ok());
+    moerun::FrameDecoder d(kMaxFrame);
+    d.Feed(frame->data(), frame->size());
+    std::string got;
+    auto r = d.Next(&got);
+    Check(r.ok() && *r && got == again && d.buffered() == 0);
+  }
+  moerun::v1::ControlRequest control;
+  if (control.ParseFromString(body)) Check(control.ByteSizeLong() <= body.size() * 2 + 16);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  // Strings with invalid UTF-8 make Protobuf log an error per parse: noise, not a finding.
+  static const bool quiet = [] {
+    google::protobuf::SetLogHandler(nullptr);
+    return true;
+  }();
+  (void)quiet;
+  if (size == 0) return 0;
+  const size_t piece = data[0] == 0 ? size : data[0];
+  const uint8_t* stream = data + 1;
+  const size_t n = size - 1;
+
+  // What a correct decoder yields: the whole frames before the first prefix over the limit.
+  std::vector<std::string> expect;
+  bool expect_error = false;
+  for (size_t pos = 0; n - pos >= moerun::kFrameHeaderBytes;) {
+    const uint32_t len = moerun::GetFrameLength(stream + pos);
+    if (len > kMaxFrame) {
+      expect_error = true;
+      break;
+    }
+    if (n - pos - moerun::kFrameHeaderBytes < len) break;
+    expect.emplace_back(reinterpret_cast<const char*>(stream + pos + moerun::kFrameHeaderBytes),
+                        len);
+    pos += moerun::kFrameHeaderBytes + len;
+  }
+
+  moerun::FrameDecoder decoder(kMaxFrame);
+  size_t got = 0;
+  bool failed = false;
+  std::string body;
+  for (size_t off = 0; off < n && !failed; off += piece) {
+    const size_t take = piece < n - off ? piece : n - off;
+    const size_t before = decoder.buffered();
+    decoder.Feed(stream + off, take);
+    Check(decoder.buffered() <= before + take);
+    for (;;) {
+      auto r = decoder.Next(&body);
+      if (!r.ok()) {
+        Check(expect_error && got == expect.size());
+        Check(decoder.failed());
+        Check(!r.status().message().empty());
+        Check(!decoder.Next(&body).ok());  // sticky
+        failed = true;
+        break;
+      }
+      if (!*r) {
+        Check(decoder.missing() >= 1);
+        break;
+      }
+      Check(body.size() <= kMaxFrame);
+      Check(got < expect.size() && body == expect[got]);
+      ++got;
+      ParseFrame(body);
+    }
+    Check(decoder.buffered() <= moerun::kFrameHeaderBytes + kMaxFrame);
+  }
+  Check(got == expect.size());
+  Check(failed == expect_error);
+  return 0;
+}
