@@ -45,7 +45,7 @@ void PrintStatus(const moerun::v1::StatusResponse& s) {
               s.model().c_str(), s.num_ranks(), s.num_routers(), s.num_routers() == 1 ? "" : "s",
               static_cast<unsigned long long>(s.placement_version()),
               s.ready() ? "ready" : "NOT READY", s.uptime_s(),
-              static_cast<unsigned long long>(s.requests()));
+              static_cast<unsigned long long>(s.batches()));
   for (const auto& l : s.layers()) {
     std::printf("layer %d: %llu assignments, balancedness %.3f\n", l.layer(),
                 static_cast<unsigned long long>(l.assignments()), l.balancedness());

@@ -211,7 +211,7 @@ moerun::v1::StatusResponse RankServices::Status() const {
   s.set_ready(Ready(&why));
   s.set_uptime_s(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
-  s.set_requests(requests_.load());
+  s.set_batches(requests_.load());
   std::vector<PeerView> peers;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -50,7 +50,7 @@ class RankServices {
   void Attach(ExpertHost* host);
   // Routers: called from the router thread between batches and when idle.
   void Refresh(const PeerHealth* health, int64_t queued_requests, int64_t queued_tokens);
-  void CountRequestServed() { requests_.fetch_add(1, std::memory_order_relaxed); }
+  void CountBatch() { requests_.fetch_add(1, std::memory_order_relaxed); }
 
   // moectl's answers (router 0).
   moerun::v1::StatusResponse Status() const;

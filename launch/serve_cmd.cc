@@ -242,7 +242,7 @@ int RunServe(const ServeFlags& f) {
           Status s = it->second->Forward(x, tokens, out, deadline);
           batches->Inc();
           batch_tokens->Inc(static_cast<uint64_t>(tokens));
-          if (s.ok()) rs->CountRequestServed();
+          if (s.ok()) rs->CountBatch();
           return s;
         },
         [&] {

@@ -5,6 +5,7 @@
 #   - every kernel variant the CPU has, forced one at a time through the CLI tests (MOERUN_ISA)
 #   - the whole multi-rank matrix: every golden fixture x 2/3/4 ranks x placements x
 #     microbatching, under mpirun and across two network-namespace hosts (MOERUN_FULL=1)
+#   - a 60 s soak of moerun serve under moebench serve --verify (resident memory per rank)
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights), JSON in build/bench/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,9 @@ done
 
 printf '\n==== multi-rank matrix (mpirun, namespace hosts) ====\n'
 MOERUN_FULL=1 ctest --test-dir build --output-on-failure -L 'mpi|multihost' --timeout 1800
+
+printf '\n==== serving soak: 60 s of verified load, resident memory per rank ====\n'
+bash tests/serving/serve_e2e.sh build/bin/moerun build/bin/moectl build/bin/moebench tests/data 60
 
 printf '\n==== benchmarks ====\n'
 mkdir -p build/bench

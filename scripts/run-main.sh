@@ -9,3 +9,5 @@ scripts/build.sh
 model=tests/data/hf-moe/deepseek_v3
 build/bin/moerun forward --model "$model" --input "$model/golden.safetensors" \
   --output build/forward-output.safetensors --check "$model/golden.safetensors"
+# The runtime as a service: 4 ranks under mpirun, verified load, moectl status, clean shutdown.
+scripts/serve-demo.sh 5
