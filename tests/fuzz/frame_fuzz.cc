@@ -1,8 +1,8 @@
-// libFuzzer target for FrameDecoder and the serving/control messages. The first input byte sets
-// the size of the pieces the rest is fed in (0: all at once); every frame the decoder returns is
-// parsed as an InferRequest and as a ControlRequest (arbitrary bytes must never crash the parser)
-// and an InferRequest that parses is re-encoded and decoded again. Invariants checked against a
-// plain walk of the length prefixes:
+// libFuzzer target for FrameDecoder, the serving/control messages and the server's request checks.
+// The first input byte sets the size of the pieces the rest is fed in (0: all at once); every frame
+// the decoder returns is parsed as an InferRequest and as a ControlRequest (arbitrary bytes must
+// never crash the parser) and an InferRequest that parses is re-encoded and decoded again.
+// Invariants checked against a plain walk of the length prefixes:
 //   - the frames come out whole, in order, byte for byte, none over the limit;
 //   - a prefix over the limit is an error right after the frames before it, and stays one;
 //   - the decoder never holds more than what it was fed, nor, once drained, more than one
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "launch/frame.h"
+#include "launch/infer_codec.h"
 #include "moerun/v1/control.pb.h"
 #include "moerun/v1/serving.pb.h"
 
@@ -29,6 +30,21 @@ void Check(bool invariant) {
 }
 
 void ParseFrame(const std::string& body) {
+  // The server's own checks: an answer or an error with a message, never a crash; what passes
+  // holds exactly tokens x hidden finite values.
+  moerun::ServedModel model;
+  model.layers = {0, 3};
+  model.hidden = 4;
+  model.max_request_tokens = 64;
+  moerun::ParsedRequest parsed;
+  moerun::RequestError error;
+  if (moerun::ParseInferRequest(body, model, &parsed, &error)) {
+    Check(parsed.tokens >= 1 && parsed.tokens <= 64);
+    Check(parsed.x.size() == static_cast<size_t>(parsed.tokens * 4));
+    Check(parsed.layer == 0 || parsed.layer == 3);
+  } else {
+    Check(!error.message.empty() && error.code != moerun::v1::OK);
+  }
   moerun::v1::InferRequest req;
   if (req.ParseFromString(body)) {
     const std::string again = req.SerializeAsString();

@@ -37,7 +37,8 @@ wait_exit() {  # pid -> its exit code, or 124 after 30 s
 
 # 1. inproc: configs/tiny.yaml runs 4 ranks as threads.
 rm -f "$work/ready"
-"$bin" serve --config "$configs/tiny.yaml" --ready-file "$work/ready" >"$work/log" 2>&1 &
+"$bin" serve --config "$configs/tiny.yaml" --ready-file "$work/ready" \
+  --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 >"$work/log" 2>&1 &
 pid=$!
 pids+=("$pid")
 wait_ready "$pid" || fail "inproc serve never became ready"
@@ -52,7 +53,8 @@ echo "PASS inproc serve: ready, SIGTERM, exit 0"
 # 2. mpirun -np 3: SIGTERM to the router rank.
 rm -f "$work/ready"
 timeout 120 mpirun --oversubscribe --mca mpi_yield_when_idle 1 -np 3 -x MOERUN_SERVE_TEST=$$ \
-  "$bin" serve --config "$configs/tiny.yaml" --ready-file "$work/ready" >"$work/log" 2>&1 &
+  "$bin" serve --config "$configs/tiny.yaml" --ready-file "$work/ready" \
+  --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 >"$work/log" 2>&1 &
 pid=$!
 pids+=("$pid")
 wait_ready "$pid" || fail "mpirun serve never became ready"

@@ -74,8 +74,9 @@ int FreePorts(int n) {
   static int calls = 0;
   ++calls;
   for (int tries = 0; tries < 200; ++tries) {
+    // Below Linux's ephemeral range (32768..60999), where the kernel picks client ports.
     const int base =
-        20000 + static_cast<int>((::getpid() * 7919 + (calls * 211 + tries) * 104729) % 30000);
+        20000 + static_cast<int>((::getpid() * 7919 + (calls * 211 + tries) * 104729) % 12000);
     bool ok = true;
     for (int i = 0; i < n && ok; ++i) ok = PortFree(base + i);
     if (ok) return base;
@@ -96,8 +97,9 @@ TEST(PrometheusTest, PerExpertAssignmentsAreExactlyWhatTheGateChose) {
   if (prometheus.empty()) GTEST_SKIP() << "prometheus is not installed";
   ASSERT_FALSE(Which("curl").empty()) << "curl is needed to query Prometheus";
   TempDir tmp;
-  const int serve_port = FreePorts(1), metrics_port = FreePorts(4), prom_port = FreePorts(1);
-  ASSERT_TRUE(serve_port && metrics_port && prom_port);
+  const int base = FreePorts(6);  // serving, prometheus, 4 metrics ports
+  ASSERT_NE(base, 0);
+  const int serve_port = base, prom_port = base + 1, metrics_port = base + 2;
   const std::string configs = DataDir() + "/../../configs";
   Child serve({MOERUN_BIN, "serve", "--config", configs + "/tiny.yaml", "--listen",
                "127.0.0.1:" + std::to_string(serve_port), "--metrics-listen",

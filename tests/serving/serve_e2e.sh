@@ -48,20 +48,21 @@ trap cleanup EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM
 fail() { echo "FAIL: $*"; echo "--- serve log (tail):"; tail -40 "$WORK/log"; exit 1; }
 
-# Free ports: a base with 4 consecutive free ports for each endpoint.
+# Free ports: 12 consecutive ones.
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 pick_base() {
   local b i ok
   for _ in $(seq 50); do
-    b=$((20000 + RANDOM % 30000))
+    b=$((20000 + RANDOM % 12000))  # below the kernel's ephemeral range (32768..60999)
     ok=1
-    for i in 0 1 2 3; do port_free $((b + i)) || ok=0; done
+    for i in $(seq 0 11); do port_free $((b + i)) || ok=0; done
     [[ $ok == 1 ]] && { echo "$b"; return; }
   done
   echo 0
 }
-SERVE=$(pick_base); METRICS=$(pick_base); CONTROL=$(pick_base)
-[[ $SERVE != 0 && $METRICS != 0 && $CONTROL != 0 ]] || fail "no free ports"
+SERVE=$(pick_base)  # 12 free ports: serving, metrics, control, 4 each
+[[ $SERVE != 0 ]] || fail "no free ports"
+METRICS=$((SERVE + 4)); CONTROL=$((SERVE + 8))
 TARGET=127.0.0.1:$SERVE
 umask 077
 echo "e2e-token-$RANDOM$RANDOM$RANDOM" >"$WORK/token"

@@ -362,9 +362,11 @@ TEST(ServingTest, DeadlinesHoldWhileTheLayerIsSlowAndFullQueuesSayOverloaded) {
 TEST(ServingTest, DrainRefusesNewRequests) {
   Server s;
   auto c = Connect(s);
-  s.endpoint().BeginDrain();
   const auto x = RandomRows(1, s.hidden(), 2);
   InferResponse resp;
+  ASSERT_TRUE(c->Call(Request(3, x, s.hidden()), &resp, Soon()).ok());  // accepted before
+  ASSERT_EQ(resp.code(), v1::OK);
+  s.endpoint().BeginDrain();
   ASSERT_TRUE(c->Call(Request(4, x, s.hidden()), &resp, Soon()).ok());
   EXPECT_EQ(resp.code(), v1::UNAVAILABLE);
   EXPECT_NE(resp.message().find("draining"), std::string::npos);

@@ -49,6 +49,23 @@ batching: {max_batch_tokens: 8, max_wait_us: 9, max_queue_tokens: 10, max_queue_
   EXPECT_EQ(c->batching.max_queue_requests, 11);
 }
 
+TEST(ServeConfigTest, ServingKeys) {
+  auto c = ParseServeConfig(
+      "model: m\nserving:\n  listen: 127.0.0.1:7000\n  metrics_listen: :9000\n"
+      "  token_file: tok\n  max_frame_bytes: 4096\n  max_inflight_per_connection: 3\n"
+      "  default_deadline_ms: 250\n  probe_interval_ms: 10\n",
+      "c.yaml", "/etc/moerun");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->serving.listen, "127.0.0.1:7000");
+  EXPECT_EQ(c->serving.metrics_listen, ":9000");
+  EXPECT_EQ(c->serving.control_listen, "127.0.0.1:5800");  // default kept
+  EXPECT_EQ(c->serving.token_file, "/etc/moerun/tok");     // relative to the config
+  EXPECT_EQ(c->serving.max_frame_bytes, 4096);
+  EXPECT_EQ(c->serving.max_inflight_per_connection, 3);
+  EXPECT_EQ(c->serving.default_deadline_ms, 250);
+  EXPECT_EQ(c->serving.probe_interval_ms, 10);
+}
+
 TEST(ServeConfigTest, ErrorsNameTheKey) {
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"model: a\npreset: b\n", "exactly one"},
@@ -64,6 +81,9 @@ TEST(ServeConfigTest, ErrorsNameTheKey) {
       {"preset: {name: x, colour: 1}\n", "unknown key \"colour\""},
       {"model: [a\n", "not valid YAML"},
       {"- a\n- b\n", "mapping"},
+      {"model: a\nserving: {port: 1}\n", "unknown key \"port\""},
+      {"model: a\nserving: {max_frame_bytes: 1}\n", "max_frame_bytes"},
+      {"model: a\nserving: {listen: [1]}\n", "\"listen\" must be a string"},
   };
   for (const auto& [text, want] : bad) {
     auto c = ParseServeConfig(text, "c.yaml", "");
