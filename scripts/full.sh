@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The long run, outside CI: everything scripts/test.sh does, plus
 #   - 10 minutes of fuzzing (MOERUN_FUZZ_SECONDS to change)
+#   - the serving, HTTP and client tests under the address sanitizer
 #   - the thread-sanitizer build and its unit tests
 #   - every kernel variant the CPU has, forced one at a time through the CLI tests (MOERUN_ISA)
 #   - the whole multi-rank matrix: every golden fixture x 2/3/4 ranks x placements x
@@ -11,6 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
 MOERUN_FUZZ_SECONDS=${MOERUN_FUZZ_SECONDS:-600} scripts/test.sh
+
+printf '\n==== address sanitizer: serving, HTTP and client tests ====\n'
+cmake --build build-asan -j "$jobs" --target moerun_serving_tests moerun_http_tests moerun_client_tests
+ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -L unit --timeout 1800 \
+  -R 'Serving|Http|Metrics|HostPort|Frame|ClientData|ServeConnection'
 
 printf '\n==== thread sanitizer ====\n'
 cmake --preset tsan >/dev/null
