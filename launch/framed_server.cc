@@ -37,12 +37,13 @@ class Connection;
 struct FramedServer::Impl {
   FramedServerOptions opts;
   FramedHandlers handlers;
-  asio::io_context io{1};
-  tcp::acceptor acceptor{io};
-  std::thread thread;
+  // Declared before io: handlers destroyed with io may still give bytes back to the budget.
   std::atomic<int64_t> budget{0};
   std::atomic<int> open{0};
   std::atomic<bool> stopped{false};
+  asio::io_context io{1};
+  tcp::acceptor acceptor{io};
+  std::thread thread;
   uint64_t next_id = 1;
   std::unordered_map<uint64_t, std::weak_ptr<Connection>> conns;  // I/O thread only
 
@@ -70,6 +71,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   void Send(std::string frame) override {
     if (!open_) return;
+    queued_ += frame.size();
     writes_.push_back(std::move(frame));
     if (writes_.size() == 1) WriteNext();
   }
@@ -77,7 +79,17 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   void Resume() override {
     if (!paused_) return;
     paused_ = false;
-    if (open_ && !reading_ && !closing_) ReadHeader();
+    MaybeRead();
+  }
+  // Reads the next frame unless paused, closing, or the client is not reading its answers.
+  void MaybeRead() {
+    if (open_ && !reading_ && !closing_ && !read_eof_ && !paused_ && !WriteBlocked()) {
+      ReadHeader();
+    }
+  }
+  bool WriteBlocked() const { return queued_ > WriteLimit(); }
+  size_t WriteLimit() const {
+    return std::max<size_t>(size_t{16} << 20, srv_->opts.max_frame_bytes);
   }
   void CloseAfterWrites() override {
     closing_ = true;
@@ -90,7 +102,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     if (!open_) return;
     open_ = false;
     boost::system::error_code ec;
-    timer_.cancel();
+    StopFrameTimer();
     socket_.shutdown(tcp::socket::shutdown_both, ec);
     socket_.close(ec);
     srv_->Forget(id_);
@@ -105,6 +117,14 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   // A read ended: false if the connection is done reading (closed by the peer, or closing).
   bool ReadOk(const boost::system::error_code& ec) {
     if (!open_ || closing_) return false;
+    if (ec == asio::error::eof && have_ == 0 && srv_->handlers.on_read_closed) {
+      // The client finished sending (half close): it may still read the answers in flight.
+      StopFrameTimer();
+      reading_ = false;
+      read_eof_ = true;
+      srv_->handlers.on_read_closed(shared_from_this());
+      return false;
+    }
     if (ec) {
       Close();
       return false;
@@ -113,8 +133,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   }
 
   void ReadHeader() {
-    if (!open_ || closing_) return;
-    if (paused_) return;
+    if (!open_ || closing_ || paused_ || read_eof_ || WriteBlocked()) return;
     reading_ = true;
     have_ = 0;
     ReadHeaderMore();
@@ -132,11 +151,18 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
                             });
   }
 
+  void StopFrameTimer() {
+    ++frame_gen_;
+    timer_.cancel();
+  }
+
   void ArmFrameTimer() {
+    const uint64_t gen = ++frame_gen_;
     timer_.expires_after(srv_->opts.frame_timeout);
     auto self = shared_from_this();
-    timer_.async_wait([this, self](const boost::system::error_code& ec) {
-      if (ec || !open_ || !reading_) return;
+    timer_.async_wait([this, self, gen](const boost::system::error_code& ec) {
+      // A handler already queued when its frame completed must not close the connection.
+      if (ec || !open_ || !reading_ || gen != frame_gen_) return;
       spdlog::warn("{}: connection {} did not complete a frame within {} ms; closing",
                    srv_->opts.name, id_, srv_->opts.frame_timeout.count());
       reading_ = false;
@@ -151,7 +177,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   void OnHeader(uint32_t len) {
     if (len > srv_->opts.max_frame_bytes) {
-      timer_.cancel();
+      StopFrameTimer();
       reading_ = false;
       return Refuse(ErrorCode::FRAME_TOO_LARGE,
                     "frame of " + std::to_string(len) + " bytes is over the limit of " +
@@ -171,22 +197,22 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     asio::async_read(socket_, asio::buffer(body_.data(), body_.size()),
                      [this, self, held](const boost::system::error_code& ec, size_t) {
                        if (!ReadOk(ec)) return;
-                       timer_.cancel();
+                       StopFrameTimer();
                        reading_ = false;
                        std::string body = std::move(body_);
                        body_ = std::string();
                        srv_->handlers.on_frame(self, std::move(body), std::move(*held));
-                       if (!reading_) ReadHeader();
+                       MaybeRead();
                      });
   }
 
   // Over the byte budget: read the body into scratch space, drop it, say OVERLOADED.
   void Discard(uint32_t left) {
     if (left == 0) {
-      timer_.cancel();
+      StopFrameTimer();
       reading_ = false;
       Refuse(ErrorCode::OVERLOADED, "the server holds too many request bytes; retry later", false);
-      return ReadHeader();
+      return MaybeRead();
     }
     auto self = shared_from_this();
     const size_t n = std::min<size_t>(left, sizeof scratch_);
@@ -202,7 +228,10 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     asio::async_write(socket_, asio::buffer(writes_.front()),
                       [this, self](const boost::system::error_code& ec, size_t) {
                         if (ec || !open_) return Close();
+                        const bool was_blocked = WriteBlocked();
+                        queued_ -= writes_.front().size();
                         writes_.pop_front();
+                        if (was_blocked && !WriteBlocked()) MaybeRead();
                         if (!writes_.empty()) return WriteNext();
                         if (closing_) Close();
                       });
@@ -217,7 +246,9 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   std::string body_;
   char scratch_[16384];
   std::deque<std::string> writes_;
-  bool open_ = true, reading_ = false, paused_ = false, closing_ = false;
+  size_t queued_ = 0;  // bytes in writes_
+  uint64_t frame_gen_ = 0;
+  bool open_ = true, reading_ = false, paused_ = false, closing_ = false, read_eof_ = false;
 };
 
 }  // namespace
@@ -329,9 +360,22 @@ void FramedServer::StopAccepting() {
 void FramedServer::Stop() {
   Impl* raw = impl_.get();
   if (raw->stopped.exchange(true)) return;
+  // First let every connection finish writing what it was given (a drain's last answers), for
+  // up to 2 s; then close whatever is left and end the I/O thread.
   asio::post(raw->io, [raw] {
     boost::system::error_code ec;
     raw->acceptor.close(ec);
+    auto conns = raw->conns;
+    for (auto& [id, w] : conns) {
+      if (auto c = w.lock()) c->CloseAfterWrites();
+    }
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (raw->open.load() > 0 && std::chrono::steady_clock::now() < until &&
+         raw->thread.joinable()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  asio::post(raw->io, [raw] {
     auto conns = raw->conns;
     for (auto& [id, w] : conns) {
       if (auto c = w.lock()) c->Close();

@@ -8,7 +8,8 @@
 // buffer and dropped, the connection stays usable), at most max_connections (else OVERLOADED and
 // close), and a frame once started must complete within frame_timeout (else FRAME_TIMEOUT and
 // close: a client that trickles bytes cannot hold a connection forever). Idle connections
-// between frames are kept.
+// between frames are kept. A client that does not read its answers stops being read once 16 MiB
+// (or one maximal frame) of answers wait for it. Stop lets queued answers go out (up to 2 s).
 //
 // Threads: everything runs on one I/O thread. Handlers run on it and must not block; work for
 // other threads is handed off, and its results come back with Post.
@@ -79,6 +80,10 @@ struct FramedHandlers {
       on_frame;
   // The protocol's error frame (length prefix included) for the server's own refusals.
   std::function<std::string(moerun::v1::ErrorCode code, const std::string& message)> error_frame;
+  // The client closed its sending side with no frame half-read; the connection stays open for
+  // the answers in flight (the handler closes it with CloseAfterWrites once they are sent).
+  // Optional: without it, the connection closes at once.
+  std::function<void(const std::shared_ptr<FramedConnection>&)> on_read_closed;
   // Connection count changes (metrics); optional.
   std::function<void(int open_connections)> on_connections;
 };

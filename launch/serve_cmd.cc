@@ -194,7 +194,8 @@ int RunServe(const ServeFlags& f) {
     ServedModel served;
     served.layers = opts.layers;
     served.hidden = spec->hidden;
-    served.max_request_tokens = sc.max_request_tokens;
+    // A request larger than the batcher's queue could never be queued: refuse it as invalid.
+    served.max_request_tokens = std::min(sc.max_request_tokens, c.batching.max_queue_tokens);
     MOERUN_ASSIGN_OR_RETURN(auto endpoint,
                             ServingEndpoint::Start(so, served, &batcher, &rs->metrics()));
     std::unique_ptr<ControlEndpoint> control;

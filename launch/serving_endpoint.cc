@@ -57,6 +57,11 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
     return EncodeInferError(0, code, message);
   };
   h.on_connections = [raw](int n) { raw->connections_->Set(n); };
+  h.on_read_closed = [raw](const std::shared_ptr<FramedConnection>& c) {
+    // Answers still owed go out first; then the connection closes.
+    if (raw->per_conn_.count(c->id()) == 0) return c->CloseAfterWrites();
+    raw->half_closed_.insert(c->id());
+  };
   MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(options.framed, std::move(h)));
   return ep;
 }
@@ -83,15 +88,20 @@ void ServingEndpoint::Answer(Pending& p, std::string frame, ErrorCode code) {
   by_code_[static_cast<int>(code) % 10]->Inc();
   if (code == moerun::v1::OK) tokens_->Inc(static_cast<uint64_t>(p.req.tokens));
   latency_->Observe(std::chrono::duration<double>(Clock::now() - p.received).count());
-  auto it = per_conn_.find(p.conn->id());
-  if (it != per_conn_.end()) {
-    if (--it->second == 0) {
-      per_conn_.erase(it);
-      p.conn->Resume();
-    } else if (it->second < opts_.max_inflight_per_connection) {
-      p.conn->Resume();
-    }
+}
+
+// The batcher gave the request back: its connection may read again (a request answered early by
+// its deadline still counted until then, so one client cannot fill the batcher's queue).
+void ServingEndpoint::Release(Pending& p) {
+  const uint64_t id = p.conn->id();
+  auto it = per_conn_.find(id);
+  if (it == per_conn_.end()) return;
+  const int left = --it->second;
+  if (left == 0) {
+    per_conn_.erase(it);
+    if (half_closed_.erase(id) > 0) return p.conn->CloseAfterWrites();
   }
+  if (left < opts_.max_inflight_per_connection) p.conn->Resume();
 }
 
 void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string body,
@@ -174,6 +184,7 @@ void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchIn
   ep->in_flight_gauge_->Set(static_cast<double>(ep->in_flight_.load()));
   ep->server_->Post([ep, p, frame = std::move(frame), code]() mutable {
     ep->Answer(*p, std::move(frame), code);
+    ep->Release(*p);
   });
 }
 

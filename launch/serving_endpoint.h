@@ -11,6 +11,8 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "launch/framed_server.h"
 #include "launch/infer_codec.h"
@@ -45,6 +47,7 @@ class ServingEndpoint {
   ServingEndpoint() = default;
   void OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string body, BudgetLease lease);
   void Answer(Pending& p, std::string frame, moerun::v1::ErrorCode code);
+  void Release(Pending& p);
   static void OnBatchDone(void* ctx, const Status& status, const BatchInfo& info);
 
   ServingOptions opts_;
@@ -53,7 +56,8 @@ class ServingEndpoint {
   std::unique_ptr<FramedServer> server_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
-  std::unordered_map<uint64_t, int> per_conn_;  // I/O thread only
+  std::unordered_map<uint64_t, int> per_conn_;  // requests in the batcher, by connection
+  std::unordered_set<uint64_t> half_closed_;    // connections to close once per_conn_ is 0
   // Metrics.
   Counter* by_code_[10] = {};
   Counter* tokens_ = nullptr;

@@ -114,10 +114,10 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     // Gather, run, scatter.
     const auto started = Clock::now();
     int64_t tokens = 0;
-    auto deadline = Clock::time_point::max();
+    auto deadline = Clock::time_point::min();
     for (const Slot& s : batch_) {
       tokens += s.req.tokens;
-      deadline = std::min(deadline, s.req.deadline);
+      deadline = std::max(deadline, s.req.deadline);
     }
     const size_t bytes = static_cast<size_t>(tokens * hidden_) * sizeof(float);
     in_.Reserve(bytes);

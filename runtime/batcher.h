@@ -42,7 +42,8 @@ struct BatchRequest {
   void (*done)(void* ctx, const Status& status, const BatchInfo& info) = nullptr;
   void* ctx = nullptr;
   // A request still queued at its deadline is answered kDeadlineExceeded without computing it;
-  // a batch's forward gets the earliest deadline of its requests.
+  // a batch's forward gets the latest deadline of its requests (so that one impatient request
+  // does not fail the others; the caller answers each by its own deadline).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 

@@ -87,7 +87,10 @@ Status ExpertParallelLayer::Forward(const float* x, int64_t tokens, float* out, 
 }
 
 void ExpertParallelLayer::Abandon(const Status& why) {
-  const bool strand = health_ != nullptr && why.code() == StatusCode::kDeadlineExceeded;
+  // With a PeerHealth, whatever is still in flight stays posted (whatever failed: another
+  // microbatch may be on its way to healthy ranks); without one, it is cancelled.
+  (void)why;
+  const bool strand = health_ != nullptr;
   for (auto& s : stages_) {
     if (strand &&
         std::any_of(s->reqs.begin(), s->reqs.end(), [](const Request& r) { return r.valid(); })) {

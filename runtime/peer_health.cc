@@ -76,8 +76,14 @@ Status PeerHealth::SendProbe(int rank) {
   h.seq = ++seq_;
   std::memcpy(hdr, &h, sizeof h);
   MOERUN_ASSIGN_OR_RETURN(s.pong_recv, t_->Irecv(rank, kTagPong, &s.pong_in, sizeof s.pong_in));
-  MOERUN_ASSIGN_OR_RETURN(s.ping_send, t_->Isend(rank, kTagHeader, hdr, header_bytes_));
   s.ping_deadline = DeadlineIn(opts_.probe_deadline);
+  Result<Request> sent = t_->Isend(rank, kTagHeader, hdr, header_bytes_);
+  if (!sent.ok()) {
+    (void)t_->Cancel(s.pong_recv);
+    s.pong_recv = Request{};
+    return sent.status();
+  }
+  s.ping_send = *sent;
   return Status::Ok();
 }
 

@@ -19,7 +19,7 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
         const int peer = r.peer;
         r = Request{};
         for (Request& o : reqs) {
-          if (o.valid()) (void)Cancel(o), o = Request{};
+          if (o.valid() && cancel_late) (void)Cancel(o), o = Request{};
         }
         return done.status().WithContext(std::string(what) + " with rank " + std::to_string(peer));
       }

@@ -59,9 +59,9 @@ class Transport {
   [[noreturn]] virtual void Abort(int exit_code) = 0;
 
   // Waits for every request (invalid ones are skipped); completed ones become invalid. On a
-  // failure or at the deadline the remaining ones are cancelled (at the deadline only with
-  // cancel_late; otherwise they stay valid for the caller) and the error names the peer (the
-  // lowest late one); `what` says what was awaited.
+  // failure or at the deadline the remaining ones are cancelled (with cancel_late; otherwise they
+  // stay valid for the caller) and the error names the peer (at the deadline the lowest late
+  // one); `what` says what was awaited.
   Status WaitAll(std::span<Request> reqs, Deadline deadline, const char* what = "transfer",
                  bool cancel_late = true);
   // Waits for one request.

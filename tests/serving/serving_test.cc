@@ -359,6 +359,22 @@ TEST(ServingTest, DeadlinesHoldWhileTheLayerIsSlowAndFullQueuesSayOverloaded) {
   EXPECT_NE(text.find("moerun_requests_total{code=\"overloaded\"}"), std::string::npos);
 }
 
+TEST(ServingTest, AClientThatClosesItsSendingSideStillGetsItsAnswers) {
+  Server s({}, {}, std::chrono::milliseconds(200));  // the answers come after the half close
+  auto c = Connect(s);
+  const auto x = RandomRows(2, s.hidden(), 21);
+  for (uint64_t id = 1; id <= 3; ++id)
+    ASSERT_TRUE(c->Send(Request(id, x, s.hidden()), Soon()).ok());
+  ASSERT_EQ(::shutdown(c->fd(), SHUT_WR), 0);
+  for (int i = 0; i < 3; ++i) {
+    InferResponse resp;
+    ASSERT_TRUE(c->Receive(&resp, Soon()).ok()) << i;
+    EXPECT_EQ(resp.code(), v1::OK) << resp.message();
+  }
+  InferResponse resp;
+  EXPECT_EQ(c->Receive(&resp, Soon()).code(), StatusCode::kUnavailable);  // then closed
+}
+
 TEST(ServingTest, DrainRefusesNewRequests) {
   Server s;
   auto c = Connect(s);

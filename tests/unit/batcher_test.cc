@@ -175,7 +175,7 @@ TEST(BatcherTest, ManySubmittersOneRunner) {
 namespace moerun {
 namespace {
 
-TEST(BatcherTest, ExpiredRequestsAreAnsweredWithoutComputingAndDeadlinesReachForward) {
+TEST(BatcherTest, ExpiredRequestsAreAnsweredWithoutComputingAndTheLatestDeadlineReachesForward) {
   BatcherOptions o;
   o.max_batch_tokens = 100;
   o.max_wait_us = 0;
