@@ -61,7 +61,7 @@ namespace {
 class Connection : public FramedConnection, public std::enable_shared_from_this<Connection> {
  public:
   Connection(FramedServer::Impl* srv, tcp::socket socket, uint64_t id)
-      : srv_(srv), socket_(std::move(socket)), timer_(srv->io), id_(id) {}
+      : srv_(srv), socket_(std::move(socket)), timer_(srv->io), write_timer_(srv->io), id_(id) {}
 
   void Start() {
     boost::system::error_code ec;
@@ -103,6 +103,8 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     open_ = false;
     boost::system::error_code ec;
     StopFrameTimer();
+    ++write_gen_;
+    write_timer_.cancel();
     socket_.shutdown(tcp::socket::shutdown_both, ec);
     socket_.close(ec);
     srv_->Forget(id_);
@@ -225,8 +227,18 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   void WriteNext() {
     auto self = shared_from_this();
+    const uint64_t gen = ++write_gen_;
+    write_timer_.expires_after(srv_->opts.write_timeout);
+    write_timer_.async_wait([this, self, gen](const boost::system::error_code& ec) {
+      if (ec || !open_ || gen != write_gen_) return;
+      spdlog::warn("{}: connection {} did not read its answers for {} ms; closing", srv_->opts.name,
+                   id_, srv_->opts.write_timeout.count());
+      Close();
+    });
     asio::async_write(socket_, asio::buffer(writes_.front()),
                       [this, self](const boost::system::error_code& ec, size_t) {
+                        ++write_gen_;
+                        write_timer_.cancel();
                         if (ec || !open_) return Close();
                         const bool was_blocked = WriteBlocked();
                         queued_ -= writes_.front().size();
@@ -239,7 +251,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   FramedServer::Impl* srv_;
   tcp::socket socket_;
-  asio::steady_timer timer_;
+  asio::steady_timer timer_, write_timer_;
   const uint64_t id_;
   uint8_t header_[kFrameHeaderBytes] = {};
   size_t have_ = 0;
@@ -247,7 +259,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   char scratch_[16384];
   std::deque<std::string> writes_;
   size_t queued_ = 0;  // bytes in writes_
-  uint64_t frame_gen_ = 0;
+  uint64_t frame_gen_ = 0, write_gen_ = 0;
   bool open_ = true, reading_ = false, paused_ = false, closing_ = false, read_eof_ = false;
 };
 

@@ -9,7 +9,8 @@
 // close), and a frame once started must complete within frame_timeout (else FRAME_TIMEOUT and
 // close: a client that trickles bytes cannot hold a connection forever). Idle connections
 // between frames are kept. A client that does not read its answers stops being read once 16 MiB
-// (or one maximal frame) of answers wait for it. Stop lets queued answers go out (up to 2 s).
+// (or one maximal frame) of answers wait for it, and is closed when a write makes no progress
+// for write_timeout. Stop lets queued answers go out (up to 2 s).
 //
 // Threads: everything runs on one I/O thread. Handlers run on it and must not block; work for
 // other threads is handed off, and its results come back with Post.
@@ -38,6 +39,9 @@ struct FramedServerOptions {
   uint32_t max_frame_bytes = 64u << 20;
   int max_connections = 4096;
   std::chrono::milliseconds frame_timeout{10000};
+  // A write that makes no progress for this long closes the connection (a client that stopped
+  // reading its answers).
+  std::chrono::milliseconds write_timeout{30000};
   int64_t max_buffered_bytes = int64_t{1} << 30;
 };
 

@@ -375,6 +375,25 @@ TEST(ServingTest, AClientThatClosesItsSendingSideStillGetsItsAnswers) {
   EXPECT_EQ(c->Receive(&resp, Soon()).code(), StatusCode::kUnavailable);  // then closed
 }
 
+TEST(ServingTest, AClientThatStopsReadingIsClosedAndOthersAreServed) {
+  ServingOptions so;
+  so.framed.write_timeout = std::chrono::milliseconds(500);
+  Server s(so);
+  auto c = Connect(s);
+  const auto x = RandomRows(4096, s.hidden(), 31);  // 1 MiB answers
+  for (uint64_t id = 1; id <= 12; ++id)
+    ASSERT_TRUE(c->Send(Request(id, x, s.hidden()), Soon()).ok());
+  // Nothing is read: the socket buffers fill, the server's write stalls, it gives up on us.
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ExpectServes(s);
+  Status st;
+  for (int i = 0; i < 13 && st.ok(); ++i) {
+    InferResponse resp;
+    st = c->Receive(&resp, Soon());
+  }
+  EXPECT_FALSE(st.ok());  // closed before all 12 answers were delivered
+}
+
 TEST(ServingTest, DrainRefusesNewRequests) {
   Server s;
   auto c = Connect(s);
