@@ -17,19 +17,11 @@ using moerun::v1::ErrorCode;
 
 namespace {
 
-std::string Framed(const ControlResponse& r) {
-  std::string out(kFrameHeaderBytes, '\0');
-  r.AppendToString(&out);
-  PutFrameLength(static_cast<uint32_t>(out.size() - kFrameHeaderBytes),
-                 reinterpret_cast<uint8_t*>(out.data()));
-  return out;
-}
-
 std::string ErrorFrame(ErrorCode code, const std::string& message) {
   ControlResponse r;
   r.set_code(code);
   r.set_message(message);
-  return Framed(r);
+  return EncodeFrame(r).value();  // an error answer is small: it always fits in a frame
 }
 
 }  // namespace
@@ -132,7 +124,9 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
   } catch (const std::exception& e) {
     return conn->Send(ErrorFrame(moerun::v1::INTERNAL, e.what()));
   }
-  conn->Send(Framed(r));
+  Result<std::string> frame = EncodeFrame(r);
+  conn->Send(frame.ok() ? std::move(*frame)
+                        : ErrorFrame(moerun::v1::INTERNAL, frame.status().message()));
 }
 
 }  // namespace moerun

@@ -19,14 +19,6 @@ bool Fail(RequestError* e, uint64_t id, ErrorCode code, std::string message) {
   return false;
 }
 
-std::string Framed(const google::protobuf::MessageLite& m) {
-  std::string out(kFrameHeaderBytes, '\0');
-  m.AppendToString(&out);
-  PutFrameLength(static_cast<uint32_t>(out.size() - kFrameHeaderBytes),
-                 reinterpret_cast<uint8_t*>(out.data()));
-  return out;
-}
-
 }  // namespace
 
 bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRequest* out,
@@ -118,7 +110,7 @@ std::string EncodeInferError(uint64_t id, ErrorCode code, const std::string& mes
   r.set_id(id);
   r.set_code(code);
   r.set_message(message);
-  return Framed(r);
+  return EncodeFrame(r).value();  // an error answer is small: it always fits in a frame
 }
 
 std::string EncodeInferAnswer(uint64_t id, moerun::v1::DType dtype, int64_t tokens, int64_t hidden,
@@ -142,7 +134,9 @@ std::string EncodeInferAnswer(uint64_t id, moerun::v1::DType dtype, int64_t toke
   } else {
     data->assign(reinterpret_cast<const char*>(out), 4 * n);
   }
-  return Framed(r);
+  Result<std::string> frame = EncodeFrame(r);
+  if (!frame.ok()) return EncodeInferError(id, moerun::v1::INTERNAL, frame.status().message());
+  return std::move(*frame);
 }
 
 ErrorCode ErrorCodeOf(const Status& s) {

@@ -1,5 +1,7 @@
 #include "launch/serve_client.h"
 
+#include "launch/host_port.h"
+
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -28,35 +30,18 @@ constexpr size_t kReadChunk = 256 << 10;
 
 std::string Errno(int e) { return std::strerror(e); }
 
-// "HOST:PORT" or "[v6]:PORT" -> host, port text.
+// A connect target: ParseHostPort's rules, and somewhere to go (":PORT" and port 0 are for
+// listening only).
 Status SplitHostPort(const std::string& text, std::string* host, std::string* port) {
-  const auto bad = [&](const char* why) {
-    return Status::InvalidArgument("invalid address \"" + text + "\": " + why +
-                                   " (expected HOST:PORT or [IPv6]:PORT)");
-  };
-  size_t colon;
-  if (!text.empty() && text[0] == '[') {
-    const size_t close = text.find(']');
-    if (close == std::string::npos) return bad("missing ']'");
-    if (close + 1 >= text.size() || text[close + 1] != ':') return bad("missing ':PORT'");
-    *host = text.substr(1, close - 1);
-    colon = close + 1;
-  } else {
-    colon = text.rfind(':');
-    if (colon == std::string::npos) return bad("missing ':PORT'");
-    *host = text.substr(0, colon);
-    if (host->find(':') != std::string::npos) {
-      return bad("an IPv6 address must be written in brackets");
-    }
+  MOERUN_ASSIGN_OR_RETURN(const HostPort hp, ParseHostPort(text));
+  if (text.front() == ':') {
+    return Status::InvalidArgument("invalid address \"" + text + "\": empty host");
   }
-  if (host->empty()) return bad("empty host");
-  *port = text.substr(colon + 1);
-  if (port->empty() || port->size() > 5) return bad("port out of range 1..65535");
-  for (char c : *port) {
-    if (!std::isdigit(static_cast<unsigned char>(c))) return bad("port is not a number");
+  if (hp.port == 0) {
+    return Status::InvalidArgument("invalid address \"" + text + "\": port out of range 1..65535");
   }
-  const int p = std::stoi(*port);
-  if (p < 1 || p > 65535) return bad("port out of range 1..65535");
+  *host = hp.host;
+  *port = std::to_string(hp.port);
   return Status::Ok();
 }
 
