@@ -20,34 +20,12 @@ WORK=$(mktemp -d /tmp/moerun-frozen.XXXXXX)
 TAG="frozen-$$-$RANDOM$RANDOM"
 MPI_PID=""
 
-# Every process of this run: the ones carrying our tag in their environment.
-tagged_pids() {
-  local p
-  for p in /proc/[0-9]*; do
-    grep -qzx "MOERUN_TEST_TAG=$TAG" "$p/environ" 2>/dev/null && echo "${p#/proc/}"
-  done
-}
-
-cleanup() {
-  local p
-  for p in $(tagged_pids); do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
-  if [[ -n "$MPI_PID" ]]; then kill -KILL "$MPI_PID" 2>/dev/null; wait "$MPI_PID" 2>/dev/null; fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+# shellcheck source=../lib/mpi_job.sh
+source "$HERE/../lib/mpi_job.sh"
+trap cleanup_job EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM; trap 'exit 129' HUP
 
 fail() { echo "FAIL: $*"; [[ -f "$WORK/log" ]] && { echo "--- mpirun output:"; cat "$WORK/log"; }; exit 1; }
-
-rank2_pid() {
-  local p
-  for p in $(tagged_pids); do
-    if grep -qzx 'OMPI_COMM_WORLD_RANK=2' "/proc/$p/environ" 2>/dev/null &&
-       grep -qz moerun "/proc/$p/cmdline" 2>/dev/null; then
-      echo "$p"
-    fi
-  done
-}
 
 # One attempt: 0 = the freeze was exercised and checked, 2 = the run ended before the STOP.
 attempt() {
@@ -71,7 +49,7 @@ attempt() {
     sleep 0.1
   done
   local pid
-  pid=$(rank2_pid)
+  pid=$(rank_pid 2)
   if [[ -z "$pid" ]]; then
     if ! kill -0 "$MPI_PID" 2>/dev/null; then wait "$MPI_PID"; MPI_PID=""; return 2; fi
     fail "could not find expert rank 2's process"

@@ -22,29 +22,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 WORK=$(mktemp -d /tmp/moerun-e2e.XXXXXX)
 TAG="e2e-$$-$RANDOM$RANDOM"
 MPI_PID=""
-tagged_pids() {
-  local p
-  for p in /proc/[0-9]*; do
-    grep -qzx "MOERUN_TEST_TAG=$TAG" "$p/environ" 2>/dev/null && echo "${p#/proc/}"
-  done
-}
-rank_pid() {  # rank -> pid of that rank's moerun process
-  local p
-  for p in $(tagged_pids); do
-    if grep -qzx "OMPI_COMM_WORLD_RANK=$1" "/proc/$p/environ" 2>/dev/null &&
-       grep -qz moerun "/proc/$p/cmdline" 2>/dev/null && ! grep -qz mpirun "/proc/$p/cmdline"; then
-      echo "$p"
-      return
-    fi
-  done
-}
-cleanup() {
-  local p
-  for p in $(tagged_pids); do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
-  if [[ -n "$MPI_PID" ]]; then kill -KILL "$MPI_PID" 2>/dev/null; wait "$MPI_PID" 2>/dev/null; fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+# shellcheck source=../lib/mpi_job.sh
+source "$(dirname "$0")/../lib/mpi_job.sh"
+trap cleanup_job EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM
 fail() { echo "FAIL: $*"; echo "--- serve log (tail):"; tail -40 "$WORK/log"; exit 1; }
 
