@@ -30,6 +30,15 @@ using Deadline = SteadyClock::time_point;
 
 inline Deadline DeadlineIn(std::chrono::milliseconds ms) { return SteadyClock::now() + ms; }
 
+// What a backend reports of its own data movement (`moebench transport`, zero-copy checks).
+struct TransportCounters {
+  uint64_t put_bytes = 0;      // written straight into a peer's registered memory (RDMA put)
+  uint64_t eager_bytes = 0;    // sent through the library's own bounce buffers (small messages)
+  uint64_t copied_bytes = 0;   // copied by the transport itself (memcpy of a message)
+  uint64_t registrations = 0;  // memory registrations made (RegisterMemory and on demand)
+  uint64_t on_demand_registrations = 0;  // of which for receive buffers that were not registered
+};
+
 struct Request {
   uint64_t id = 0;  // 0: no request
   int peer = -1;
@@ -54,7 +63,13 @@ class Transport {
   // treat the (peer, tag) channel as unusable (the runtime ends the job after such a failure).
   virtual Status Cancel(Request r) = 0;
   virtual bool can_withdraw_sends() const { return true; }
+  // RDMA backends (ucx) register [p, p + bytes) once so that receives into it are written
+  // directly by the peer; others treat it as a no-op. The memory stays registered until
+  // UnregisterMemory(p) (call it before freeing the memory), a registration that overlaps it, or
+  // the transport's end.
   virtual Status RegisterMemory(void* /*p*/, size_t /*bytes*/) { return Status::Ok(); }
+  virtual void UnregisterMemory(void* /*p*/) {}
+  virtual TransportCounters counters() const { return {}; }
   // Ends the whole job now (after a fatal error such as a peer that stopped answering).
   [[noreturn]] virtual void Abort(int exit_code) = 0;
 

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "transport/mpi/mpi_transport.h"
+#include "transport/ucx/ucx_transport.h"
 
 namespace moerun::testing {
 namespace {
@@ -15,6 +16,10 @@ struct MpiState {
   bool launched = false;
   std::unique_ptr<Transport> transport;
   Status error;  // why there is no transport
+  // The ucx endpoint (bootstrapped over its own MPI endpoint), made by the first ucx test.
+  bool ucx_tried = false;
+  std::unique_ptr<Transport> ucx;
+  Status ucx_error;
 };
 
 MpiState& Mpi() {
@@ -96,9 +101,32 @@ std::string BackendTestName(const ::testing::TestParamInfo<Backend>& info) {
   return info.param.ranks > 0 ? std::to_string(info.param.ranks) + "ranks" : "world";
 }
 
+// The ucx endpoint, created collectively by the first ucx test (every rank runs the same tests).
+Transport* Ucx() {
+  MpiState& m = Mpi();
+  if (!m.ucx_tried && m.transport) {
+    m.ucx_tried = true;
+    Result<std::unique_ptr<Transport>> boot = CreateMpiTransport();
+    Result<UcxOptions> opts = UcxOptionsFromEnvironment();
+    if (!boot.ok()) {
+      m.ucx_error = boot.status();
+    } else if (!opts.ok()) {
+      m.ucx_error = opts.status();
+    } else {
+      Result<std::unique_ptr<Transport>> t = CreateUcxTransport(std::move(boot).value(), *opts);
+      if (t.ok()) {
+        m.ucx = std::move(t).value();
+      } else {
+        m.ucx_error = t.status();
+      }
+    }
+  }
+  return m.ucx.get();
+}
+
 std::string SkipReason(const Backend& backend) {
   if (backend.name == "inproc") return "";
-  if (backend.name != "mpi") return "unknown backend " + backend.name;
+  if (backend.name != "mpi" && backend.name != "ucx") return "unknown backend " + backend.name;
   const MpiState& m = Mpi();
   if (!m.launched) return "not started by an MPI launcher (run it under mpirun -np N, N >= 2)";
   if (!m.transport) {
@@ -106,6 +134,10 @@ std::string SkipReason(const Backend& backend) {
     return m.error.code() == StatusCode::kUnsupported ? m.error.ToString() : "";
   }
   if (m.transport->size() < 2) return "the MPI world has a single rank (use mpirun -np N, N >= 2)";
+  if (backend.name == "ucx" && Ucx() == nullptr &&
+      Mpi().ucx_error.code() == StatusCode::kUnsupported) {
+    return Mpi().ucx_error.ToString();
+  }
   return "";
 }
 
@@ -133,8 +165,17 @@ void RunOnRanks(const Backend& backend, const RankBody& body) {
     ADD_FAILURE() << "the MPI transport could not be created: " << m.error.ToString();
     return;
   }
-  Transport& t = *m.transport;
-  SCOPED_TRACE("mpi rank " + std::to_string(t.rank()) + " of " + std::to_string(t.size()));
+  Transport* chosen = m.transport.get();
+  if (backend.name == "ucx") {
+    chosen = Ucx();
+    if (chosen == nullptr) {
+      ADD_FAILURE() << "the ucx transport could not be created: " << m.ucx_error.ToString();
+      return;
+    }
+  }
+  Transport& t = *chosen;
+  SCOPED_TRACE(backend.name + " rank " + std::to_string(t.rank()) + " of " +
+               std::to_string(t.size()));
   // Start together, so that timing-sensitive bodies (deadlines) see their peers at work.
   const Status st = t.Barrier(Patient());
   if (!st.ok()) {
@@ -231,6 +272,7 @@ int main(int argc, char** argv) {
   // exit from making mpirun kill rank 0 before that summary is out. Also when no test ran
   // (--gtest_list_tests).
   std::fflush(stdout);
+  Mpi().ucx.reset();
   Mpi().transport.reset();
   return rc;
 }

@@ -1,0 +1,43 @@
+// The ucx transport: host memory over UCX (InfiniBand/RoCE verbs, shared memory, TCP: whatever
+// UCX_TLS allows). No UCX type appears outside transport/ucx/.
+//
+// Messages below `put_min` bytes go as UCX tagged eager messages. Larger ones are written by the
+// sender straight into the receive buffer with ucp_put_nbx (zero copy):
+//   1. the receiver's Irecv sends a ready-to-receive note (RTR: request id, size, address and the
+//      remote key of the registered region holding the buffer) to the sender;
+//   2. the sender's Isend takes the RTRs of its (peer, tag) channel in order, checks the size,
+//      puts the bytes at the address, flushes the endpoint (remote completion) and sends a FIN;
+//   3. the FIN completes the receive.
+// Receive buffers inside memory given to RegisterMemory are registered once; others are
+// registered for that one message (counted as on-demand registrations). A size mismatch fails
+// both sides with an error. Endpoints use UCP_ERR_HANDLING_MODE_PEER: a peer that dies fails its
+// requests with kUnavailable instead of hanging them; one that stops answering misses deadlines.
+//
+// Cancel: an eager receive is withdrawn. A put receive whose RTR is out tells the sender
+// (REVOKE); if the sender had already taken the RTR, its bytes may still land in the buffer:
+// keep registered memory alive until UnregisterMemory or the transport's end. A send cannot be
+// withdrawn once started (can_withdraw_sends is false): the runtime strands or ends the job.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "transport/transport.h"
+
+namespace moerun {
+
+struct UcxOptions {
+  size_t put_min = 16384;  // messages of at least this many bytes go by put (MOERUN_UCX_PUT_MIN)
+};
+
+// Creates this rank's UCX endpoint set: one context and worker, endpoints to every rank from
+// worker addresses exchanged over `bootstrap` (which the ucx transport then keeps, for Abort and
+// to finalise it last). Sets UCX_MM_ERROR_HANDLING=y when the user has not (UCX 1.13's
+// shared-memory transports need it in peer error mode) and logs that it did.
+Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport> bootstrap,
+                                                      UcxOptions options = {});
+
+// The options from the environment (MOERUN_UCX_PUT_MIN), with a clear error for a bad value.
+Result<UcxOptions> UcxOptionsFromEnvironment();
+
+}  // namespace moerun
