@@ -178,7 +178,7 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
     auto opened = OpenIo(f);
     if (!opened.ok()) {
       const int rc = FailWith(opened.status());
-      if (job.transport() == "mpi") job.Abort(rc);
+      if (job.multi_process()) job.Abort(rc);
       return rc;
     }
     io = std::move(opened).value();

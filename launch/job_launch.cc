@@ -6,12 +6,13 @@
 
 #include "runtime/log.h"
 #include "transport/mpi/mpi_transport.h"
+#include "transport/ucx/ucx_transport.h"
 
 namespace moerun {
 
 void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
   cmd->add_option("--transport", f->transport,
-                  "mpi or inproc (default: mpi when started by mpirun/srun, else inproc)");
+                  "mpi, ucx or inproc (default: mpi when started by mpirun/srun, else inproc)");
   cmd->add_option("--ranks", f->ranks, "inproc: number of ranks, run as threads")->default_val(1);
   cmd->add_option("--routers", f->routers, "Router ranks (the first R ranks)")->default_val(1);
   cmd->add_option("--placement", f->placement,
@@ -37,8 +38,17 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
   if (flags.deadline_ms <= 0 || flags.deadline_ms > 86400000) {
     return Status::InvalidArgument("--deadline-ms must be in 1..86400000");
   }
-  if (j->transport_ == "mpi") {
+  if (j->transport_ == "mpi" || j->transport_ == "ucx") {
+    if (j->transport_ == "ucx" && !LaunchedByMpiLauncher()) {
+      return Status::InvalidArgument(
+          "--transport ucx needs ranks started by mpirun or srun (its endpoints are exchanged "
+          "over MPI at start-up)");
+    }
     MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateMpiTransport());
+    if (j->transport_ == "ucx") {
+      MOERUN_ASSIGN_OR_RETURN(const UcxOptions opts, UcxOptionsFromEnvironment());
+      MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateUcxTransport(std::move(j->mpi_), opts));
+    }
     j->rank_ = j->mpi_->rank();
     j->size_ = j->mpi_->size();
     InitLogging(
@@ -52,7 +62,7 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
     j->size_ = flags.ranks;
     if (j->size_ > 1) j->fabric_ = InprocFabric::Create(j->size_);
   } else {
-    return Status::InvalidArgument("--transport must be mpi or inproc, not '" + j->transport_ +
+    return Status::InvalidArgument("--transport must be mpi, ucx or inproc, not '" + j->transport_ +
                                    "'");
   }
   if (j->size_ > 1 && flags.routers >= j->size_) {

@@ -13,7 +13,7 @@
 namespace moerun {
 
 struct LaunchFlags {
-  std::string transport;  // mpi | inproc; empty: mpi under an MPI launcher, else inproc
+  std::string transport;  // mpi | ucx | inproc; empty: mpi under an MPI launcher, else inproc
   int ranks = 1;          // inproc only: ranks as threads
   int routers = 1;
   std::string placement = "linear";
@@ -39,8 +39,9 @@ class JobLaunch {
   Status Run(const JobOptions& options, const RouterWork& work);
   // Ends the whole job (MPI_Abort under mpirun) after a fatal error.
   [[noreturn]] void Abort(int exit_code);
-  // The MPI endpoint (null for inproc), for benchmarks that time the raw transport.
+  // This process's endpoint when each rank is a process (mpi or ucx; null for inproc).
   Transport* mpi_transport() const { return mpi_.get(); }
+  bool multi_process() const { return mpi_ != nullptr; }
   // JobOptions::ep and the rest from the flags.
   void Fill(JobOptions* options) const;
 

@@ -6,6 +6,7 @@
 
 #include "router/combine.h"
 #include "runtime/ep_protocol.h"
+#include "runtime/registered_buffer.h"
 
 namespace moerun {
 
@@ -50,6 +51,8 @@ ExpertParallelLayer::~ExpertParallelLayer() {
     for (Request& r : s->reqs) {
       if (r.valid()) (void)t_->Cancel(r);
     }
+    Unregister(t_, s->rows_out);
+    Unregister(t_, s->rows_in);
   }
 }
 
@@ -153,8 +156,10 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
   // Gather every row into its destination's block.
   const int64_t rows = tokens * k;
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
-  st.rows_out.Reserve(static_cast<size_t>(rows) * row_bytes);
-  st.rows_in.Reserve(static_cast<size_t>(rows) * row_bytes);
+  // Both are registered with the transport (an RDMA backend puts rows straight into rows_in at
+  // the plan's offsets and sends rows_out without staging).
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, st.rows_out, static_cast<size_t>(rows) * row_bytes));
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, st.rows_in, static_cast<size_t>(rows) * row_bytes));
   float* send = st.rows_out.as<float>();
   const int64_t chunk = 256;
   pool_->ParallelFor((rows + chunk - 1) / chunk, [&](int64_t c, int) {

@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 #include "runtime/metrics.h"
+#include "runtime/registered_buffer.h"
 
 namespace moerun {
 
@@ -28,6 +29,13 @@ ExpertHost::ExpertHost(Transport* transport, const Placement& placement,
   routers_.resize(static_cast<size_t>(placement_.num_routers()));
   for (auto& r : routers_) r.header = AlignedBuffer(header_bytes_);
   counts_.reserve(Placement::kMaxSlotsPerRank);
+}
+
+ExpertHost::~ExpertHost() {
+  Unregister(t_, in_);
+  for (auto& r : routers_) {
+    for (AlignedBuffer& b : r.out) Unregister(t_, b);
+  }
 }
 
 Status ExpertHost::Serve() {
@@ -139,7 +147,7 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
 
   // Receive the rows.
   const size_t bytes = static_cast<size_t>(rows * hidden) * sizeof(float);
-  in_.Reserve(bytes);
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, in_, bytes));  // the router puts rows here
   MOERUN_RETURN_IF_ERROR(t_->Recv(router, kTagRows, in_.data(), bytes, DeadlineIn(opts_.deadline)));
 
   // One grouped pass over every local expert.
@@ -172,7 +180,7 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
     MOERUN_RETURN_IF_ERROR(t_->Wait(rs.out_req[slot], DeadlineIn(opts_.deadline), "result send"));
     rs.out_req[slot] = Request{};
   }
-  rs.out[slot].Reserve(bytes);
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.out[slot], bytes));
   float* out = rs.out[slot].as<float>();
   const int64_t ldy = ffn_.PaddedHidden(hidden);
   if (ldy == hidden) {

@@ -29,6 +29,7 @@ class ExpertHost {
   ExpertHost(Transport* transport, const Placement& placement,
              std::map<int, std::shared_ptr<const MoeLayerWeights>> layers,
              const CpuKernels& kernels, ThreadPool* pool, ExpertHostOptions options);
+  ~ExpertHost();  // unregisters its transfer buffers
 
   // Serves until every router has sent shutdown; an error if a message is malformed or a router
   // stops mid-microbatch.

@@ -110,6 +110,7 @@ void PeerHealth::Poll() {
     if (left) {
       ++i;
     } else {
+      for (AlignedBuffer& b : strands_[i].buffers) t_->UnregisterMemory(b.data());
       strands_.erase(strands_.begin() + static_cast<std::ptrdiff_t>(i));
     }
   }

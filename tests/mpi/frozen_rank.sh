@@ -3,6 +3,11 @@
 #
 #   frozen_rank.sh MOERUN_BIN [DATA_DIR]
 #
+# MOERUN_TEST_TRANSPORT=ucx runs the job over the ucx transport (default mpi).
+# MOERUN_TEST_SIGNAL=KILL kills rank 2 (kill -9) instead of stopping it, under
+# `mpirun --enable-recovery` so that the job lives on and the router itself must notice: the
+# output must name rank 2 and the run must end within the deadline's bound as well.
+#
 # Starts `mpirun -np 3 moerun forward --preset qwen3-30b-a3b --experts 16 ... --deadline-ms 3000`
 # on an input that takes several seconds, waits for "all 3 ranks ready", then SIGSTOPs expert
 # rank 2 (found through OMPI_COMM_WORLD_RANK=2 and a tag unique to this run in its environment).
@@ -16,6 +21,11 @@ MOERUN=$(realpath "$MOERUN")
 HERE=$(cd "$(dirname "$0")" && pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
+TRANSPORT=${MOERUN_TEST_TRANSPORT:-mpi}
+SIGNAL=${MOERUN_TEST_SIGNAL:-STOP}
+[[ "$SIGNAL" == STOP || "$SIGNAL" == KILL ]] || { echo "MOERUN_TEST_SIGNAL must be STOP or KILL"; exit 2; }
+RECOVERY=()
+[[ "$SIGNAL" == KILL ]] && RECOVERY=(--enable-recovery)
 WORK=$(mktemp -d /tmp/moerun-frozen.XXXXXX)
 TAG="frozen-$$-$RANDOM$RANDOM"
 MPI_PID=""
@@ -33,7 +43,8 @@ attempt() {
   rm -f "$WORK/log" "$WORK/out.safetensors"
   python3 "$HERE/st_tool.py" input "$WORK/in.safetensors" "$tokens" 2048 || fail "cannot write the input"
   MOERUN_TEST_TAG=$TAG timeout -k 5 110 mpirun --allow-run-as-root --oversubscribe \
-    --mca mpi_yield_when_idle 1 -np 3 "$MOERUN" forward --preset qwen3-30b-a3b --experts 16 \
+    "${RECOVERY[@]}" --mca mpi_yield_when_idle 1 -np 3 "$MOERUN" forward --transport "$TRANSPORT" \
+    --preset qwen3-30b-a3b --experts 16 \
     --input "$WORK/in.safetensors" --output "$WORK/out.safetensors" --microbatch-tokens 64 \
     --deadline-ms 3000 >"$WORK/log" 2>&1 &
   MPI_PID=$!
@@ -57,9 +68,9 @@ attempt() {
   [[ $(wc -w <<<"$pid") -eq 1 ]] || fail "more than one rank-2 process: $pid"
   # Let a few microbatches flow first, so that the freeze hits a running exchange.
   sleep 0.5
-  kill -STOP "$pid" 2>/dev/null || { wait "$MPI_PID"; MPI_PID=""; return 2; }
+  kill "-$SIGNAL" "$pid" 2>/dev/null || { wait "$MPI_PID"; MPI_PID=""; return 2; }
   local stopped_at=$SECONDS stopped_rt=$EPOCHREALTIME
-  echo "stopped expert rank 2 (pid $pid) $(( SECONDS - t0 )) s after start"
+  echo "sent SIG$SIGNAL to expert rank 2 (pid $pid, $TRANSPORT) $(( SECONDS - t0 )) s after start"
   if grep -q "^moerun forward:" "$WORK/log"; then
     # The output line was already written: the STOP came too late to matter.
     kill -CONT "$pid" 2>/dev/null
@@ -84,12 +95,21 @@ attempt() {
     echo "--- note: the run completed although rank 2 was stopped"
     cat "$WORK/log"; return 2
   fi
-  [[ $rc -ne 0 ]] || fail "mpirun exited 0 although rank 2 was stopped"
+  # (mpirun --enable-recovery may exit 0 after MPI_Abort: then the router's error line counts.)
+  if [[ "$SIGNAL" == STOP ]]; then
+    [[ $rc -ne 0 ]] || fail "mpirun exited 0 although rank 2 was stopped"
+  else
+    grep -q "\[r0 router\] error: .*rank 2" "$WORK/log" || fail "the router reported no error naming rank 2"
+  fi
   [[ $rc -ne 124 && $rc -ne 137 ]] || fail "mpirun had to be killed by timeout (exit $rc)"
   grep -Eiq "rank 2([^0-9]|$)" "$WORK/log" || fail "the output does not name rank 2"
-  grep -iq "deadline" "$WORK/log" || fail "the output does not mention the deadline"
+  if [[ "$SIGNAL" == STOP ]]; then
+    grep -iq "deadline" "$WORK/log" || fail "the output does not mention the deadline"
+  fi
+  # The deadline is 3 s: the error must come within it (plus the job's teardown).
+  awk -v t="$took" 'BEGIN { exit !(t < 12) }' || fail "the job took ${took} s to end after SIG$SIGNAL"
   echo "--- mpirun output:"; cat "$WORK/log"
-  echo "PASS frozen_rank: $tokens tokens, mpirun exit $rc ${took} s after the STOP; rank 2 and the deadline named"
+  echo "PASS frozen_rank ($TRANSPORT, SIG$SIGNAL): $tokens tokens, mpirun exit $rc ${took} s after the signal; rank 2 named"
   return 0
 }
 

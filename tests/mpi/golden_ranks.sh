@@ -6,6 +6,9 @@
 #
 #   golden_ranks.sh MOERUN_BIN DATA_DIR [--full]      (or MOERUN_FULL=1)
 #
+# MOERUN_TEST_TRANSPORT=ucx runs the mpirun cases over the ucx transport (UCX_TLS and
+# MOERUN_UCX_PUT_MIN as set in the environment) instead of mpi.
+#
 # Default (CI, ~30 s on 2 cores): on deepseek_v3, gpt_oss, step3p5 and qwen2_moe every np x
 # placement (microbatching alternating: each pair runs with and without it across the
 # fixtures); every other fixture once (np 4, JSON, microbatch 8); inproc --ranks 4 per fixture.
@@ -19,6 +22,7 @@ MOERUN=$(realpath "$1")
 DATA=$(realpath "$2")
 shift 2
 FULL=${MOERUN_FULL:-0}
+TRANSPORT=${MOERUN_TEST_TRANSPORT:-mpi}
 for a in "$@"; do
   case "$a" in
     --full) FULL=1 ;;
@@ -65,9 +69,9 @@ run_case() {
   case "$kind" in
     mpi:*)
       local np=${kind#mpi:}
-      how="mpirun -np $np"
+      how="mpirun -np $np $TRANSPORT"
       timeout -k 5 90 mpirun --allow-run-as-root --oversubscribe --mca mpi_yield_when_idle 1 \
-        -np "$np" "${cmd[@]}" --transport mpi >"$log" 2>&1
+        -np "$np" "${cmd[@]}" --transport "$TRANSPORT" >"$log" 2>&1
       rc=$? ;;
     inproc:*)
       local ranks=${kind#inproc:}
@@ -141,7 +145,7 @@ case_of() {
 
 START=$SECONDS
 if [[ "$FULL" == 1 ]]; then
-  echo "golden_ranks: full matrix"
+  echo "golden_ranks: full matrix over $TRANSPORT"
   for dir in "$DATA"/hf-moe/*/; do
     fixture=$(basename "$dir")
     [[ -f "$dir/config.json" && -f "$dir/golden.safetensors" ]] || continue
@@ -156,7 +160,7 @@ if [[ "$FULL" == 1 ]]; then
     done
   done
 else
-  echo "golden_ranks: CI subset (--full or MOERUN_FULL=1 for the whole matrix)"
+  echo "golden_ranks: CI subset over $TRANSPORT (--full or MOERUN_FULL=1 for the whole matrix)"
   # The four main fixtures: every np x placement, microbatching alternating so that each
   # (np, placement) pair runs both with and without it across the fixtures; the other fixtures
   # once (np 4, JSON placement with replicas, microbatch 8); inproc --ranks 4 for each fixture.

@@ -248,6 +248,16 @@ Status UcxTransport::Init() {
           "dead peer; set it yourself to override)");
     }
   }
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    // UCX's default (20 s and more) would leave a killed peer undetected for far longer than a
+    // request's deadline; a stopped (not dead) peer still passes keepalive checks.
+    ::setenv("UCX_KEEPALIVE_INTERVAL", "1s", 0);
+    if (rank_ == 0) {
+      spdlog::info(
+          "ucx: set UCX_KEEPALIVE_INTERVAL=1s, so that a dead peer is detected within "
+          "about a second (set it yourself to override)");
+    }
+  }
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return Status::Unavailable("ucx: reading UCX's configuration: " + UcsError(s));
@@ -282,8 +292,8 @@ Status UcxTransport::Init() {
     std::vector<Request> reqs;
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
-      MOERUN_ASSIGN_OR_RETURN(Request r, boot_->Irecv(p, kTagLen, &lens[static_cast<size_t>(p)],
-                                                      sizeof(uint64_t)));
+      MOERUN_ASSIGN_OR_RETURN(
+          Request r, boot_->Irecv(p, kTagLen, &lens[static_cast<size_t>(p)], sizeof(uint64_t)));
       reqs.push_back(r);
       MOERUN_ASSIGN_OR_RETURN(Request q, boot_->Isend(p, kTagLen, &my_len, sizeof my_len));
       reqs.push_back(q);
@@ -342,12 +352,12 @@ Status UcxTransport::Init() {
   for (auto& m : rkeys_) m.reserve(64);
   if (const char* env = std::getenv("MOERUN_UCX_PUT_MIN"); env != nullptr && rank_ == 0) {
     spdlog::info("ucx: messages of {} bytes and more go by put (MOERUN_UCX_PUT_MIN)",
-                    opts_.put_min);
+                 opts_.put_min);
   }
   if (rank_ == 0) {
     const char* tls = std::getenv("UCX_TLS");
     spdlog::info("ucx: UCX {} with {} ranks, UCX_TLS={}", ucp_get_version_string(), size_,
-                    tls ? tls : "(UCX's default)");
+                 tls ? tls : "(UCX's default)");
   }
   return boot_->Barrier(deadline);
 }
@@ -427,9 +437,8 @@ Status UcxTransport::PostRecv(Op& op, bool ctl, void* buf, size_t len, ucp_tag_t
   void* req = ucp_tag_recv_nbx(worker_, buf, len, tag, kFullMask, &param);
   if (UCS_PTR_IS_ERR(req) || req == nullptr) {
     rs.req = nullptr;
-    return Status::Unavailable(
-        "ucx: receive from rank " + std::to_string(op.peer) + ": " +
-        UcsError(req == nullptr ? UCS_ERR_NO_MESSAGE : UCS_PTR_STATUS(req)));
+    return Status::Unavailable("ucx: receive from rank " + std::to_string(op.peer) + ": " +
+                               UcsError(req == nullptr ? UCS_ERR_NO_MESSAGE : UCS_PTR_STATUS(req)));
   }
   rs.req = req;
   (ctl ? op.ctl_req : op.data_req) = req;
@@ -627,9 +636,8 @@ void UcxTransport::UnregisterMemory(void* p) {
 Result<Request> UcxTransport::Isend(int peer, int tag, const void* buf, size_t bytes) {
   MOERUN_RETURN_IF_ERROR(CheckPeer(peer, "send"));
   const bool put = bytes >= opts_.put_min;
-  MOERUN_ASSIGN_OR_RETURN(const uint32_t index,
-                          NewOp(put ? Kind::kPutSend : Kind::kEagerSend, peer, tag,
-                                const_cast<void*>(buf), bytes));
+  MOERUN_ASSIGN_OR_RETURN(const uint32_t index, NewOp(put ? Kind::kPutSend : Kind::kEagerSend, peer,
+                                                      tag, const_cast<void*>(buf), bytes));
   Op& op = *ops_[index];
   const auto pi = static_cast<size_t>(peer);
   if (!put) {
@@ -672,8 +680,8 @@ Result<Request> UcxTransport::Isend(int peer, int tag, const void* buf, size_t b
 Result<Request> UcxTransport::Irecv(int peer, int tag, void* buf, size_t bytes) {
   MOERUN_RETURN_IF_ERROR(CheckPeer(peer, "receive"));
   const bool put = bytes >= opts_.put_min;
-  MOERUN_ASSIGN_OR_RETURN(const uint32_t index, NewOp(put ? Kind::kPutRecv : Kind::kEagerRecv,
-                                                      peer, tag, buf, bytes));
+  MOERUN_ASSIGN_OR_RETURN(const uint32_t index,
+                          NewOp(put ? Kind::kPutRecv : Kind::kEagerRecv, peer, tag, buf, bytes));
   Op& op = *ops_[index];
   if (!put) {
     if (Status st = PostRecv(op, false, buf, bytes, MakeTag(kData, peer, tag)); !st.ok()) {
@@ -705,8 +713,7 @@ Result<Request> UcxTransport::Irecv(int peer, int tag, void* buf, size_t bytes) 
     rtr.rkey_len = static_cast<uint32_t>(temp->packed.size());
     std::memcpy(rtr.rkey, temp->packed.data(), temp->packed.size());
   }
-  if (Status st = PostRecv(op, true, &op.fin, sizeof op.fin, MakeTag(kFin, peer, tag));
-      !st.ok()) {
+  if (Status st = PostRecv(op, true, &op.fin, sizeof op.fin, MakeTag(kFin, peer, tag)); !st.ok()) {
     Release(index);
     return st;
   }
@@ -775,8 +782,8 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
       return Status::Unavailable("ucx: waiting for rank " + std::to_string(op.peer) +
                                  " to be ready: " + UcsError(op.ctl_status));
     }
-    if (op.info.length < kRtrHeader || op.rtr.magic != kNoteMagic ||
-        op.rtr.rkey_len > kMaxRkey || kRtrHeader + op.rtr.rkey_len != op.info.length) {
+    if (op.info.length < kRtrHeader || op.rtr.magic != kNoteMagic || op.rtr.rkey_len > kMaxRkey ||
+        kRtrHeader + op.rtr.rkey_len != op.info.length) {
       return Status::Corrupt("ucx: a malformed ready-to-receive note from rank " +
                              std::to_string(op.peer));
     }
@@ -799,8 +806,8 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
       fin.bytes = op.bytes;
       (void)SendNote(op.peer, kFin, op.tag, &fin, sizeof fin);
       return Status::InvalidArgument("a message of " + std::to_string(op.bytes) +
-                                     " bytes where rank " + std::to_string(op.peer) +
-                                     " expects " + std::to_string(op.rtr.bytes));
+                                     " bytes where rank " + std::to_string(op.peer) + " expects " +
+                                     std::to_string(op.rtr.bytes));
     }
     MOERUN_RETURN_IF_ERROR(StartPut(op));
   }
@@ -808,9 +815,9 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
   if (!Poll(op.data_req, &op.data_done, &op.data_status)) return false;
   if (!Poll(op.flush_req, &op.flush_done, &op.flush_status)) return false;
   if (op.data_status != UCS_OK || op.flush_status != UCS_OK) {
-    return Status::Unavailable("ucx: put to rank " + std::to_string(op.peer) + ": " +
-                               UcsError(op.data_status != UCS_OK ? op.data_status
-                                                                 : op.flush_status));
+    return Status::Unavailable(
+        "ucx: put to rank " + std::to_string(op.peer) + ": " +
+        UcsError(op.data_status != UCS_OK ? op.data_status : op.flush_status));
   }
   FinMsg fin;
   fin.id = op.rtr.id;
@@ -826,11 +833,11 @@ Result<bool> UcxTransport::Advance(uint32_t index) {
   switch (op.kind) {
     case Kind::kEagerSend:
       if (Poll(op.data_req, &op.data_done, &op.data_status)) {
-        out = op.data_status == UCS_OK
-                  ? Result<bool>(true)
-                  : Result<bool>(Status::Unavailable("ucx: send to rank " +
-                                                     std::to_string(op.peer) + ": " +
-                                                     UcsError(op.data_status)));
+        out =
+            op.data_status == UCS_OK
+                ? Result<bool>(true)
+                : Result<bool>(Status::Unavailable("ucx: send to rank " + std::to_string(op.peer) +
+                                                   ": " + UcsError(op.data_status)));
       }
       break;
     case Kind::kEagerRecv:
@@ -931,8 +938,8 @@ Status UcxTransport::Cancel(Request r) {
           // Withdraw the RTR receive; an RTR that slipped in goes to the channel's next send.
           ucp_request_cancel(worker_, op->ctl_req);
           for (int i = 0; i < 100000 && !op->ctl_rs.fired; ++i) ucp_worker_progress(worker_);
-          if (op->ctl_rs.fired && op->ctl_rs.status == UCS_OK &&
-              op->ctl_rs.length >= kRtrHeader && op->rtr.magic == kNoteMagic) {
+          if (op->ctl_rs.fired && op->ctl_rs.status == UCS_OK && op->ctl_rs.length >= kRtrHeader &&
+              op->rtr.magic == kNoteMagic) {
             stash_.push_back(Stashed{op->peer, op->tag, op->rtr});
           }
           ucp_request_free(op->ctl_req);

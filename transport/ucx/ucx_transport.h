@@ -33,7 +33,8 @@ struct UcxOptions {
 // Creates this rank's UCX endpoint set: one context and worker, endpoints to every rank from
 // worker addresses exchanged over `bootstrap` (which the ucx transport then keeps, for Abort and
 // to finalise it last). Sets UCX_MM_ERROR_HANDLING=y when the user has not (UCX 1.13's
-// shared-memory transports need it in peer error mode) and logs that it did.
+// shared-memory transports need it in peer error mode) and UCX_KEEPALIVE_INTERVAL=1s (so that a
+// dead peer is detected in about a second), and logs that it did.
 Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport> bootstrap,
                                                       UcxOptions options = {});
 
