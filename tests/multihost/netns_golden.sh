@@ -9,6 +9,8 @@
 # gpt_oss round_robin, ...), every placement and microbatch setting covered. --full: every
 # fixture with linear, round_robin and JSON placements, microbatching off and on.
 # Exit 77 (skipped) without root or network namespaces.
+# MOERUN_TEST_TRANSPORT=ucx runs the ranks over the ucx transport with UCX_TLS=tcp,self on the
+# veth devices (rows go by put: MOERUN_UCX_PUT_MIN=256) instead of mpi.
 set -uo pipefail
 
 usage() { echo "usage: netns_golden.sh MOERUN_BIN DATA_DIR [--full]" >&2; exit 2; }
@@ -17,6 +19,7 @@ MOERUN=$(realpath "$1")
 DATA=$(realpath "$2")
 shift 2
 FULL=${MOERUN_FULL:-0}
+TRANSPORT=${MOERUN_TEST_TRANSPORT:-mpi}
 for a in "$@"; do
   case "$a" in
     --full) FULL=1 ;;
@@ -100,7 +103,13 @@ assert c.recv(2) == b'ok'" 2>"$WORK/tcp.err"; then
   echo "FAIL: $H1 cannot reach $H2 ($IP2) over TCP: $(cat "$WORK/port" "$WORK/tcp.err")"; exit 1
 fi
 wait "$LISTENER"
-echo "hosts: $H1 ($IP1) and $H2 ($IP2) on $SUBNET"
+echo "hosts: $H1 ($IP1) and $H2 ($IP2) on $SUBNET; transport $TRANSPORT"
+UCX_ENV=""
+if [[ "$TRANSPORT" == ucx ]]; then
+  # Between namespaces UCX would pick shared memory (same kernel): TCP on the veth pair only.
+  export UCX_TLS=tcp,self UCX_NET_DEVICES="$V1,$V2" MOERUN_UCX_PUT_MIN=256
+  UCX_ENV="-x UCX_TLS -x UCX_NET_DEVICES -x MOERUN_UCX_PUT_MIN"
+fi
 
 # The rsh agent: "ssh" to a namespace host = enter its namespace with its own hostname.
 AGENT="$WORK/nsexec.sh"
@@ -148,12 +157,13 @@ run_case() {
   timeout -k 5 120 ip netns exec "$H1" unshare --uts /bin/bash -c "hostname $H1; exec mpirun \
     --allow-run-as-root --oversubscribe --mca plm_rsh_agent '$AGENT' --host $H1:2,$H2:2 -np 4 \
     --mca oob_tcp_if_include $SUBNET --mca btl_tcp_if_include $SUBNET --mca btl tcp,self \
-    --mca mpi_yield_when_idle 1 --display-map --tag-output '$MOERUN' $args --transport mpi" >"$log" 2>&1
+    --mca mpi_yield_when_idle 1 --display-map --tag-output $UCX_ENV '$MOERUN' $args \
+    --transport $TRANSPORT" >"$log" 2>&1
   local rc=$?
   local secs
   secs=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')
   local desc
-  desc=$(printf '%-15s 4 ranks on 2 hosts  placement %-28s microbatch %-3s' "$fixture" "$label" "$mb")
+  desc=$(printf '%-15s 4 ranks on 2 hosts (%s)  placement %-28s microbatch %-3s' "$fixture" "$TRANSPORT" "$label" "$mb")
   local why=""
   if [[ $rc -eq 124 || $rc -eq 137 ]]; then why="timed out (hang?)"
   elif [[ $rc -ne 0 ]]; then why="exit $rc"
@@ -168,6 +178,9 @@ run_case() {
       grep -Eq "Data for node: ${h}[[:space:]].*Num procs: 2" "$log" || why="the job map has no 2 ranks on $h"
     done
     grep -qx "$H2" "$WORK/agent.log" 2>/dev/null || why="the rsh agent was not used to start $H2"
+    if [[ "$TRANSPORT" == ucx ]] && ! grep -q "ucx: UCX .* UCX_TLS=tcp,self" "$log"; then
+      why="the job did not run over ucx with UCX_TLS=tcp,self"
+    fi
     rm -f "$WORK/agent.log"
   fi
   if [[ -z "$why" ]]; then
@@ -202,6 +215,26 @@ else
     read -r fixture placement mb <<<"$extra"
     [[ -d "$DATA/hf-moe/$fixture" ]] && run_case "$fixture" "$placement" "$mb"
   done
+fi
+# The transport conformance suite across the two hosts (MOERUN_TEST_CONFORMANCE: its binary).
+if [[ -n "${MOERUN_TEST_CONFORMANCE:-}" ]]; then
+  CONF=$(realpath "$MOERUN_TEST_CONFORMANCE")
+  t0=$SECONDS
+  timeout -k 5 240 ip netns exec "$H1" unshare --uts /bin/bash -c "hostname $H1; exec mpirun \
+    --allow-run-as-root --oversubscribe --mca plm_rsh_agent '$AGENT' --host $H1:2,$H2:2 -np 4 \
+    --mca oob_tcp_if_include $SUBNET --mca btl_tcp_if_include $SUBNET --mca btl tcp,self \
+    --mca mpi_yield_when_idle 1 $UCX_ENV '$CONF' --gtest_filter='$TRANSPORT/*'" \
+    >"$WORK/conformance.log" 2>&1
+  rc=$?
+  if [[ $rc -eq 0 ]] && grep -q "PASSED" "$WORK/conformance.log"; then
+    echo "PASS transport conformance ($TRANSPORT) across 2 hosts: $(grep -o '[0-9]* tests\?\.' "$WORK/conformance.log" | head -1) in $((SECONDS - t0)) s"
+    PASSED=$((PASSED + 1))
+  else
+    echo "FAIL transport conformance ($TRANSPORT) across 2 hosts: exit $rc"
+    grep -v "UCX  WARN  unexpected tag-receive" "$WORK/conformance.log" | grep -A12 "Failure" |
+      sed 's/^/    | /' | head -80
+    FAILED=$((FAILED + 1)); FAILURES+=("conformance across hosts")
+  fi
 fi
 echo "netns_golden: $PASSED passed, $FAILED failed in $((SECONDS - START)) s"
 if [[ $FAILED -ne 0 ]]; then

@@ -54,6 +54,10 @@ ucp_tag_t MakeTag(Space s, int src, int tag) {
 }
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 
+// A FIN is addressed to one receive (by its slot in the receiver's request table), not to the
+// (peer, tag) channel: sends of one channel may finish out of order.
+int FinTag(uint64_t receive_id) { return static_cast<int>((receive_id & 0x7fffffffu)); }
+
 std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
 
 // Where a receive's completion callback leaves its result (UCX reports a receive's length only
@@ -713,7 +717,8 @@ Result<Request> UcxTransport::Irecv(int peer, int tag, void* buf, size_t bytes) 
     rtr.rkey_len = static_cast<uint32_t>(temp->packed.size());
     std::memcpy(rtr.rkey, temp->packed.data(), temp->packed.size());
   }
-  if (Status st = PostRecv(op, true, &op.fin, sizeof op.fin, MakeTag(kFin, peer, tag)); !st.ok()) {
+  if (Status st = PostRecv(op, true, &op.fin, sizeof op.fin, MakeTag(kFin, peer, FinTag(id)));
+      !st.ok()) {
     Release(index);
     return st;
   }
@@ -793,7 +798,7 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
       FinMsg fin;
       fin.code = kFinRevoked;
       fin.id = op.rtr.id;
-      (void)SendNote(op.peer, kFin, op.tag, &fin, sizeof fin);
+      (void)SendNote(op.peer, kFin, FinTag(op.rtr.id), &fin, sizeof fin);
       if (op.temp_rkey != nullptr) ucp_rkey_destroy(op.temp_rkey), op.temp_rkey = nullptr;
       MOERUN_RETURN_IF_ERROR(
           PostRecv(op, true, &op.rtr, sizeof op.rtr, MakeTag(kRtr, op.peer, op.tag)));
@@ -804,7 +809,7 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
       fin.code = kFinSizeMismatch;
       fin.id = op.rtr.id;
       fin.bytes = op.bytes;
-      (void)SendNote(op.peer, kFin, op.tag, &fin, sizeof fin);
+      (void)SendNote(op.peer, kFin, FinTag(op.rtr.id), &fin, sizeof fin);
       return Status::InvalidArgument("a message of " + std::to_string(op.bytes) +
                                      " bytes where rank " + std::to_string(op.peer) + " expects " +
                                      std::to_string(op.rtr.bytes));
@@ -822,7 +827,7 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
   FinMsg fin;
   fin.id = op.rtr.id;
   fin.bytes = op.bytes;
-  MOERUN_RETURN_IF_ERROR(SendNote(op.peer, kFin, op.tag, &fin, sizeof fin));
+  MOERUN_RETURN_IF_ERROR(SendNote(op.peer, kFin, FinTag(op.rtr.id), &fin, sizeof fin));
   return true;
 }
 
@@ -991,6 +996,23 @@ void UcxTransport::Shutdown() {
   }
   for (uint32_t i : busy_notes_) ucp_request_free(notes_[i]->req);
   busy_notes_.clear();
+  // Notes nobody will read (RTRs of receives that were never matched, late REVOKEs): take them
+  // off UCX's queue, so that it does not warn about them at the end.
+  std::vector<uint8_t> scratch;
+  for (int i = 0; i < 100000; ++i) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
+    if (msg == nullptr) break;
+    scratch.resize(std::max(scratch.size(), info.length));
+    ucp_request_param_t param{};
+    void* req = ucp_tag_msg_recv_nbx(worker_, scratch.data(), info.length, msg, &param);
+    if (UCS_PTR_IS_PTR(req)) {
+      for (int k = 0; k < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; ++k) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(req);
+    }
+  }
   for (auto& m : rkeys_) {
     for (auto& [uid, rkey] : m) ucp_rkey_destroy(rkey);
     m.clear();

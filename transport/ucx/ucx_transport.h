@@ -10,8 +10,11 @@
 //   3. the FIN completes the receive.
 // Receive buffers inside memory given to RegisterMemory are registered once; others are
 // registered for that one message (counted as on-demand registrations). A size mismatch fails
-// both sides with an error. Endpoints use UCP_ERR_HANDLING_MODE_PEER: a peer that dies fails its
-// requests with kUnavailable instead of hanging them; one that stops answering misses deadlines.
+// both sides with an error when both sizes are on the same side of put_min; across it (an eager
+// receive, a put send or the reverse) the two never meet and both miss their deadline, which
+// names the peer. (Within moerun both sides take sizes from the same plan.) Endpoints use
+// UCP_ERR_HANDLING_MODE_PEER: a peer that dies fails its requests with kUnavailable instead of
+// hanging them; one that stops answering misses deadlines.
 //
 // Cancel: an eager receive is withdrawn. A put receive whose RTR is out tells the sender
 // (REVOKE); if the sender had already taken the RTR, its bytes may still land in the buffer:
