@@ -96,6 +96,18 @@ Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
   return PresetSpec(source.preset, o, note);
 }
 
+// What the transport moved and how (RDMA backends): the zero-copy evidence of a run.
+static void LogTransportCounters(const Transport& t) {
+  const TransportCounters c = t.counters();
+  if (c.put_bytes == 0 && c.eager_bytes == 0) return;
+  spdlog::info(
+      "{} transport: {:.2f} MiB written by put, {:.2f} MiB in eager messages, {} bytes "
+      "copied by the transport, {} registrations ({} on demand)",
+      t.name(), static_cast<double>(c.put_bytes) / (1 << 20),
+      static_cast<double>(c.eager_bytes) / (1 << 20), c.copied_bytes, c.registrations,
+      c.on_demand_registrations);
+}
+
 Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
   const int rank = t->rank();
   const int ranks = t->size();
@@ -157,6 +169,7 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
     if (opts.hooks.expert_host) opts.hooks.expert_host(rank, host);
     MOERUN_RETURN_IF_ERROR(host.Serve());
     spdlog::debug("expert rank {} served {} microbatches", rank, host.microbatches_served());
+    LogTransportCounters(*t);
     return Status::Ok();
   }
 
@@ -187,7 +200,9 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
     if (opts.hooks.router_health) opts.hooks.router_health(rank, nullptr);
     health.reset();
   }
-  return SendShutdown(t, placement, header_bytes, opts.ep.deadline);
+  MOERUN_RETURN_IF_ERROR(SendShutdown(t, placement, header_bytes, opts.ep.deadline));
+  LogTransportCounters(*t);
+  return Status::Ok();
 }
 
 }  // namespace moerun
