@@ -29,6 +29,7 @@ extern "C" void OnStopSignal(int) { g_stop.store(true); }
 
 struct ServeFlags {
   std::string config;
+  std::string transport;
   std::string ready_file;
   std::string pid_file;
   std::string listen, control_listen, metrics_listen, token_file;
@@ -73,6 +74,13 @@ int RunServe(const ServeFlags& f) {
   if (!config.ok()) return FailWith(config.status());
   ServeConfig c = *config;
   // Flags override the config's addresses.
+  if (!f.transport.empty()) {
+    if (f.transport != "mpi" && f.transport != "ucx" && f.transport != "inproc") {
+      return FailWith(Status::InvalidArgument("--transport must be mpi, ucx or inproc, not '" +
+                                              f.transport + "'"));
+    }
+    c.transport = f.transport;
+  }
   if (!f.listen.empty()) c.serving.listen = f.listen;
   if (!f.control_listen.empty()) c.serving.control_listen = f.control_listen;
   if (!f.metrics_listen.empty()) c.serving.metrics_listen = f.metrics_listen;
@@ -286,6 +294,8 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--ready-file", flags->ready_file,
                   "Write this file once every rank has loaded its weights and router 0 listens");
   cmd->add_option("--pid-file", flags->pid_file, "Write rank 0's process id here");
+  cmd->add_option("--transport", flags->transport,
+                  "mpi, ucx or inproc (overrides the config's transport)");
   cmd->add_option("--listen", flags->listen,
                   "Serving endpoint HOST:PORT of router 0 (router i: PORT + i)");
   cmd->add_option("--control-listen", flags->control_listen, "moectl endpoint HOST:PORT");

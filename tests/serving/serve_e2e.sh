@@ -51,6 +51,7 @@ http_code() { curl -s -o "$WORK/body" -w '%{http_code}' --max-time 5 "$1"; }
 
 MOERUN_TEST_TAG=$TAG timeout 600 mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
   -np 4 -x MOERUN_TEST_TAG "$MOERUN" serve --config "$CONFIGS/tiny.yaml" \
+  --transport "${MOERUN_TEST_TRANSPORT:-mpi}" \
   --listen "127.0.0.1:$SERVE" --metrics-listen "127.0.0.1:$METRICS" \
   --control-listen "127.0.0.1:$CONTROL" --token-file "$WORK/token" \
   --ready-file "$WORK/ready" >"$WORK/log" 2>&1 &
