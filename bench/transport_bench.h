@@ -2,6 +2,10 @@
 // raw MPI_Alltoallv of exactly the same byte matrix in the same run
 // (efficiency_vs_alltoallv = Alltoallv time / ours), and the time of a whole expert-parallel layer
 // of the same shape with and without microbatch overlap (overlap_gain = without / with).
+// Under --transport ucx also, round by round in the same run: a raw ucp_put_nbx loop over the
+// same bytes (efficiency_vs_raw_ucx = raw / ours), our protocol over a plain mpi transport
+// (speedup_vs_mpi_transport = mpi / ours), and the ucx transport's counters over the timed rounds
+// (zero_copy).
 // Run it under mpirun (rank 0 is the router, the others host experts); JSON on rank 0's stdout.
 #pragma once
 
