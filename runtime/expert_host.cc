@@ -86,8 +86,8 @@ Status ExpertHost::Serve() {
     }
     if (progressed) {
       idle = 0;
-    } else if (++idle > 2000) {
-      if (idle > 20000) {
+    } else if (++idle > static_cast<uint64_t>(t_->idle_spins())) {
+      if (idle > static_cast<uint64_t>(t_->idle_spins()) + 18000) {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       } else {
         sched_yield();

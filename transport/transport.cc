@@ -11,6 +11,7 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
   size_t pending = 0;
   for (const Request& r : reqs) pending += r.valid();
   uint64_t spins = 0;
+  const auto patient = static_cast<uint64_t>(idle_spins());
   while (pending > 0) {
     for (Request& r : reqs) {
       if (!r.valid()) continue;
@@ -43,8 +44,8 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
                                       " did not answer before the deadline");
     }
     // Spin briefly for latency, then yield so that oversubscribed ranks make progress.
-    if (++spins > 2000) {
-      if (spins > 20000) {
+    if (++spins > patient) {
+      if (spins > patient + 18000) {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       } else {
         sched_yield();

@@ -70,6 +70,10 @@ class Transport {
   virtual Status RegisterMemory(void* /*p*/, size_t /*bytes*/) { return Status::Ok(); }
   virtual void UnregisterMemory(void* /*p*/) {}
   virtual TransportCounters counters() const { return {}; }
+  // Polling passes without progress after which a waiting rank starts yielding its core. Backends
+  // whose progress needs the peer's process to run (UCX's shared-memory and TCP puts) use few, so
+  // that oversubscribed ranks hand the core to the peer they wait for.
+  virtual int idle_spins() const { return 2000; }
   // Ends the whole job now (after a fatal error such as a peer that stopped answering).
   [[noreturn]] virtual void Abort(int exit_code) = 0;
 

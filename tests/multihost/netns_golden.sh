@@ -107,8 +107,8 @@ echo "hosts: $H1 ($IP1) and $H2 ($IP2) on $SUBNET; transport $TRANSPORT"
 UCX_ENV=""
 if [[ "$TRANSPORT" == ucx ]]; then
   # Between namespaces UCX would pick shared memory (same kernel): TCP on the veth pair only.
-  export UCX_TLS=tcp,self UCX_NET_DEVICES="$V1,$V2" MOERUN_UCX_PUT_MIN=256
-  UCX_ENV="-x UCX_TLS -x UCX_NET_DEVICES -x MOERUN_UCX_PUT_MIN"
+  export UCX_TLS=tcp,self UCX_NET_DEVICES="$V1,$V2" MOERUN_UCX_PUT_MIN=256 MOERUN_UCX_PROTOCOL=put
+  UCX_ENV="-x UCX_TLS -x UCX_NET_DEVICES -x MOERUN_UCX_PUT_MIN -x MOERUN_UCX_PROTOCOL"
 fi
 
 # The rsh agent: "ssh" to a namespace host = enter its namespace with its own hostname.

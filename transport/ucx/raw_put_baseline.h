@@ -32,6 +32,7 @@ class RawPutBaseline {
   // its bytes for every peer straight into that peer's receive buffer, flushes, signals) and the
   // combine (the transpose, back into the senders' send buffers). This rank's milliseconds from
   // the end of the barrier until it holds everything it receives (the caller takes rank 0's).
+  // Waiting progresses the worker and yields the CPU after any pass that found nothing to do.
   // Allocates nothing; gives up with an error after 60 s.
   Result<double> RoundTripMs();
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -81,7 +82,7 @@ void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
 }
 
 enum class Kind : uint8_t { kEagerSend, kEagerRecv, kPutSend, kPutRecv };
-enum class Step : uint8_t { kFree, kEager, kWaitRtr, kPutting, kWaitFin };
+enum class Step : uint8_t { kFree, kEager, kWaitRtr, kPutting, kFinSend, kWaitFin };
 
 struct Op {
   uint32_t generation = 0;
@@ -101,8 +102,12 @@ struct Op {
   RecvState data_rs, ctl_rs;
   bool data_done = false, flush_done = false, ctl_done = false;
   ucs_status_t data_status = UCS_OK, flush_status = UCS_OK, ctl_status = UCS_OK;
-  RtrMsg rtr;  // put send: the RTR received
-  FinMsg fin;  // put receive: the FIN received
+  RtrMsg rtr;      // put send: the RTR received
+  FinMsg fin;      // put receive: the FIN received
+  FinMsg fin_out;  // put send: the FIN sent
+  void* fin_req = nullptr;
+  bool fin_done = false;
+  ucs_status_t fin_status = UCS_OK;
   ucp_mem_h temp_memh = nullptr;
   ucp_rkey_h temp_rkey = nullptr;
 };
@@ -140,6 +145,7 @@ class UcxTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   bool can_withdraw_sends() const override { return false; }
+  int idle_spins() const override { return 16; }
 
   Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) override;
   Result<Request> Irecv(int peer, int tag, void* buf, size_t bytes) override;
@@ -243,8 +249,40 @@ void OnEpErrorThunk(void* arg, ucp_ep_h, ucs_status_t status) {
   ctx->self->OnPeerError(ctx->peer, status);
 }
 
+// Whether UCX_TLS lets UCX use its shared-memory transports (where UCX_MM_ERROR_HANDLING
+// matters; elsewhere UCX would warn that the variable is unused).
+bool SharedMemoryMayBeUsed() {
+  const char* tls = std::getenv("UCX_TLS");
+  if (tls == nullptr || *tls == '\0' || *tls == '^') return true;
+  const std::string list = std::string(",") + tls + ",";
+  for (const char* name : {",sm,", ",shm,", ",mm,", ",posix,", ",sysv,", ",all,", ",xpmem,"}) {
+    if (list.find(name) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Whether UCX_TLS names TCP and nothing else but self (then UCX has no hardware put).
+bool TcpOnly() {
+  const char* tls = std::getenv("UCX_TLS");
+  if (tls == nullptr) return false;
+  std::string list = tls;
+  bool tcp = false;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, end - start);
+    if (name == "tcp") {
+      tcp = true;
+    } else if (name != "self" && !name.empty()) {
+      return false;
+    }
+    start = end + 1;
+  }
+  return tcp;
+}
+
 Status UcxTransport::Init() {
-  if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr) {
+  if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr && SharedMemoryMayBeUsed()) {
     ::setenv("UCX_MM_ERROR_HANDLING", "y", 0);
     if (rank_ == 0) {
       spdlog::info(
@@ -354,7 +392,17 @@ Status UcxTransport::Init() {
   revoked_.reserve(1024);
   stash_.reserve(64);
   for (auto& m : rkeys_) m.reserve(64);
-  if (const char* env = std::getenv("MOERUN_UCX_PUT_MIN"); env != nullptr && rank_ == 0) {
+  if (opts_.protocol == UcxProtocol::kAuto && !SharedMemoryMayBeUsed() && TcpOnly()) {
+    opts_.protocol = UcxProtocol::kTag;
+    if (rank_ == 0) {
+      spdlog::info(
+          "ucx: UCX_TLS offers TCP only, where UCX emulates puts in software: large "
+          "messages go as UCX tagged messages (MOERUN_UCX_PROTOCOL=put to force puts)");
+    }
+  }
+  if (opts_.protocol == UcxProtocol::kTag) {
+    opts_.put_min = std::numeric_limits<size_t>::max();
+  } else if (rank_ == 0) {
     spdlog::info("ucx: messages of {} bytes and more go by put (MOERUN_UCX_PUT_MIN)",
                  opts_.put_min);
   }
@@ -480,6 +528,7 @@ void UcxTransport::Reap(Op& op) {
   // Receives can be cancelled; sends and puts complete (or fail) by themselves.
   ReapOne(op.data_req, op.kind == Kind::kEagerRecv);
   ReapOne(op.flush_req, false);
+  ReapOne(op.fin_req, false);
   ReapOne(op.ctl_req, true);
 }
 
@@ -816,6 +865,16 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
     }
     MOERUN_RETURN_IF_ERROR(StartPut(op));
   }
+  if (op.step == Step::kFinSend) {
+    // Done once UCX has taken the FIN: a rank that stops progressing UCX after its send
+    // completed (say, to wait in an MPI barrier) must not hold the receiver back.
+    if (!Poll(op.fin_req, &op.fin_done, &op.fin_status)) return false;
+    if (op.fin_status != UCS_OK) {
+      return Status::Unavailable("ucx: completion note to rank " + std::to_string(op.peer) + ": " +
+                                 UcsError(op.fin_status));
+    }
+    return true;
+  }
   // Step::kPutting: the put and the flush behind it, then the FIN.
   if (!Poll(op.data_req, &op.data_done, &op.data_status)) return false;
   if (!Poll(op.flush_req, &op.flush_done, &op.flush_status)) return false;
@@ -824,11 +883,20 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
         "ucx: put to rank " + std::to_string(op.peer) + ": " +
         UcsError(op.data_status != UCS_OK ? op.data_status : op.flush_status));
   }
-  FinMsg fin;
-  fin.id = op.rtr.id;
-  fin.bytes = op.bytes;
-  MOERUN_RETURN_IF_ERROR(SendNote(op.peer, kFin, FinTag(op.rtr.id), &fin, sizeof fin));
-  return true;
+  op.fin_out = FinMsg{};
+  op.fin_out.id = op.rtr.id;
+  op.fin_out.bytes = op.bytes;
+  ucp_request_param_t param{};
+  void* req = ucp_tag_send_nbx(eps_[static_cast<size_t>(op.peer)], &op.fin_out, sizeof op.fin_out,
+                               MakeTag(kFin, rank_, FinTag(op.rtr.id)), &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    return Status::Unavailable("ucx: completion note to rank " + std::to_string(op.peer) + ": " +
+                               UcsError(UCS_PTR_STATUS(req)));
+  }
+  op.fin_req = req;
+  op.fin_done = req == nullptr;
+  op.step = Step::kFinSend;
+  return AdvancePutSend(index, op);
 }
 
 Result<bool> UcxTransport::Advance(uint32_t index) {
@@ -1052,6 +1120,19 @@ Result<UcxOptions> UcxOptionsFromEnvironment() {
                                      v + "'");
     }
     o.put_min = static_cast<size_t>(n);
+  }
+  if (const char* v = std::getenv("MOERUN_UCX_PROTOCOL")) {
+    const std::string p = v;
+    if (p == "auto") {
+      o.protocol = UcxProtocol::kAuto;
+    } else if (p == "put") {
+      o.protocol = UcxProtocol::kPut;
+    } else if (p == "tag") {
+      o.protocol = UcxProtocol::kTag;
+    } else {
+      return Status::InvalidArgument("MOERUN_UCX_PROTOCOL must be auto, put or tag, not '" + p +
+                                     "'");
+    }
   }
   return o;
 }

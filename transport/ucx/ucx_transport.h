@@ -29,8 +29,14 @@
 
 namespace moerun {
 
+// How large messages move (MOERUN_UCX_PROTOCOL). kAuto: by put, except when UCX_TLS offers TCP
+// only: UCX 1.13 emulates puts over TCP in software, about 3x slower than its tagged rendezvous
+// there (measured: README), so large messages then go as UCX tagged messages.
+enum class UcxProtocol { kAuto, kPut, kTag };
+
 struct UcxOptions {
   size_t put_min = 16384;  // messages of at least this many bytes go by put (MOERUN_UCX_PUT_MIN)
+  UcxProtocol protocol = UcxProtocol::kAuto;
 };
 
 // Creates this rank's UCX endpoint set: one context and worker, endpoints to every rank from
