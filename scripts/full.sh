@@ -7,7 +7,8 @@
 #   - the whole multi-rank matrix: every golden fixture x 2/3/4 ranks x placements x
 #     microbatching, under mpirun and across two network-namespace hosts (MOERUN_FULL=1)
 #   - a 60 s soak of moerun serve under moebench serve --verify (resident memory per rank)
-#   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights), JSON in build/bench/
+#   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
+#     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -39,5 +40,17 @@ mkdir -p build/bench
 for dtype in f32 bf16; do
   build/bin/moebench layer --preset qwen3-30b-a3b --dtype "$dtype" --tokens 1,16,128,1024 --json \
     > "build/bench/layer-qwen3-$dtype.json"
+done
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+for bytes in 1048576 16777216; do
+  for tls in sm,self tcp,self; do
+    btl=(); [[ $tls == tcp,self ]] && btl=(--mca btl tcp,self)
+    UCX_TLS=$tls mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 "${btl[@]}" \
+      -np 4 -x UCX_TLS build/bin/moebench transport --transport ucx --bytes-per-peer "$bytes" \
+      --iters 20 --no-layer --json > "build/bench/transport-ucx-${tls%%,*}-$bytes.json"
+  done
+  mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 4 build/bin/moebench \
+    transport --transport mpi --bytes-per-peer "$bytes" --iters 20 --no-layer --json \
+    > "build/bench/transport-mpi-$bytes.json"
 done
 echo "benchmarks: build/bench/*.json"
