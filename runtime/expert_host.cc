@@ -27,14 +27,19 @@ ExpertHost::ExpertHost(Transport* transport, const Placement& placement,
   for (const auto& [layer, w] : layers_) ids.push_back(layer);
   header_bytes_ = HeaderBytes(placement_, ids);
   routers_.resize(static_cast<size_t>(placement_.num_routers()));
-  for (auto& r : routers_) r.header = AlignedBuffer(header_bytes_);
+  for (auto& r : routers_) {
+    r.header = AlignedBuffer(header_bytes_);
+    r.ahead = AlignedBuffer(header_bytes_);
+  }
   counts_.reserve(Placement::kMaxSlotsPerRank);
 }
 
 ExpertHost::~ExpertHost() {
-  Unregister(t_, in_);
   for (auto& r : routers_) {
+    if (r.rows_req.valid()) (void)t_->Cancel(r.rows_req);
+    if (r.header_req.valid()) (void)t_->Cancel(r.header_req);
     for (AlignedBuffer& b : r.out) Unregister(t_, b);
+    for (AlignedBuffer& b : r.in) Unregister(t_, b);
   }
 }
 
@@ -51,13 +56,20 @@ Status ExpertHost::Serve() {
     bool progressed = false;
     for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
       RouterState& rs = routers_[static_cast<size_t>(r)];
-      if (!rs.header_req.valid()) continue;
-      MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
-      if (!done) continue;
-      rs.header_req = Request{};
+      // A header taken ahead comes first (its successor's receive is already posted).
+      const char* hdr = rs.header.as<char>();
+      if (rs.have_ahead) {
+        rs.have_ahead = false;
+        hdr = rs.ahead.as<char>();
+      } else {
+        if (!rs.header_req.valid()) continue;
+        MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
+        if (!done) continue;
+        rs.header_req = Request{};
+      }
       progressed = true;
       EpHeaderFixed h;
-      std::memcpy(&h, rs.header.data(), sizeof h);
+      std::memcpy(&h, hdr, sizeof h);
       if (h.magic != kEpMagic) {
         return Status::Corrupt("rank " + std::to_string(me) + ": bad header from router " +
                                std::to_string(r));
@@ -68,8 +80,10 @@ Status ExpertHost::Serve() {
         continue;
       }
       if (h.kind == static_cast<uint32_t>(EpKind::kPing)) {
-        MOERUN_ASSIGN_OR_RETURN(rs.header_req,
-                                t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+        if (!rs.header_req.valid()) {
+          MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                  t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+        }
         MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
         continue;
       }
@@ -78,10 +92,13 @@ Status ExpertHost::Serve() {
         return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
                                std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
       }
-      counts_.assign(HeaderCounts(rs.header.data()), HeaderCounts(rs.header.data()) + h.slots);
+      const auto* counts = reinterpret_cast<const int32_t*>(hdr + sizeof(EpHeaderFixed));
+      counts_.assign(counts, counts + h.slots);
       // The next header may land while this microbatch is computed.
-      MOERUN_ASSIGN_OR_RETURN(rs.header_req,
-                              t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+      if (!rs.header_req.valid()) {
+        MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+      }
       MOERUN_RETURN_IF_ERROR(Handle(r, h, counts_.data()));
     }
     if (progressed) {
@@ -123,6 +140,60 @@ Status ExpertHost::Pong(int router, uint32_t seq) {
   return Status::Ok();
 }
 
+Result<int64_t> ExpertHost::RowsOf(const EpHeaderFixed& h, const int32_t* counts) const {
+  const int me = t_->rank();
+  const auto lw = layers_.find(h.layer);
+  const LayerPlacement* lp = placement_.Layer(h.layer);
+  if (lw == layers_.end() || lp == nullptr) {
+    return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
+                                   std::to_string(h.layer));
+  }
+  const auto& slots = lp->rank_slots[static_cast<size_t>(me)];
+  if (h.hidden != lw->second->spec.hidden || h.slots != static_cast<int32_t>(slots.size()) ||
+      h.rows < 0) {
+    return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
+                           std::to_string(h.layer) + " does not match this rank's placement");
+  }
+  int64_t rows = 0;
+  for (int i = 0; i < h.slots; ++i) {
+    if (counts[i] < 0) return Status::Corrupt("negative row count in a header");
+    rows += counts[i];
+  }
+  if (rows != h.rows) return Status::Corrupt("header row counts do not add up");
+  return rows;
+}
+
+Status ExpertHost::LookAhead(int router) {
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  if (rs.have_ahead || !rs.header_req.valid()) return Status::Ok();
+  MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
+  if (!done) return Status::Ok();
+  rs.header_req = Request{};
+  std::memcpy(rs.ahead.data(), rs.header.data(), header_bytes_);
+  rs.have_ahead = true;
+  EpHeaderFixed h;
+  std::memcpy(&h, rs.ahead.data(), sizeof h);
+  if (h.magic != kEpMagic || h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
+    return Status::Ok();  // the main loop reports or ends; nothing follows a shutdown
+  }
+  MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                          t_->Irecv(router, kTagHeader, rs.header.data(), header_bytes_));
+  if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || h.slots < 0 ||
+      h.slots > Placement::kMaxSlotsPerRank ||
+      sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) > header_bytes_) {
+    return Status::Ok();
+  }
+  Result<int64_t> rows = RowsOf(h, HeaderCounts(rs.ahead.data()));
+  if (!rows.ok()) return Status::Ok();  // reported when the main loop handles it
+  const size_t bytes = static_cast<size_t>(*rows * h.hidden) * sizeof(float);
+  const int k = rs.next_in;
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.in[k], bytes));
+  MOERUN_ASSIGN_OR_RETURN(rs.rows_req, t_->Irecv(router, kTagRows, rs.in[k].data(), bytes));
+  rs.pre = k;
+  rs.pre_bytes = bytes;
+  return Status::Ok();
+}
+
 Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* counts) {
   const int me = t_->rank();
   const auto lw = layers_.find(h.layer);
@@ -134,21 +205,27 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
   const MoeLayerWeights& w = *lw->second;
   const auto& slots = lp->rank_slots[static_cast<size_t>(me)];
   const int64_t hidden = w.spec.hidden;
-  if (h.hidden != hidden || h.slots != static_cast<int32_t>(slots.size()) || h.rows < 0) {
-    return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
-                           std::to_string(h.layer) + " does not match this rank's placement");
-  }
-  int64_t rows = 0;
-  for (int i = 0; i < h.slots; ++i) {
-    if (counts[i] < 0) return Status::Corrupt("negative row count in a header");
-    rows += counts[i];
-  }
-  if (rows != h.rows) return Status::Corrupt("header row counts do not add up");
+  MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, counts));
 
-  // Receive the rows.
+  // Receive the rows (the router puts them into a registered buffer), unless LookAhead has
+  // already posted that receive; then take the next header while these rows are computed.
+  RouterState& rin = routers_[static_cast<size_t>(router)];
   const size_t bytes = static_cast<size_t>(rows * hidden) * sizeof(float);
-  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, in_, bytes));  // the router puts rows here
-  MOERUN_RETURN_IF_ERROR(t_->Recv(router, kTagRows, in_.data(), bytes, DeadlineIn(opts_.deadline)));
+  int k = rin.pre;
+  if (k >= 0) {
+    if (rin.pre_bytes != bytes) return Status::Internal("prefetched rows of another size");
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rin.rows_req, DeadlineIn(opts_.deadline), "rows"));
+    rin.rows_req = Request{};
+    rin.pre = -1;
+  } else {
+    k = rin.next_in;
+    MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rin.in[k], bytes));
+    MOERUN_RETURN_IF_ERROR(
+        t_->Recv(router, kTagRows, rin.in[k].data(), bytes, DeadlineIn(opts_.deadline)));
+  }
+  rin.next_in = k ^ 1;
+  const AlignedBuffer& in = rin.in[k];
+  MOERUN_RETURN_IF_ERROR(LookAhead(router));
 
   // One grouped pass over every local expert.
   groups_.clear();
@@ -184,11 +261,11 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
   float* out = rs.out[slot].as<float>();
   const int64_t ldy = ffn_.PaddedHidden(hidden);
   if (ldy == hidden) {
-    ffn_.Run(groups_, in_.as<float>(), hidden, rows_.data(), out, ldy);
+    ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), out, ldy);
   } else {
     y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));
     const float* y = y_.as<float>();
-    ffn_.Run(groups_, in_.as<float>(), hidden, rows_.data(), y_.as<float>(), ldy);
+    ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), y_.as<float>(), ldy);
     for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }

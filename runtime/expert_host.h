@@ -46,6 +46,16 @@ class ExpertHost {
   struct RouterState {
     AlignedBuffer header;
     Request header_req;
+    // The next header, taken while the previous microbatch was computed, and its rows already
+    // being received into in[pre] (two registered input buffers per router, so that microbatch
+    // i+1's rows land while i is computed).
+    AlignedBuffer ahead;
+    bool have_ahead = false;
+    AlignedBuffer in[2];
+    int next_in = 0;
+    Request rows_req;
+    int pre = -1;
+    size_t pre_bytes = 0;
     AlignedBuffer out[2];
     Request out_req[2];
     EpPong pong;
@@ -54,6 +64,10 @@ class ExpertHost {
     bool done = false;
   };
   Status Handle(int router, const EpHeaderFixed& h, const int32_t* counts);
+  // The rows a dispatch header announces, after checking it against this rank's placement.
+  Result<int64_t> RowsOf(const EpHeaderFixed& h, const int32_t* counts) const;
+  // Takes the router's next header if it has arrived and starts receiving its rows.
+  Status LookAhead(int router);
   Status Pong(int router, uint32_t seq);
 
   Transport* t_;
@@ -64,7 +78,7 @@ class ExpertHost {
   size_t header_bytes_ = 0;
   std::vector<RouterState> routers_;
   std::vector<int32_t> counts_;
-  AlignedBuffer in_, y_;
+  AlignedBuffer y_;
   std::vector<int32_t> rows_;
   std::vector<ExpertGroup> groups_;
   uint64_t served_ = 0;
