@@ -87,8 +87,7 @@ Status ExpertHost::Serve() {
         MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
         continue;
       }
-      if (h.slots < 0 || h.slots > Placement::kMaxSlotsPerRank ||
-          sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) > header_bytes_) {
+      if (!SlotsFit(h)) {
         return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
                                std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
       }
@@ -140,6 +139,11 @@ Status ExpertHost::Pong(int router, uint32_t seq) {
   return Status::Ok();
 }
 
+bool ExpertHost::SlotsFit(const EpHeaderFixed& h) const {
+  return h.slots >= 0 && h.slots <= Placement::kMaxSlotsPerRank &&
+         sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) <= header_bytes_;
+}
+
 Result<int64_t> ExpertHost::RowsOf(const EpHeaderFixed& h, const int32_t* counts) const {
   const int me = t_->rank();
   const auto lw = layers_.find(h.layer);
@@ -178,11 +182,7 @@ Status ExpertHost::LookAhead(int router) {
   }
   MOERUN_ASSIGN_OR_RETURN(rs.header_req,
                           t_->Irecv(router, kTagHeader, rs.header.data(), header_bytes_));
-  if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || h.slots < 0 ||
-      h.slots > Placement::kMaxSlotsPerRank ||
-      sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) > header_bytes_) {
-    return Status::Ok();
-  }
+  if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || !SlotsFit(h)) return Status::Ok();
   Result<int64_t> rows = RowsOf(h, HeaderCounts(rs.ahead.data()));
   if (!rows.ok()) return Status::Ok();  // reported when the main loop handles it
   const size_t bytes = static_cast<size_t>(*rows * h.hidden) * sizeof(float);
@@ -196,16 +196,11 @@ Status ExpertHost::LookAhead(int router) {
 
 Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* counts) {
   const int me = t_->rank();
-  const auto lw = layers_.find(h.layer);
+  MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, counts));  // checks layer and placement
+  const MoeLayerWeights& w = *layers_.at(h.layer);
   const LayerPlacement* lp = placement_.Layer(h.layer);
-  if (lw == layers_.end() || lp == nullptr) {
-    return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
-                                   std::to_string(h.layer));
-  }
-  const MoeLayerWeights& w = *lw->second;
   const auto& slots = lp->rank_slots[static_cast<size_t>(me)];
   const int64_t hidden = w.spec.hidden;
-  MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, counts));
 
   // Receive the rows (the router puts them into a registered buffer), unless LookAhead has
   // already posted that receive; then take the next header while these rows are computed.

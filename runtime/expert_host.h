@@ -64,6 +64,8 @@ class ExpertHost {
     bool done = false;
   };
   Status Handle(int router, const EpHeaderFixed& h, const int32_t* counts);
+  // Whether the header's slot count fits this job's header (its counts can be read).
+  bool SlotsFit(const EpHeaderFixed& h) const;
   // The rows a dispatch header announces, after checking it against this rank's placement.
   Result<int64_t> RowsOf(const EpHeaderFixed& h, const int32_t* counts) const;
   // Takes the router's next header if it has arrived and starts receiving its rows.

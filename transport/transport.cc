@@ -84,4 +84,41 @@ Status Transport::Barrier(Deadline deadline) {
   return Status::Ok();
 }
 
+Result<std::vector<std::vector<uint8_t>>> AllGatherBytes(Transport& t,
+                                                         const std::vector<uint8_t>& mine, int tag,
+                                                         size_t max_bytes, Deadline deadline,
+                                                         const char* what) {
+  const int n = t.size(), me = t.rank();
+  std::vector<uint64_t> lens(static_cast<size_t>(n), 0);
+  std::vector<std::vector<uint8_t>> all(static_cast<size_t>(n));
+  const uint64_t my_len = mine.size();
+  std::vector<Request> reqs;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    MOERUN_ASSIGN_OR_RETURN(Request r,
+                            t.Irecv(p, tag, &lens[static_cast<size_t>(p)], sizeof(uint64_t)));
+    reqs.push_back(r);
+    MOERUN_ASSIGN_OR_RETURN(Request q, t.Isend(p, tag, &my_len, sizeof my_len));
+    reqs.push_back(q);
+  }
+  MOERUN_RETURN_IF_ERROR(t.WaitAll(reqs, deadline, what));
+  reqs.clear();
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const auto pi = static_cast<size_t>(p);
+    if (lens[pi] == 0 || lens[pi] > max_bytes) {
+      return Status::Corrupt(std::string(what) + ": rank " + std::to_string(p) + " sent " +
+                             std::to_string(lens[pi]) + " bytes");
+    }
+    all[pi].resize(lens[pi]);
+    MOERUN_ASSIGN_OR_RETURN(Request r, t.Irecv(p, tag + 1, all[pi].data(), lens[pi]));
+    reqs.push_back(r);
+    MOERUN_ASSIGN_OR_RETURN(Request q, t.Isend(p, tag + 1, mine.data(), mine.size()));
+    reqs.push_back(q);
+  }
+  MOERUN_RETURN_IF_ERROR(t.WaitAll(reqs, deadline, what));
+  all[static_cast<size_t>(me)] = mine;
+  return all;
+}
+
 }  // namespace moerun

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "runtime/status.h"
 
@@ -114,5 +115,13 @@ class Transport {
 
 // Tags at and above this value are reserved for the transport's own collectives.
 inline constexpr int kReservedTagBase = 1 << 20;
+
+// Every rank's `mine` (1 to max_bytes bytes each), indexed by rank, this rank's own included:
+// sizes, then the bytes, exchanged with every peer on the reserved tags `tag` and `tag + 1`.
+// Collective; used to bootstrap one transport (UCX worker addresses) over another.
+Result<std::vector<std::vector<uint8_t>>> AllGatherBytes(Transport& t,
+                                                         const std::vector<uint8_t>& mine, int tag,
+                                                         size_t max_bytes, Deadline deadline,
+                                                         const char* what);
 
 }  // namespace moerun

@@ -13,8 +13,7 @@ namespace moerun {
 namespace {
 
 // Bootstrap tags (the ucx transport's own bootstrap uses kReservedTagBase + 200 and + 201).
-constexpr int kTagLen = kReservedTagBase + 300;
-constexpr int kTagAddr = kReservedTagBase + 301;
+constexpr int kTagAddresses = kReservedTagBase + 300;  // and 301
 constexpr int kTagInfo = kReservedTagBase + 302;
 
 constexpr uint32_t kMagic = 0x54555052;  // "RPUT"
@@ -169,38 +168,9 @@ Status RawPutBaseline::Impl::Init(const std::vector<int64_t>& send_bytes,
                             reinterpret_cast<uint8_t*>(addr) + addr_len);
   ucp_worker_release_address(worker, addr);
   const Deadline deadline = DeadlineIn(std::chrono::seconds(120));
-  std::vector<uint64_t> lens(n, 0);
-  std::vector<std::vector<uint8_t>> addrs(n);
-  const uint64_t my_len = mine.size();
-  {
-    std::vector<Request> reqs;
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
-      MOERUN_ASSIGN_OR_RETURN(
-          Request r, boot->Irecv(p, kTagLen, &lens[static_cast<size_t>(p)], sizeof(uint64_t)));
-      reqs.push_back(r);
-      MOERUN_ASSIGN_OR_RETURN(Request q, boot->Isend(p, kTagLen, &my_len, sizeof my_len));
-      reqs.push_back(q);
-    }
-    MOERUN_RETURN_IF_ERROR(boot->WaitAll(reqs, deadline, "raw ucx baseline (address sizes)"));
-  }
-  {
-    std::vector<Request> reqs;
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
-      const auto pi = static_cast<size_t>(p);
-      if (lens[pi] == 0 || lens[pi] > (size_t{1} << 20)) {
-        return Status::Corrupt("raw ucx baseline: rank " + std::to_string(p) +
-                               " sent an address of " + std::to_string(lens[pi]) + " bytes");
-      }
-      addrs[pi].resize(lens[pi]);
-      MOERUN_ASSIGN_OR_RETURN(Request r, boot->Irecv(p, kTagAddr, addrs[pi].data(), lens[pi]));
-      reqs.push_back(r);
-      MOERUN_ASSIGN_OR_RETURN(Request q, boot->Isend(p, kTagAddr, mine.data(), mine.size()));
-      reqs.push_back(q);
-    }
-    MOERUN_RETURN_IF_ERROR(boot->WaitAll(reqs, deadline, "raw ucx baseline (addresses)"));
-  }
+  MOERUN_ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> addrs,
+                          AllGatherBytes(*boot, mine, kTagAddresses, size_t{1} << 20, deadline,
+                                         "raw ucx baseline (worker addresses)"));
 
   // Per-peer offsets in one send and one receive buffer (as MPI_Alltoallv's displacements).
   peers.resize(n);

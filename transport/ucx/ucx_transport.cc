@@ -325,41 +325,10 @@ Status UcxTransport::Init() {
                             reinterpret_cast<uint8_t*>(addr) + addr_len);
   ucp_worker_release_address(worker_, addr);
   const auto n = static_cast<size_t>(size_);
-  std::vector<uint64_t> lens(n, 0);
-  std::vector<std::vector<uint8_t>> addrs(n);
   const Deadline deadline = DeadlineIn(std::chrono::seconds(120));
-  constexpr int kTagLen = kReservedTagBase + 200, kTagAddr = kReservedTagBase + 201;
-  uint64_t my_len = mine.size();
-  {
-    std::vector<Request> reqs;
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      MOERUN_ASSIGN_OR_RETURN(
-          Request r, boot_->Irecv(p, kTagLen, &lens[static_cast<size_t>(p)], sizeof(uint64_t)));
-      reqs.push_back(r);
-      MOERUN_ASSIGN_OR_RETURN(Request q, boot_->Isend(p, kTagLen, &my_len, sizeof my_len));
-      reqs.push_back(q);
-    }
-    MOERUN_RETURN_IF_ERROR(boot_->WaitAll(reqs, deadline, "ucx bootstrap (address sizes)"));
-  }
-  {
-    std::vector<Request> reqs;
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      const auto pi = static_cast<size_t>(p);
-      if (lens[pi] == 0 || lens[pi] > (size_t{1} << 20)) {
-        return Status::Corrupt("ucx bootstrap: rank " + std::to_string(p) + " sent an address of " +
-                               std::to_string(lens[pi]) + " bytes");
-      }
-      addrs[pi].resize(lens[pi]);
-      MOERUN_ASSIGN_OR_RETURN(Request r, boot_->Irecv(p, kTagAddr, addrs[pi].data(), lens[pi]));
-      reqs.push_back(r);
-      MOERUN_ASSIGN_OR_RETURN(Request q, boot_->Isend(p, kTagAddr, mine.data(), mine.size()));
-      reqs.push_back(q);
-    }
-    MOERUN_RETURN_IF_ERROR(boot_->WaitAll(reqs, deadline, "ucx bootstrap (addresses)"));
-  }
-  addrs[static_cast<size_t>(rank_)] = mine;
+  MOERUN_ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> addrs,
+                          AllGatherBytes(*boot_, mine, kReservedTagBase + 200, size_t{1} << 20,
+                                         deadline, "ucx bootstrap (worker addresses)"));
 
   failed_.assign(n, UCS_OK);
   ep_ctx_.resize(n);
