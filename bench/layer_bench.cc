@@ -5,18 +5,15 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "bench/cuda_layer_bench.h"
 #include "bench/memory_bandwidth.h"
 #include "bench/sgemm_baseline.h"
 #include "bench/timing.h"
-#include "experts/cuda/cuda_device.h"
 #include "runtime/log.h"
 #include "runtime/reference_layer.h"
 #include "runtime/thread_pool.h"
 
 namespace moerun::bench {
-namespace {
-
-using json = nlohmann::json;
 
 std::vector<float> RandomInput(int64_t tokens, int64_t hidden, uint64_t seed) {
   std::vector<float> x(static_cast<size_t>(tokens * hidden));
@@ -33,6 +30,10 @@ std::vector<float> RandomInput(int64_t tokens, int64_t hidden, uint64_t seed) {
   return x;
 }
 
+namespace {
+
+using json = nlohmann::json;
+
 std::vector<GemmShape> LayerShapes(const MoeLayerWeights& w, int64_t t) {
   const ModelSpec& s = w.spec;
   std::vector<GemmShape> shapes = {{t, s.num_experts, s.hidden},
@@ -48,11 +49,11 @@ std::vector<GemmShape> LayerShapes(const MoeLayerWeights& w, int64_t t) {
 }  // namespace
 
 int RunLayerBench(const LayerBenchFlags& f) {
-  if (f.device == "cuda") {
-    const CudaProbe probe = ProbeCuda();
+  if (f.device == "cuda") return RunCudaLayerBench(f);
+  if (f.anchors) {
     return FailWith(Status::InvalidArgument(
-        probe.devices.empty() ? "--device cuda: no usable GPU: " + probe.error
-                              : "--device cuda: this release benchmarks the CPU layer only"));
+        "--anchors needs --device cuda (the full-size shapes of ANCHORS.md do not fit the CPU "
+        "layer's memory budget)"));
   }
   if (f.device != "cpu") return FailWith(Status::InvalidArgument("--device must be cpu or cuda"));
   for (int64_t t : f.tokens) {

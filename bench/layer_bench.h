@@ -2,7 +2,8 @@
 // per-token reference loop and the OpenBLAS sgemm of the same total shape. Prints JSON to stdout
 // (fields say their direction: speedup_vs_X = X's time / ours; fraction_of_X = our rate / X's)
 // and a one-line summary per token count to stderr. The layer's output is checked against the
-// reference on the tokens the reference ran.
+// reference on the tokens the reference ran. --device cuda times the CUDA layer instead, against
+// its physical floor and torch._grouped_mm (bench/cuda_layer_bench.h).
 #pragma once
 
 #include <string>
@@ -20,8 +21,23 @@ struct LayerBenchFlags {
   int reference_tokens = 2;  // tokens the reference loop runs (its time is scaled to T)
   bool sgemm = true;
   bool json = false;
+  bool tokens_given = false;  // --tokens was on the command line
+
+  // --device cuda (bench/cuda_layer_bench.h).
+  std::string math = "tensor-core";  // --math tensor-core | exact
+  int device_index = -1;             // --device-index (-1: the local rank modulo the GPU count)
+  int torch = -1;                    // --torch 1, --no-torch 0, -1: when importable
+  std::string torch_script;          // --torch-script (default: found beside the binary)
+  std::string torch_python = "python3";
+  bool anchors = false;       // --anchors: the three shapes of ANCHORS.md
+  double floor_gbps = 4240;   // --floor-gbps: device copy bandwidth, GB/s
+  double floor_tflops = 806;  // --floor-tflops: device dense matmul rate, TFLOP/s
+  int max_reps = 200;         // repetitions per timing, at most
 };
 
 int RunLayerBench(const LayerBenchFlags& f);
+
+// The benchmarks' input: [tokens][hidden] uniform values of unit variance, a function of `seed`.
+std::vector<float> RandomInput(int64_t tokens, int64_t hidden, uint64_t seed);
 
 }  // namespace moerun::bench

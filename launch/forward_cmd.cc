@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "experts/cuda/cuda_device.h"
+#include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
 #include "launch/layer_source.h"
 #include "runtime/layer_loader.h"
@@ -19,7 +20,8 @@ namespace {
 struct ForwardFlags {
   LayerFlags layer;
   LaunchFlags launch;
-  std::string input, output, check, device = "cpu";
+  std::string input, output, check;
+  DeviceFlags dev;
   double tolerance = 1e-5;
 };
 
@@ -77,6 +79,7 @@ Status CheckFlags(const ForwardFlags& f) {
     return Status::InvalidArgument("--tolerance must be a finite number >= 0");
   }
   MOERUN_RETURN_IF_ERROR(ValidateLayerFlags(f.layer));
+  MOERUN_RETURN_IF_ERROR(ValidateDeviceFlags(f.dev));
   namespace fs = std::filesystem;
   const fs::path parent = fs::path(f.output).parent_path();
   std::error_code ec;
@@ -161,8 +164,22 @@ int RunLocal(const ForwardFlags& f, Isa isa) {
   const MoeLayerWeights& w = **weights;
   auto x = ReadMatrix(io->input, w.spec.hidden);
   if (!x.ok()) return FailWith(x.status());
-  MoeLayer layer(*weights, kernels, &pool);
   std::vector<float> out(x->size());
+  if (f.dev.device == "cuda") {
+    DeviceFlags dev = f.dev;
+    dev.max_tokens = std::max<int64_t>(io->input.rows, 1);
+    auto opts = CudaOptionsFor(dev, w.dtype, 0);
+    if (!opts.ok()) return FailWith(opts.status());
+    auto gpu = CudaMoeLayer::Upload(w, *opts);
+    if (!gpu.ok()) return FailWith(gpu.status());
+    const auto t0 = std::chrono::steady_clock::now();
+    if (Status s = (*gpu)->Forward(x->data(), io->input.rows, out.data()); !s.ok()) {
+      return FailWith(s);
+    }
+    const double ms = MsSince(t0);
+    return Finish(f, *io, w, out, "cuda " + (*gpu)->Describe(), ms);
+  }
+  MoeLayer layer(*weights, kernels, &pool);
   const auto t0 = std::chrono::steady_clock::now();
   if (Status s = layer.Forward(x->data(), io->input.rows, out.data()); !s.ok()) return FailWith(s);
   const double ms = MsSince(t0);
@@ -191,6 +208,11 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.source.experts = f.layer.experts;
   opts.threads = f.layer.threads;
   opts.isa = isa;
+  if (f.dev.device == "cuda") {
+    opts.hooks.expert_device = [&f](int rank, const LoadedLayers& l) {
+      return CudaExpertCompute(f.dev, rank, l);
+    };
+  }
   auto dtype = ParseWeightDType(f.layer.dtype);
   if (!dtype.ok()) return FailWith(dtype.status());
   opts.source.dtype = *dtype;
@@ -214,7 +236,8 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
         job.size(), f.launch.routers, job.size() - f.launch.routers, job.transport(),
         f.launch.placement,
         f.launch.microbatch_tokens > 0 ? std::to_string(f.launch.microbatch_tokens) : "off",
-        IsaName(isa));
+        f.dev.device == "cuda" ? std::string("experts on cuda")
+                               : std::string("cpu ") + IsaName(isa));
     rc = Finish(f, *io, ep.weights(), out, how, ms);
     return Status::Ok();
   };
@@ -227,16 +250,15 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
 }
 
 int RunForward(const ForwardFlags& f) {
-  if (f.device == "cuda") {
+  if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
+  if (f.dev.device == "cuda") {  // before any work: no GPU is a clear error, exit 2
     const CudaProbe probe = ProbeCuda();
     if (probe.devices.empty()) {
-      return FailWith(Status::InvalidArgument("--device cuda: no usable GPU: " + probe.error));
+      return FailWith(Status::InvalidArgument(
+          "--device cuda: no usable GPU: " +
+          (probe.built ? probe.error : std::string("this build has no CUDA backend"))));
     }
-    return FailWith(Status::Unsupported("--device cuda: found " + probe.devices[0].name +
-                                        ", but this release computes MoE layers on the CPU only; "
-                                        "use --device cpu"));
   }
-  if (f.device != "cpu") return FailWith(Status::InvalidArgument("--device must be cpu or cuda"));
   if (Status s = ValidateLayerFlags(f.layer); !s.ok()) return FailWith(s);
   auto isa = ChooseIsa(f.layer.isa);
   if (!isa.ok()) return FailWith(isa.status());
@@ -267,7 +289,19 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
   cmd->add_option("--output", flags->output, "safetensors file to write 'output' [T, H] to")
       ->required();
   cmd->add_option("--layer", flags->layer.layer, "Decoder layer (default: the first MoE layer)");
-  cmd->add_option("--device", flags->device, "cpu or cuda")->default_val("cpu");
+  cmd->add_option("--device", flags->dev.device,
+                  "cpu or cuda (the whole layer on one GPU; with several ranks, the expert "
+                  "ranks' experts, each on its local GPU)")
+      ->default_val("cpu");
+  cmd->add_option("--math", flags->dev.math,
+                  "--device cuda: auto (exact for f32 weights, else tensor-core), exact (fp32, "
+                  "bitwise the CPU), tensor-core (bf16/f16)")
+      ->default_val("auto");
+  cmd->add_option("--device-index", flags->dev.device_index,
+                  "--device cuda: GPU ordinal (default: local rank modulo the visible GPUs)");
+  cmd->add_option("--max-tokens", flags->dev.max_tokens,
+                  "--device cuda, expert ranks: tokens per microbatch the GPU buffers hold")
+      ->default_val(8192);
   cmd->add_option("--threads", flags->layer.threads, "Worker threads (default: all cores)");
   cmd->add_option("--isa", flags->layer.isa, "CPU kernels: scalar, avx2, avx512 (default: best)");
   cmd->add_option("--check", flags->check,

@@ -1,7 +1,8 @@
 // moebench: benchmarks that compare moerun against a baseline measured in the same run and
-// print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm),
-// transport (dispatch + combine vs MPI_Alltoallv), serve (load on a router's serving endpoint),
-// and sgemm (the baseline's child process). Bad flags exit with 2.
+// print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm; on CUDA
+// vs its floor and torch._grouped_mm), transport (dispatch + combine vs MPI_Alltoallv), serve
+// (load on a router's serving endpoint), and sgemm (the baseline's child process). Bad flags exit
+// with 2.
 #include <CLI/CLI.hpp>
 #include <sstream>
 
@@ -27,12 +28,39 @@ int main(int argc, char** argv) {
                                      "step-3.5-flash");
     model->excludes(preset);
     layer->add_option("--seed", lf.layer.seed, "Preset seed")->default_val(1);
-    layer->add_option("--experts", lf.layer.experts, "Preset expert count (default: fit 4 GB)");
+    layer->add_option("--experts", lf.layer.experts,
+                      "Preset expert count (default: fit 4 GB; --device cuda: all)");
     layer->add_option("--dtype", lf.layer.dtype, "Preset weights: f32, bf16, f16")
         ->default_val("f32");
     layer->add_option("--layer", lf.layer.layer, "Decoder layer (default: first MoE layer)");
-    layer->add_option("--tokens", tokens, "Comma-separated token counts")->default_val(tokens);
+    auto* tokens_opt =
+        layer->add_option("--tokens", tokens, "Comma-separated token counts")->default_val(tokens);
     layer->add_option("--device", lf.device, "cpu or cuda")->default_val("cpu");
+    layer->add_option("--math", lf.math, "--device cuda: tensor-core (bf16/f16) or exact (fp32)")
+        ->default_val(lf.math);
+    layer->add_option("--device-index", lf.device_index,
+                      "--device cuda: GPU ordinal (default: local rank modulo the GPUs, or 0)");
+    auto* anchors = layer->add_flag(
+        "--anchors", lf.anchors,
+        "--device cuda: the three shapes of ANCHORS.md (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, "
+        "all experts, bf16) at 1,16,128,1024,8192 tokens (--tokens overrides)");
+    anchors->excludes(model)->excludes(preset);
+    bool torch_on = false, torch_off = false;
+    auto* torch_flag = layer->add_flag(
+        "--torch", torch_on,
+        "--device cuda: time torch._grouped_mm in the same run (default: when importable)");
+    layer->add_flag("--no-torch", torch_off, "--device cuda: skip the torch baseline")
+        ->excludes(torch_flag);
+    layer->add_option("--torch-script", lf.torch_script,
+                      "The torch baseline (default: bench/torch_grouped.py of this source tree)");
+    layer->add_option("--torch-python", lf.torch_python, "Python for the torch baseline")
+        ->default_val(lf.torch_python);
+    layer->add_option("--floor-gbps", lf.floor_gbps, "--device cuda floor: copy bandwidth, GB/s")
+        ->default_val(lf.floor_gbps);
+    layer
+        ->add_option("--floor-tflops", lf.floor_tflops,
+                     "--device cuda floor: dense matmul rate, TFLOP/s")
+        ->default_val(lf.floor_tflops);
     layer->add_option("--threads", lf.layer.threads, "Threads (default: all cores)");
     layer->add_option("--isa", lf.layer.isa, "scalar, avx2, avx512 (default: best)");
     layer->add_option("--min-time", lf.min_seconds, "Seconds per measurement")->default_val(1.0);
@@ -105,6 +133,8 @@ int main(int argc, char** argv) {
       return rc == 0 ? 0 : 2;
     }
     if (layer->parsed()) {
+      lf.torch = torch_on ? 1 : (torch_off ? 0 : -1);
+      lf.tokens_given = tokens_opt->count() > 0;
       lf.tokens.clear();
       std::stringstream ss(tokens);
       std::string item;

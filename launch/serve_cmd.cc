@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "launch/control_endpoint.h"
+#include "launch/cuda_setup.h"
 #include "launch/host_port.h"
 #include "launch/job_launch.h"
 #include "launch/layer_source.h"
@@ -33,6 +34,7 @@ struct ServeFlags {
   std::string ready_file;
   std::string pid_file;
   std::string listen, control_listen, metrics_listen, token_file;
+  DeviceFlags dev;  // --device cuda: expert ranks compute on their local GPU
 };
 
 Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<int>& wanted) {
@@ -133,6 +135,12 @@ int RunServe(const ServeFlags& f) {
   opts.source.dtype = *dtype;
   opts.threads = c.threads;
   opts.isa = *isa;
+  if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
+  if (f.dev.device == "cuda") {
+    opts.hooks.expert_device = [&f](int rank, const LoadedLayers& l) {
+      return CudaExpertCompute(f.dev, rank, l);
+    };
+  }
   auto spec = SpecOf(opts.source);
   if (!spec.ok()) return FailWith(spec.status());
   auto layers = ResolveLayers(*spec, c.layers);
@@ -302,6 +310,16 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--metrics-listen", flags->metrics_listen,
                   "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r)");
   cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
+  cmd->add_option("--device", flags->dev.device,
+                  "cpu or cuda (expert ranks run their experts on their local GPU)")
+      ->default_val("cpu");
+  cmd->add_option("--math", flags->dev.math, "--device cuda: auto, exact or tensor-core")
+      ->default_val("auto");
+  cmd->add_option("--device-index", flags->dev.device_index,
+                  "--device cuda: GPU ordinal (default: local rank modulo the visible GPUs)");
+  cmd->add_option("--max-tokens", flags->dev.max_tokens,
+                  "--device cuda: tokens per microbatch the GPU buffers hold")
+      ->default_val(8192);
   return [flags, cmd]() -> int {
     if (!cmd->parsed()) return -1;
     return RunServe(*flags);

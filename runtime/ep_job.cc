@@ -166,6 +166,10 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
     ExpertHostOptions ho;
     ho.deadline = opts.ep.deadline;
     ExpertHost host(t, placement, weights, kernels, &pool, ho);
+    if (opts.hooks.expert_device) {
+      MOERUN_ASSIGN_OR_RETURN(ExpertCompute compute, opts.hooks.expert_device(rank, weights));
+      host.set_compute(std::move(compute));
+    }
     if (opts.hooks.expert_host) opts.hooks.expert_host(rank, host);
     MOERUN_RETURN_IF_ERROR(host.Serve());
     spdlog::debug("expert rank {} served {} microbatches", rank, host.microbatches_served());

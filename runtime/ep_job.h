@@ -18,6 +18,7 @@
 #include "experts/cpu/kernels.h"
 #include "router/placement.h"
 #include "runtime/ep_layer.h"
+#include "runtime/expert_host.h"
 #include "runtime/model_spec.h"
 #include "runtime/peer_health.h"
 #include "runtime/status.h"
@@ -36,6 +37,7 @@ struct WeightSource {
 };
 
 class ExpertHost;
+using LoadedLayers = std::map<int, std::shared_ptr<const MoeLayerWeights>>;
 
 // What a long-running job (serve) hooks into a rank's life; all optional.
 struct JobHooks {
@@ -48,6 +50,9 @@ struct JobHooks {
   std::function<void(int)> ready;
   // Expert ranks, before serving.
   std::function<void(int, ExpertHost&)> expert_host;
+  // Expert ranks, once loaded: where their experts run when not on the CPU (--device cuda);
+  // an error ends the rank's part of the job.
+  std::function<Result<ExpertCompute>(int rank, const LoadedLayers&)> expert_device;
   // Routers: with health options, a PeerHealth probes the expert ranks and takes over the
   // transfers of missed deadlines (see runtime/peer_health.h); it is handed over before work.
   std::optional<PeerHealthOptions> health;

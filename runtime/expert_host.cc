@@ -224,6 +224,8 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
 
   // One grouped pass over every local expert.
   groups_.clear();
+  group_expert_.clear();
+  group_rows_.clear();
   int64_t first = 0;
   const ActParams act = w.spec.RoutedAct(w.layer);
   for (int i = 0; i < h.slots; ++i) {
@@ -234,6 +236,10 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
                               std::to_string(expert) + ", which it has not loaded");
     }
     groups_.push_back(ExpertGroup{&ew, act, first, counts[i]});
+    if (counts[i] > 0) {
+      group_expert_.push_back(expert);
+      group_rows_.push_back(counts[i]);
+    }
     if (rows_observer_ && counts[i] > 0) rows_observer_(h.layer, expert, counts[i]);
     first += counts[i];
   }
@@ -255,7 +261,9 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
   MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.out[slot], bytes));
   float* out = rs.out[slot].as<float>();
   const int64_t ldy = ffn_.PaddedHidden(hidden);
-  if (ldy == hidden) {
+  if (compute_) {
+    MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
+  } else if (ldy == hidden) {
     ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), out, ldy);
   } else {
     y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));

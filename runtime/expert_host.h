@@ -19,6 +19,13 @@
 
 namespace moerun {
 
+// Runs the grouped FFN somewhere else than this rank's CPU (a GPU: launch/ wires the CUDA layer
+// in): rows [total][hidden] grouped as listed (group_expert[g] the logical expert, group_rows[g]
+// its rows, empty groups left out) -> y [total][hidden]. Called on the serving thread.
+using ExpertCompute =
+    std::function<Status(int layer, const float* rows, const std::vector<int32_t>& group_expert,
+                         const std::vector<int64_t>& group_rows, float* y)>;
+
 struct ExpertHostOptions {
   // How long a payload may take to follow its header before the router is declared gone.
   std::chrono::milliseconds deadline{30000};
@@ -41,6 +48,8 @@ class ExpertHost {
   void set_rows_observer(std::function<void(int layer, int expert, int64_t rows)> f) {
     rows_observer_ = std::move(f);
   }
+  // Computes on a device instead of the CPU kernels, if set before Serve.
+  void set_compute(ExpertCompute f) { compute_ = std::move(f); }
 
  private:
   struct RouterState {
@@ -86,6 +95,9 @@ class ExpertHost {
   uint64_t served_ = 0;
   uint64_t rows_served_ = 0;
   std::function<void(int, int, int64_t)> rows_observer_;
+  ExpertCompute compute_;
+  std::vector<int32_t> group_expert_;
+  std::vector<int64_t> group_rows_;
 };
 
 }  // namespace moerun

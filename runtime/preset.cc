@@ -2,26 +2,10 @@
 
 #include <cmath>
 
+#include "runtime/preset_hash.h"
+
 namespace moerun {
 namespace {
-
-uint64_t Mix(uint64_t z) {  // splitmix64 finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-uint64_t RowSeed(uint64_t seed, int layer, int tensor, int expert, int64_t row) {
-  uint64_t h = Mix(seed + 0x9e3779b97f4a7c15ull);
-  h = Mix(h ^ (static_cast<uint64_t>(layer) << 32 | static_cast<uint32_t>(tensor)));
-  h = Mix(h ^ static_cast<uint64_t>(static_cast<int64_t>(expert) + 1));
-  return Mix(h ^ static_cast<uint64_t>(row));
-}
-
-// Uniform in [-1, 1) from 24 random bits: exact in float.
-inline float Unit(uint64_t bits) {
-  return static_cast<float>(static_cast<int64_t>(bits >> 40) - (1 << 23)) * (1.0f / (1 << 23));
-}
 
 float Round(float v, DType dtype) {
   if (dtype == DType::kBF16) return Bf16ToF32(F32ToBf16(v));
@@ -33,12 +17,9 @@ float Round(float v, DType dtype) {
 // every output has unit variance for unit-variance inputs.
 void PresetRow(uint64_t seed, int layer, int tensor, int expert, int64_t row, int64_t cols,
                int64_t fan_in, DType dtype, float* out) {
-  uint64_t state = RowSeed(seed, layer, tensor, expert, row);
+  const uint64_t seed_row = preset_hash::RowSeed(seed, layer, tensor, expert, row);
   const float a = std::sqrt(3.0f / static_cast<float>(fan_in));
-  for (int64_t c = 0; c < cols; ++c) {
-    state += 0x9e3779b97f4a7c15ull;
-    out[c] = Round(Unit(Mix(state)) * a, dtype);
-  }
+  for (int64_t c = 0; c < cols; ++c) out[c] = Round(preset_hash::Element(seed_row, c, a), dtype);
 }
 
 struct PresetDef {

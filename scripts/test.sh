@@ -17,7 +17,13 @@ step "dependencies"
 scripts/install-deps.sh --test
 
 step "release build + all tests"
-cmake --preset release >/dev/null
+# Where nvcc is installed the CUDA backend must build (ON, not AUTO): it is never skipped silently.
+cuda_flag=()
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  cuda_flag=(-DMOERUN_WITH_CUDA=ON)
+  echo "nvcc found: building the CUDA backend (MOERUN_WITH_CUDA=ON)"
+fi
+cmake --preset release "${cuda_flag[@]}" >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
 

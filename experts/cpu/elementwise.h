@@ -1,22 +1,24 @@
 // Elementwise math shared by every kernel variant: included by each ISA's translation unit so the
 // compiler vectorises it for that ISA. Only +, -, *, / and comparisons, never fused (the build
-// uses -ffp-contract=off), so every variant produces the same bits as the scalar code.
+// uses -ffp-contract=off), so every variant produces the same bits as the scalar code; the CUDA
+// kernels call Act too (built with --fmad=false: the same bits on the GPU).
 #pragma once
 
 #include <cstdint>
 
 #include "experts/cpu/kernels.h"
 #include "runtime/fast_exp.h"
+#include "runtime/host_device.h"
 
 namespace moerun::elementwise {
 // Internal linkage: each ISA's translation unit keeps its own copy (one compiled for AVX-512 must
 // never be picked by the linker for another).
 namespace {
 
-inline float Sigmoid(float x) { return 1.0f / (1.0f + ExpF(-x)); }
-inline float Silu(float x) { return x / (1.0f + ExpF(-x)); }
+MOERUN_HD inline float Sigmoid(float x) { return 1.0f / (1.0f + ExpF(-x)); }
+MOERUN_HD inline float Silu(float x) { return x / (1.0f + ExpF(-x)); }
 
-inline float Act(const ActParams& p, float g, float u) {
+MOERUN_HD inline float Act(const ActParams& p, float g, float u) {
   switch (p.kind) {
     case ActKind::kSwiGlu:
       return Silu(g) * u;

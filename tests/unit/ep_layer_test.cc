@@ -3,7 +3,9 @@
 // single-process layer's.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -46,7 +48,8 @@ std::string ReplicaPlacement(const TempDir& tmp, int experts, int ranks) {
 // Runs the fixture's layer on `ranks` inproc ranks; returns router 0's output.
 std::vector<float> Distributed(const std::string& fixture, const std::vector<float>& x,
                                int64_t tokens, int ranks, const std::string& placement,
-                               int64_t microbatch, EpStats* stats = nullptr, int routers = 1) {
+                               int64_t microbatch, EpStats* stats = nullptr, int routers = 1,
+                               const std::function<void(JobOptions&)>& tweak = nullptr) {
   JobOptions opts;
   opts.routers = routers;
   opts.source.model = FixtureDir(fixture);
@@ -56,6 +59,7 @@ std::vector<float> Distributed(const std::string& fixture, const std::vector<flo
   opts.ep.deadline = std::chrono::milliseconds(20000);
   opts.threads = 1;
   opts.isa = BestIsa();
+  if (tweak) tweak(opts);
   std::vector<float> out(x.size());
   const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) {
     if (rank != 0) return Status::Ok();
@@ -112,6 +116,54 @@ TEST(EpLayerTest, TwoRouters) {
   const auto got = Distributed("deepseek_v3", x, tokens, 4, "round_robin", 5, nullptr, 2);
   const auto want = SingleProcess("deepseek_v3", x, tokens);
   EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
+}
+
+// The device hook (--device cuda wires the GPU in there) gets every non-empty group with its
+// logical expert and row count, in slot order; here it computes them on the CPU, so the output
+// must stay bitwise the single-process layer's.
+TEST(EpLayerTest, ExpertDeviceHookGetsTheGroups) {
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir("gpt_oss") + "/golden.safetensors", "input", &tokens);
+  std::atomic<int64_t> rows_seen{0}, calls{0};
+  const auto hook = [&](JobOptions& o) {
+    o.hooks.expert_device = [&](int, const LoadedLayers& layers) -> Result<ExpertCompute> {
+      return ExpertCompute([&, layers](int layer, const float* rows,
+                                       const std::vector<int32_t>& group_expert,
+                                       const std::vector<int64_t>& group_rows, float* y) {
+        const MoeLayerWeights& w = *layers.at(layer);
+        const CpuKernels& k = KernelsFor(BestIsa());
+        ThreadPool pool(1);
+        GroupedFfn ffn(k, &pool);
+        std::vector<ExpertGroup> groups;
+        int64_t first = 0;
+        for (size_t g = 0; g < group_expert.size(); ++g) {
+          EXPECT_GT(group_rows[g], 0);
+          EXPECT_FALSE(w.experts[static_cast<size_t>(group_expert[g])].w13.empty());
+          groups.push_back(ExpertGroup{&w.experts[static_cast<size_t>(group_expert[g])],
+                                       w.spec.RoutedAct(w.layer), first, group_rows[g]});
+          first += group_rows[g];
+        }
+        std::vector<int32_t> row_token(static_cast<size_t>(first));
+        for (int64_t r = 0; r < first; ++r)
+          row_token[static_cast<size_t>(r)] = static_cast<int32_t>(r);
+        const int64_t h = w.spec.hidden, ldy = ffn.PaddedHidden(h);
+        std::vector<float> tmp(static_cast<size_t>(first * ldy));
+        ffn.Run(groups, rows, h, row_token.data(), tmp.data(), ldy);
+        for (int64_t r = 0; r < first; ++r) {
+          std::memcpy(y + r * h, tmp.data() + r * ldy, static_cast<size_t>(h) * 4);
+        }
+        rows_seen += first;
+        ++calls;
+        return Status::Ok();
+      });
+    };
+  };
+  const auto got = Distributed("gpt_oss", x, tokens, 3, "round_robin", 5, nullptr, 1, hook);
+  const auto want = SingleProcess("gpt_oss", x, tokens);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
+  const int k = LoadModelSpec(FixtureDir("gpt_oss"))->top_k;
+  EXPECT_EQ(rows_seen.load(), tokens * k);  // every assignment computed once, by the hook
+  EXPECT_GE(calls.load(), 2);
 }
 
 TEST(EpLayerTest, ReplicasSpreadTheLoad) {

@@ -61,6 +61,15 @@ int FinTag(uint64_t receive_id) { return static_cast<int>((receive_id & 0x7fffff
 
 std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
 
+// Whether a context's UCX handles CUDA memory (ucp_context_query's memory types).
+Result<bool> ContextSupportsCuda(ucp_context_h context) {
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const ucs_status_t s = ucp_context_query(context, &attr);
+  if (s != UCS_OK) return Status::Unavailable("ucx: ucp_context_query: " + UcsError(s));
+  return (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
 // Where a receive's completion callback leaves its result (UCX reports a receive's length only
 // to the callback, or in the parameters when it completes at once).
 struct RecvState {
@@ -310,6 +319,14 @@ Status UcxTransport::Init() {
   s = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   if (s != UCS_OK) return Status::Unavailable("ucx: ucp_init: " + UcsError(s));
+  if (rank_ == 0) {
+    const Result<bool> cuda = ContextSupportsCuda(context_);
+    if (cuda.ok()) {
+      spdlog::info("{}", UcxCudaMemoryNote(*cuda));
+    } else {
+      spdlog::warn("{}", cuda.status().ToString());
+    }
+  }
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -1104,6 +1121,29 @@ Result<UcxOptions> UcxOptionsFromEnvironment() {
     }
   }
   return o;
+}
+
+Result<bool> UcxSupportsCudaMemory() {
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return Status::Unavailable("ucx: reading UCX's configuration: " + UcsError(s));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_RMA;
+  ucp_context_h context = nullptr;
+  s = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (s != UCS_OK) return Status::Unavailable("ucx: ucp_init: " + UcsError(s));
+  Result<bool> cuda = ContextSupportsCuda(context);
+  ucp_cleanup(context);
+  return cuda;
+}
+
+const char* UcxCudaMemoryNote(bool supported) {
+  return supported
+             ? "ucx: CUDA memory: registered directly"
+             : "ucx: CUDA memory not supported by this UCX build: device buffers must be staged "
+               "through pinned host memory";
 }
 
 Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport> bootstrap,

@@ -50,4 +50,14 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport>
 // The options from the environment (MOERUN_UCX_PUT_MIN), with a clear error for a bad value.
 Result<UcxOptions> UcxOptionsFromEnvironment();
 
+// Whether this UCX build handles CUDA device memory (UCS_MEMORY_TYPE_CUDA among the memory types
+// ucp_context_query reports): with it, device buffers can be registered with UCX directly;
+// without it (Debian's UCX, and the GPU machine's as far as known) they must be staged through
+// pinned host memory. Makes and ends a UCX context of its own (a few milliseconds); the transport
+// checks its own context the same way and logs UcxCudaMemoryNote once (rank 0). kUnsupported in
+// builds without UCX. Thread-safe.
+Result<bool> UcxSupportsCudaMemory();
+// The log line for the answer: "ucx: CUDA memory: registered directly" or why not.
+const char* UcxCudaMemoryNote(bool supported);
+
 }  // namespace moerun

@@ -7,6 +7,12 @@ namespace moerun {
 
 Result<UcxOptions> UcxOptionsFromEnvironment() { return UcxOptions{}; }
 
+Result<bool> UcxSupportsCudaMemory() {
+  return Status::Unsupported("this build of moerun has no UCX support");
+}
+
+const char* UcxCudaMemoryNote(bool /*supported*/) { return "ucx: not built"; }
+
 Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport> /*bootstrap*/,
                                                       UcxOptions /*options*/) {
   return Status::Unsupported(

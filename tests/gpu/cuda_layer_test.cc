@@ -1,0 +1,241 @@
+// The CUDA layer against the CPU backend on the same inputs (the CPU is the reference):
+//   - exact math: bitwise the CPU's, for every family and weight type, and the golden fixtures at
+//     1e-5 of the model families' own reference code;
+//   - tensor-core math (bf16, f16): within 1e-2 of the CPU;
+//   - both: batch-invariant (a token's bits do not depend on its batch), graphs equal to plain
+//     launches, device-generated presets equal to uploaded ones.
+// Every test skips, saying why, on a machine without a GPU.
+#include <gtest/gtest.h>
+
+#include "experts/cuda/cuda_device.h"
+#include "experts/cuda/cuda_layer.h"
+#include "tests/unit/layer_fixtures.h"
+
+namespace moerun {
+namespace {
+
+using namespace moerun::testing;
+
+#define SKIP_WITHOUT_GPU()                                                         \
+  do {                                                                             \
+    const CudaProbe probe_ = ProbeCuda();                                          \
+    if (probe_.devices.empty()) GTEST_SKIP() << "no usable GPU: " << probe_.error; \
+  } while (0)
+
+const CpuKernels& Cpu() { return KernelsFor(BestIsa()); }
+
+std::vector<float> CpuForward(const std::shared_ptr<const MoeLayerWeights>& w,
+                              const std::vector<float>& x, int64_t tokens) {
+  ThreadPool pool(2);
+  MoeLayer layer(w, Cpu(), &pool);
+  std::vector<float> out(x.size());
+  const Status s = layer.Forward(x.data(), tokens, out.data());
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return out;
+}
+
+std::unique_ptr<CudaMoeLayer> Make(const MoeLayerWeights& w, CudaMath math,
+                                   DType mma = DType::kBF16, int64_t graph_max = 256) {
+  CudaLayerOptions o;
+  o.math = math;
+  o.mma_type = mma;
+  o.max_tokens = 512;
+  o.graph_max_tokens = graph_max;
+  auto layer = CudaMoeLayer::Upload(w, o);
+  EXPECT_TRUE(layer.ok()) << layer.status().ToString();
+  return layer.ok() ? std::move(layer).value() : nullptr;
+}
+
+std::vector<float> GpuForward(CudaMoeLayer& layer, const std::vector<float>& x, int64_t tokens) {
+  std::vector<float> out(x.size());
+  const Status s = layer.Forward(x.data(), tokens, out.data());
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return out;
+}
+
+bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+class CudaFamilyTest : public ::testing::TestWithParam<std::tuple<Family, DType>> {};
+
+TEST_P(CudaFamilyTest, ExactMathIsBitwiseTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const auto [family, dtype] = GetParam();
+  const auto w = BuildSmall(family, Cpu(), dtype);
+  auto gpu = Make(*w, CudaMath::kExact);
+  ASSERT_NE(gpu, nullptr);
+  for (int64_t tokens : {1, 7, 64, 300}) {
+    const auto x = RandomRows(tokens, w->spec.hidden, static_cast<uint32_t>(tokens));
+    const auto want = CpuForward(w, x, tokens);
+    EXPECT_TRUE(Bitwise(GpuForward(*gpu, x, tokens), want))
+        << FamilyName(family) << " " << DTypeName(dtype) << " tokens " << tokens << " rel err "
+        << RelativeError(GpuForward(*gpu, x, tokens), want);
+    // The routing too.
+    ThreadPool pool(1);
+    MoeLayer cpu(w, Cpu(), &pool);
+    std::vector<float> out(x.size());
+    ASSERT_TRUE(cpu.Forward(x.data(), tokens, out.data()).ok());
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    ASSERT_TRUE(gpu->LastRouting(&ids, &weights).ok());
+    EXPECT_EQ(ids, cpu.last_routing().ids);
+    EXPECT_EQ(weights, cpu.last_routing().weights);
+  }
+}
+
+TEST_P(CudaFamilyTest, TensorCoresAreWithinOnePercentOfTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const auto [family, dtype] = GetParam();
+  if (dtype == DType::kF16) GTEST_SKIP() << "f16 weights on bf16 tensor cores: rounded twice";
+  for (DType mma : {DType::kBF16, DType::kF16}) {
+    if (dtype != DType::kF32 && dtype != mma) continue;
+    const auto w = BuildSmall(family, Cpu(), dtype);
+    auto gpu = Make(*w, CudaMath::kTensorCore, mma);
+    ASSERT_NE(gpu, nullptr);
+    const int64_t tokens = 200;
+    const auto x = RandomRows(tokens, w->spec.hidden, 3);
+    const double err = RelativeError(GpuForward(*gpu, x, tokens), CpuForward(w, x, tokens));
+    EXPECT_LE(err, 1e-2) << FamilyName(family) << " on " << DTypeName(mma);
+    RecordProperty(std::string("rel_err_") + DTypeName(mma), std::to_string(err));
+  }
+}
+
+TEST_P(CudaFamilyTest, BatchInvariantAndGraphsEqualPlainLaunches) {
+  SKIP_WITHOUT_GPU();
+  const auto [family, dtype] = GetParam();
+  const auto w = BuildSmall(family, Cpu(), dtype == DType::kF16 ? DType::kF32 : dtype);
+  for (CudaMath math : {CudaMath::kExact, CudaMath::kTensorCore}) {
+    auto graphs = Make(*w, math);
+    auto plain = Make(*w, math, DType::kBF16, 0);
+    ASSERT_NE(graphs, nullptr);
+    ASSERT_NE(plain, nullptr);
+    const int64_t tokens = 37, h = w->spec.hidden;
+    const auto x = RandomRows(tokens, h, 11);
+    const auto all = GpuForward(*graphs, x, tokens);
+    EXPECT_TRUE(Bitwise(all, GpuForward(*plain, x, tokens))) << CudaMathName(math);
+    EXPECT_GT(graphs->graphs_captured(), 0);
+    // Each token alone, and the batch cut in two, give the same bits.
+    for (int64_t t = 0; t < tokens; t += 5) {
+      const std::vector<float> one(x.begin() + t * h, x.begin() + (t + 1) * h);
+      const auto got = GpuForward(*graphs, one, 1);
+      EXPECT_EQ(std::memcmp(got.data(), all.data() + t * h, static_cast<size_t>(h) * 4), 0)
+          << CudaMathName(math) << " token " << t;
+    }
+    const std::vector<float> tail(x.begin() + 20 * h, x.end());
+    const auto got = GpuForward(*plain, tail, tokens - 20);
+    EXPECT_EQ(std::memcmp(got.data(), all.data() + 20 * h, got.size() * 4), 0);
+  }
+}
+
+TEST_P(CudaFamilyTest, PresetOnTheDeviceEqualsTheUploadedPreset) {
+  SKIP_WITHOUT_GPU();
+  const auto [family, dtype] = GetParam();
+  const auto w = BuildSmall(family, Cpu(), dtype);
+  PresetOptions p;
+  p.seed = 7;
+  p.dtype = dtype;
+  CudaLayerOptions o;
+  o.math = CudaMath::kExact;
+  o.max_tokens = 64;
+  auto generated = CudaMoeLayer::FromPreset(SmallSpec(family), p, o);
+  ASSERT_TRUE(generated.ok()) << generated.status().ToString();
+  auto uploaded = Make(*w, CudaMath::kExact);
+  const auto x = RandomRows(50, w->spec.hidden, 9);
+  EXPECT_TRUE(Bitwise(GpuForward(**generated, x, 50), GpuForward(*uploaded, x, 50)));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFamilies, CudaFamilyTest,
+                         ::testing::Combine(::testing::ValuesIn(AllFamilies()),
+                                            ::testing::Values(DType::kF32, DType::kBF16,
+                                                              DType::kF16)),
+                         [](const auto& tp) {
+                           return std::string(FamilyName(std::get<0>(tp.param))) + "_" +
+                                  DTypeName(std::get<1>(tp.param));
+                         });
+
+class CudaGoldenTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaGoldenTest, ExactMathMatchesTheReferenceImplementation) {
+  SKIP_WITHOUT_GPU();
+  const std::string name = GetParam();
+  const auto w = LoadFixture(name, Cpu());
+  int64_t tokens = 0, hidden = 0;
+  const auto x = ReadF32(FixtureDir(name) + "/golden.safetensors", "input", &tokens, &hidden);
+  const auto want = ReadF32(FixtureDir(name) + "/golden.safetensors", "output");
+  auto gpu = Make(*w, CudaMath::kExact);
+  ASSERT_NE(gpu, nullptr);
+  const auto got = GpuForward(*gpu, x, tokens);
+  const double err = RelativeError(got, want);
+  EXPECT_LE(err, 1e-5) << name;
+  EXPECT_TRUE(Bitwise(got, CpuForward(w, x, tokens))) << name;
+  RecordProperty("rel_err", std::to_string(err));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFixtures, CudaGoldenTest, ::testing::ValuesIn(FixtureNames()));
+
+TEST(CudaLayerTest, RunExpertsEqualsTheCpuGroupedFfn) {
+  SKIP_WITHOUT_GPU();
+  const auto w = BuildSmall(Family::kDeepseekV3, Cpu());
+  auto gpu = Make(*w, CudaMath::kExact);
+  ASSERT_NE(gpu, nullptr);
+  const int64_t h = w->spec.hidden;
+  const std::vector<int32_t> experts = {3, 0, 9, -1};
+  const std::vector<int64_t> rows = {5, 1, 70, 12};
+  const int64_t total = 88;
+  const auto x = RandomRows(total, h, 4);
+  std::vector<float> y(static_cast<size_t>(total * h));
+  ASSERT_TRUE(gpu->RunExperts(x.data(), experts, rows, y.data()).ok());
+  ThreadPool pool(1);
+  GroupedFfn ffn(Cpu(), &pool);
+  std::vector<ExpertGroup> groups;
+  int64_t first = 0;
+  for (size_t g = 0; g < experts.size(); ++g) {
+    const ExpertWeights* ew =
+        experts[g] < 0 ? &*w->shared : &w->experts[static_cast<size_t>(experts[g])];
+    const ActParams act =
+        experts[g] < 0 ? w->spec.SharedAct(w->layer) : w->spec.RoutedAct(w->layer);
+    groups.push_back(ExpertGroup{ew, act, first, rows[g]});
+    first += rows[g];
+  }
+  std::vector<int32_t> row_token(static_cast<size_t>(total));
+  for (int64_t r = 0; r < total; ++r) row_token[static_cast<size_t>(r)] = static_cast<int32_t>(r);
+  const int64_t ldy = ffn.PaddedHidden(h);
+  std::vector<float> ycpu(static_cast<size_t>(total * ldy));
+  ffn.Run(groups, x.data(), h, row_token.data(), ycpu.data(), ldy);
+  for (int64_t r = 0; r < total; ++r) {
+    ASSERT_EQ(std::memcmp(y.data() + r * h, ycpu.data() + r * ldy, static_cast<size_t>(h) * 4), 0)
+        << "row " << r;
+  }
+  EXPECT_FALSE(gpu->RunExperts(x.data(), {99}, {1}, y.data()).ok());
+}
+
+TEST(CudaLayerTest, ErrorsAreClear) {
+  SKIP_WITHOUT_GPU();
+  const auto w = BuildSmall(Family::kMixtral, Cpu());
+  auto gpu = Make(*w, CudaMath::kExact);
+  ASSERT_NE(gpu, nullptr);
+  std::vector<float> x(static_cast<size_t>(600 * w->spec.hidden)), out(x.size());
+  const Status big = gpu->Forward(x.data(), 600, out.data());
+  EXPECT_EQ(big.code(), StatusCode::kInvalidArgument) << big.ToString();
+  // An expert this process does not host: routing to it is an error, not garbage.
+  PresetOptions p;
+  p.seed = 7;
+  p.load_expert.assign(static_cast<size_t>(w->spec.num_experts), false);
+  p.load_expert[0] = true;
+  auto one = BuildPresetLayer(SmallSpec(Family::kMixtral), Cpu(), p);
+  ASSERT_TRUE(one.ok());
+  auto partial = Make(*one, CudaMath::kExact);
+  ASSERT_NE(partial, nullptr);
+  const auto xr = RandomRows(64, w->spec.hidden, 1);
+  std::vector<float> o(xr.size());
+  const Status s = partial->Forward(xr.data(), 64, o.data());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("not loaded"), std::string::npos) << s.ToString();
+  CudaLayerOptions bad;
+  bad.device = 99;
+  EXPECT_FALSE(CudaMoeLayer::Upload(*w, bad).ok());
+}
+
+}  // namespace
+}  // namespace moerun
