@@ -205,6 +205,7 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.source.model = f.layer.model;
   opts.source.preset = f.layer.preset;
   opts.source.seed = f.layer.seed;
+  opts.source.gate_skew = f.layer.gate_skew;
   opts.source.experts = f.layer.experts;
   opts.threads = f.layer.threads;
   opts.isa = isa;
@@ -280,6 +281,9 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
                                  "qwen3-30b-a3b, deepseek-v3, gpt-oss-20b, step-3.5-flash");
   model->excludes(preset);
   cmd->add_option("--seed", flags->layer.seed, "Preset weight seed")->default_val(1);
+  cmd->add_option("--gate-skew", flags->layer.gate_skew,
+                  "Preset routing skew: Zipf exponent over experts (0: none)")
+      ->default_val(0.0);
   cmd->add_option("--experts", flags->layer.experts,
                   "Preset expert count (default: as many as fit in 4 GB)");
   cmd->add_option("--dtype", flags->layer.dtype, "Preset weight type: f32, bf16, f16")

@@ -1,6 +1,7 @@
 #include "launch/layer_source.h"
 
 #include <chrono>
+#include <cmath>
 
 #include "runtime/checkpoint.h"
 #include "runtime/layer_loader.h"
@@ -32,6 +33,12 @@ Status ValidateLayerFlags(const LayerFlags& f) {
   }
   if (f.layer < -1) return Status::InvalidArgument("--layer must not be negative");
   if (f.experts < 0) return Status::InvalidArgument("--experts must not be negative");
+  if (!std::isfinite(f.gate_skew) || f.gate_skew < 0 || f.gate_skew > 8) {
+    return Status::InvalidArgument("--gate-skew must be in 0..8 (a Zipf exponent over experts)");
+  }
+  if (f.gate_skew > 0 && !f.model.empty()) {
+    return Status::InvalidArgument("--gate-skew applies to presets, not to --model checkpoints");
+  }
   return Status::Ok();
 }
 
@@ -82,6 +89,7 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFla
   }
   PresetOptions opts;
   opts.seed = f.seed;
+  opts.gate_skew = f.gate_skew;
   opts.experts = f.experts;
   opts.layer = f.layer;
   opts.threads = threads;

@@ -16,6 +16,7 @@ struct LayerFlags {
   std::string preset;         // --preset NAME
   uint64_t seed = 1;          // --seed
   int experts = 0;            // --experts (presets)
+  double gate_skew = 0.0;     // --gate-skew (presets): Zipf exponent of the routing
   std::string dtype = "f32";  // --dtype (presets): f32 | bf16 | f16
   int layer = -1;             // --layer
   int threads = 0;            // --threads (0: all cores)

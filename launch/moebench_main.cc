@@ -28,6 +28,8 @@ int main(int argc, char** argv) {
                                      "step-3.5-flash");
     model->excludes(preset);
     layer->add_option("--seed", lf.layer.seed, "Preset seed")->default_val(1);
+    layer->add_option("--gate-skew", lf.layer.gate_skew, "Preset routing skew (Zipf exponent)")
+        ->default_val(0.0);
     layer->add_option("--experts", lf.layer.experts,
                       "Preset expert count (default: fit 4 GB; --device cuda: all)");
     layer->add_option("--dtype", lf.layer.dtype, "Preset weights: f32, bf16, f16")
@@ -112,6 +114,10 @@ int main(int argc, char** argv) {
     auto* serve_preset = serve->add_option("--preset", sf.layer.preset, "--verify: preset name");
     serve_model->excludes(serve_preset);
     serve->add_option("--seed", sf.layer.seed, "--verify: preset seed")->default_val(1);
+    serve
+        ->add_option("--gate-skew", sf.layer.gate_skew,
+                     "--verify: preset routing skew (as the server's preset.gate_skew)")
+        ->default_val(0.0);
     serve->add_option("--experts", sf.layer.experts, "--verify: preset expert count");
     serve->add_option("--weights-dtype", sf.layer.dtype, "--verify: preset weights f32, bf16")
         ->default_val("f32");

@@ -129,6 +129,7 @@ int RunServe(const ServeFlags& f) {
   opts.source.model = c.model;
   opts.source.preset = c.preset;
   opts.source.seed = c.seed;
+  opts.source.gate_skew = c.gate_skew;
   opts.source.experts = c.experts;
   auto dtype = ParseWeightDType(c.dtype);
   if (!dtype.ok()) return FailWith(dtype.status());

@@ -45,6 +45,7 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadFor(const WeightSource& src,
   }
   PresetOptions o;
   o.seed = src.seed;
+  o.gate_skew = src.gate_skew;
   o.dtype = src.dtype;
   o.layer = layer;
   o.load_expert = std::move(mask);

@@ -33,6 +33,7 @@ struct WeightSource {
   std::optional<ModelSpec> spec;  // any shape, with seeded weights as presets make them
   uint64_t seed = 1;
   int experts = 0;
+  double gate_skew = 0.0;  // presets: Zipf exponent of the routing (runtime/preset.h)
   DType dtype = DType::kF32;
 };
 

@@ -213,6 +213,16 @@ Result<MoeLayerWeights> BuildPresetLayer(const ModelSpec& spec, const CpuKernels
     w.gate_bias.resize(static_cast<size_t>(w.gate.n_padded()), 0.0f);
   }
   if (spec.gate.selection_bias) w.selection_bias = vec(4, experts, 0.1f);
+  if (!std::isfinite(opts.gate_skew) || opts.gate_skew < 0 || opts.gate_skew > 8) {
+    return Status::InvalidArgument("gate skew must be in 0..8 (a Zipf exponent over experts)");
+  }
+  if (opts.gate_skew > 0) {
+    w.gate_bias.resize(static_cast<size_t>(w.gate.n_padded()), 0.0f);
+    for (int e = 0; e < experts; ++e) {
+      const auto skew = static_cast<float>(-opts.gate_skew * std::log(static_cast<double>(e + 1)));
+      w.gate_bias[static_cast<size_t>(e)] = w.gate_bias[static_cast<size_t>(e)] + skew;
+    }
+  }
 
   auto expert_source = [&](int e, int64_t inter) {
     ExpertSource es;

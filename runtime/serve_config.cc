@@ -91,11 +91,12 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
     if (p.IsScalar()) {
       c.preset = p.as<std::string>();
     } else {
-      MOERUN_RETURN_IF_ERROR(pr.CheckKeys({"name", "seed", "experts", "dtype"}));
+      MOERUN_RETURN_IF_ERROR(pr.CheckKeys({"name", "seed", "experts", "dtype", "gate_skew"}));
       MOERUN_RETURN_IF_ERROR(pr.GetString("name", &c.preset));
       MOERUN_RETURN_IF_ERROR(pr.Get<uint64_t>("seed", &c.seed, 0, UINT64_MAX));
       MOERUN_RETURN_IF_ERROR(pr.Get<int>("experts", &c.experts, 0, 65536));
       MOERUN_RETURN_IF_ERROR(pr.GetString("dtype", &c.dtype));
+      MOERUN_RETURN_IF_ERROR(pr.Get<double>("gate_skew", &c.gate_skew, 0.0, 8.0));
     }
   }
   if (c.model.empty() == c.preset.empty()) {

@@ -36,6 +36,7 @@ struct ServeConfig {
   std::string preset;
   uint64_t seed = 1;
   int experts = 0;
+  double gate_skew = 0.0;  // preset.gate_skew: Zipf exponent of the routing
   std::string dtype = "f32";
   // Layers to serve: empty = the model's first MoE layer; {-1} = every MoE layer.
   std::vector<int> layers;

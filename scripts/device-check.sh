@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot check on a machine lent with an accelerator (and, usually, a bigger CPU): builds with
-# all cores, runs the unit and CLI tests (on that CPU's best kernel variant, e.g. AVX-512), probes
+# all cores, runs the GPU check (tests/gpu/run.sh), the unit and CLI tests (on that CPU's best kernel variant, e.g. AVX-512), probes
 # the GPU, and benchmarks the qwen3-30b-a3b layer on 2 cores (as CI's machines) and on all cores.
 # Logs and JSON go to $OUT (default build/device-check); a short table is printed at the end.
 set -uo pipefail
@@ -21,6 +21,9 @@ grep -c "warning:" "$out/build.log" | xargs -I{} echo "build warnings: {}" | tee
 grep "warning:" "$out/build.log" | sort -u | head -20 >> "$out/warnings.txt"
 
 build/bin/moerun --version | tee "$out/version.txt"
+
+log "GPU check (tests/gpu/run.sh): CUDA vs CPU, NCCL, moebench layer --device cuda, ranks"
+OUT="$out/gpu" BUILD=build JOBS="$jobs" bash tests/gpu/run.sh 2>&1 | tail -40
 
 log "tests"
 ctest --test-dir build -j "$jobs" --timeout 600 >"$out/ctest.log" 2>&1

@@ -75,3 +75,51 @@ TEST(PresetTest, SameWeightsEveryBuildAndOnlyRequestedExperts) {
 
 }  // namespace
 }  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// A gate skew makes routing Zipf-like over experts: expert 0 takes far more than its share, the
+// share falls with the expert number, and skew 0 leaves the layer as it was.
+TEST(PresetTest, GateSkewMakesLowExpertsHot) {
+  const CpuKernels& k = KernelsFor(Isa::kScalar);
+  ModelSpec spec = testing::SmallSpec(Family::kQwen3Moe);
+  PresetOptions o;
+  o.seed = 3;
+  auto plain = BuildPresetLayer(spec, k, o);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain->gate_bias.empty());
+  o.gate_skew = 1.5;
+  auto skewed = BuildPresetLayer(spec, k, o);
+  ASSERT_TRUE(skewed.ok());
+  ASSERT_FALSE(skewed->gate_bias.empty());
+  EXPECT_EQ(skewed->gate_bias[0], 0.0f);
+  EXPECT_FLOAT_EQ(skewed->gate_bias[3], static_cast<float>(-1.5 * std::log(4.0)));
+
+  const int64_t tokens = 2000;
+  const auto x = testing::RandomRows(tokens, spec.hidden, 8);
+  auto shares = [&](std::shared_ptr<const MoeLayerWeights> w) {
+    ThreadPool pool(1);
+    MoeLayer layer(std::move(w), k, &pool);
+    std::vector<float> out(x.size());
+    EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
+    std::vector<double> share(static_cast<size_t>(spec.num_experts), 0.0);
+    for (int32_t e : layer.last_routing().ids) share[static_cast<size_t>(e)] += 1.0;
+    for (auto& s : share) s /= static_cast<double>(tokens * spec.top_k);
+    return share;
+  };
+  const auto even = shares(std::make_shared<const MoeLayerWeights>(std::move(plain).value()));
+  const auto zipf = shares(std::make_shared<const MoeLayerWeights>(std::move(skewed).value()));
+  const double fair = 1.0 / spec.num_experts;
+  EXPECT_LT(*std::max_element(even.begin(), even.end()), 2.5 * fair);
+  EXPECT_GT(zipf[0], 2.5 * fair);  // top-3 of 12: expert 0 is in most tokens' choice
+  EXPECT_GT(zipf[0] + zipf[1] + zipf[2], zipf[9] + zipf[10] + zipf[11] + 0.3);
+
+  o.gate_skew = -1;
+  EXPECT_FALSE(BuildPresetLayer(spec, k, o).ok());
+  o.gate_skew = std::nan("");
+  EXPECT_FALSE(BuildPresetLayer(spec, k, o).ok());
+}
+
+}  // namespace
+}  // namespace moerun
