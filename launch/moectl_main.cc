@@ -47,8 +47,11 @@ void PrintStatus(const moerun::v1::StatusResponse& s) {
               s.ready() ? "ready" : "NOT READY", s.uptime_s(),
               static_cast<unsigned long long>(s.batches()));
   for (const auto& l : s.layers()) {
-    std::printf("layer %d: %llu assignments, balancedness %.3f\n", l.layer(),
-                static_cast<unsigned long long>(l.assignments()), l.balancedness());
+    std::printf(
+        "layer %d: %llu assignments, balancedness %.3f; last %.0f s: %llu assignments, "
+        "balancedness %.3f\n",
+        l.layer(), static_cast<unsigned long long>(l.assignments()), l.balancedness(), l.window_s(),
+        static_cast<unsigned long long>(l.window_assignments()), l.window_balancedness());
   }
   std::printf("%-5s %-7s %-20s %-8s %-22s %12s %12s %9s %s\n", "rank", "role", "host", "pid",
               "state", "assignments", "rows_served", "rss_mib", "experts");

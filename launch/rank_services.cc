@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "runtime/ep_layer.h"
@@ -22,7 +24,8 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placem
                                                           const ModelSpec& spec,
                                                           const std::vector<int>& layers,
                                                           const Transport* transport,
-                                                          const HostPort& metrics_listen) {
+                                                          const HostPort& metrics_listen,
+                                                          std::chrono::milliseconds load_window) {
   std::unique_ptr<RankServices> rs(new RankServices());
   rs->rank_ = rank;
   rs->router_ = rank < placement.num_routers();
@@ -74,6 +77,21 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placem
     rs->balancedness_[layer] = m.AddGauge(
         "moerun_balancedness", "Mean / max assignments per expert rank since the start (1 = even)",
         {{"layer", std::to_string(layer)}});
+    rs->windows_.emplace(
+        layer,
+        LoadWindow(spec.num_experts, placement.num_ranks() - placement.num_routers(), load_window));
+    rs->expert_seen_[layer].assign(static_cast<size_t>(spec.num_experts), 0);
+    const double window_s = static_cast<double>(load_window.count()) / 1e3;
+    rs->window_balancedness_[layer] = m.AddGauge(
+        "moerun_window_balancedness",
+        fmt::format("Mean / max assignments per expert rank over the last {:g} s (1 = even)",
+                    window_s),
+        {{"layer", std::to_string(layer)}});
+    rs->window_balancedness_[layer]->Set(1);
+    rs->window_assignments_[layer] =
+        m.AddGauge("moerun_window_assignments",
+                   fmt::format("(token, expert) assignments over the last {:g} s", window_s),
+                   {{"layer", std::to_string(layer)}});
   }
   if (rs->router_) {
     rs->dispatch_ = m.AddHistogram("moerun_dispatch_duration_seconds",
@@ -179,9 +197,15 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     const auto& now = l->stats().rows_per_rank;
     uint64_t most = 0, total = 0;
     int n = 0;
+    // What arrived since the last refresh goes into the sliding window too.
+    const size_t routers = static_cast<size_t>(placement_.num_routers());
+    std::vector<uint64_t> rank_delta(now.size() > routers ? now.size() - routers : 0, 0);
     for (size_t r = 0; r < now.size() && r < seen.size(); ++r) {
       if (counters[r] == nullptr) continue;
-      if (now[r] > seen[r]) counters[r]->Inc(now[r] - seen[r]);
+      if (now[r] > seen[r]) {
+        counters[r]->Inc(now[r] - seen[r]);
+        if (r >= routers) rank_delta[r - routers] = now[r] - seen[r];
+      }
       seen[r] = now[r];
       most = std::max(most, counters[r]->value());
       total += counters[r]->value();
@@ -189,6 +213,26 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     }
     balancedness_[layer]->Set(
         most == 0 ? 1.0 : static_cast<double>(total) / n / static_cast<double>(most));
+    auto& expert_seen = expert_seen_[layer];
+    const auto& experts = by_expert_[layer];
+    std::vector<uint64_t> expert_delta(experts.size(), 0);
+    for (size_t e = 0; e < experts.size() && e < expert_seen.size(); ++e) {
+      const uint64_t v = experts[e]->value();
+      expert_delta[e] = v - expert_seen[e];
+      expert_seen[e] = v;
+    }
+    const auto t = LoadWindow::Clock::now();
+    double window_b = 1.0;
+    uint64_t window_total = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      LoadWindow& w = windows_.at(layer);
+      w.Add(expert_delta, rank_delta, t);
+      window_b = w.Balancedness(t);
+      window_total = w.Total(t);
+    }
+    window_balancedness_[layer]->Set(window_b);
+    window_assignments_[layer]->Set(static_cast<double>(window_total));
   }
   if (health != nullptr) {
     std::vector<PeerView> peers = health->Snapshot();
@@ -268,6 +312,14 @@ moerun::v1::StatusResponse RankServices::Status() const {
     ll->set_assignments(total);
     auto b = balancedness_.find(layer);
     ll->set_balancedness(b != balancedness_.end() ? b->second->value() : 1.0);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto w = windows_.find(layer);
+    if (w != windows_.end()) {
+      const auto t = LoadWindow::Clock::now();
+      ll->set_window_assignments(w->second.Total(t));
+      ll->set_window_balancedness(w->second.Balancedness(t));
+      ll->set_window_s(static_cast<double>(w->second.window().count()) / 1e3);
+    }
   }
   return s;
 }
@@ -281,12 +333,20 @@ moerun::v1::PlacementResponse RankServices::PlacementInfo() const {
 
 moerun::v1::StatsResponse RankServices::Stats() const {
   moerun::v1::StatsResponse s;
+  const auto t = LoadWindow::Clock::now();
   for (const auto& [layer, counters] : by_expert_) {
+    std::vector<uint64_t> window;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto w = windows_.find(layer);
+      if (w != windows_.end()) window = w->second.ExpertLoad(t);
+    }
     for (size_t e = 0; e < counters.size(); ++e) {
       moerun::v1::ExpertLoad* el = s.add_experts();
       el->set_layer(layer);
       el->set_expert(static_cast<int>(e));
       el->set_assignments(counters[e]->value());
+      if (e < window.size()) el->set_window_assignments(window[e]);
     }
   }
   return s;

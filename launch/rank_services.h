@@ -17,6 +17,7 @@
 #include "launch/host_port.h"
 #include "launch/http_server.h"
 #include "moerun/v1/control.pb.h"
+#include "router/load_window.h"
 #include "router/placement.h"
 #include "runtime/metrics.h"
 #include "runtime/model_spec.h"
@@ -31,11 +32,10 @@ class ExpertHost;
 class RankServices {
  public:
   // Registers the rank's metrics and starts its HTTP endpoint at metrics_listen + rank.
-  static Result<std::unique_ptr<RankServices>> Start(int rank, const Placement& placement,
-                                                     const ModelSpec& spec,
-                                                     const std::vector<int>& layers,
-                                                     const Transport* transport,
-                                                     const HostPort& metrics_listen);
+  static Result<std::unique_ptr<RankServices>> Start(
+      int rank, const Placement& placement, const ModelSpec& spec, const std::vector<int>& layers,
+      const Transport* transport, const HostPort& metrics_listen,
+      std::chrono::milliseconds load_window = std::chrono::seconds(60));
   ~RankServices();
 
   bool router() const { return router_; }
@@ -78,6 +78,10 @@ class RankServices {
   std::map<int, std::vector<Counter*>> by_rank_;
   std::map<int, Gauge*> balancedness_;
   std::map<int, std::vector<uint64_t>> rank_seen_;  // what by_rank_ already counts (router thread)
+  // Routers, per layer: the sliding window (under mu_; fed by Refresh) and its gauges.
+  std::map<int, LoadWindow> windows_;
+  std::map<int, std::vector<uint64_t>> expert_seen_;  // what the window already has (router thread)
+  std::map<int, Gauge*> window_balancedness_, window_assignments_;
   Histogram* dispatch_ = nullptr;
   Histogram* combine_ = nullptr;
   Gauge* queue_requests_ = nullptr;

@@ -159,7 +159,8 @@ int RunServe(const ServeFlags& f) {
   opts.hooks.placement = [&](int rank, Transport* t, const Placement& placement,
                              const ModelSpec& model) -> Status {
     MOERUN_ASSIGN_OR_RETURN(
-        auto rs, RankServices::Start(rank, placement, model, opts.layers, t, *metrics_listen));
+        auto rs, RankServices::Start(rank, placement, model, opts.layers, t, *metrics_listen,
+                                     std::chrono::seconds(c.serving.load_window_s)));
     std::lock_guard<std::mutex> lock(ranks.mu);
     ranks.by_rank[rank] = std::move(rs);
     return Status::Ok();

@@ -28,6 +28,7 @@ struct ServingConfig {
   int64_t probe_interval_ms = 1000;
   int64_t probe_deadline_ms = 2000;
   int64_t drain_timeout_s = 30;
+  int64_t load_window_s = 60;  // sliding window of the load statistics (moectl status, planner)
 };
 
 struct ServeConfig {

@@ -1,0 +1,469 @@
+#include "router/planner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+namespace moerun {
+namespace {
+
+using FRow = std::vector<float>;
+using IRow = std::vector<int64_t>;
+
+// eplb.py balanced_packing on one row: items sorted by weight, descending (torch 1.13's CPU sort
+// is std::sort over (value, index) comparing values only; so is this one, so equal weights come
+// out in the same order), each to the first pack of least weight that still has room.
+void BalancedPacking(const FRow& weight, int num_packs, IRow* pack_index, IRow* rank_in_pack) {
+  const size_t n = weight.size();
+  const size_t per_pack = n / static_cast<size_t>(num_packs);
+  pack_index->assign(n, -1);
+  rank_in_pack->assign(n, -1);
+  if (per_pack == 1) {
+    for (size_t i = 0; i < n; ++i)
+      (*pack_index)[i] = static_cast<int64_t>(i), (*rank_in_pack)[i] = 0;
+    return;
+  }
+  std::vector<std::pair<float, int64_t>> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = {weight[i], static_cast<int64_t>(i)};
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return (!std::isnan(a.first) && std::isnan(b.first)) || (a.first > b.first);
+  });
+  std::vector<float> pack_weight(static_cast<size_t>(num_packs), 0.0f);
+  std::vector<size_t> pack_items(static_cast<size_t>(num_packs), 0);
+  for (const auto& [w, item] : order) {
+    size_t best = SIZE_MAX;
+    for (size_t p = 0; p < pack_weight.size(); ++p) {
+      if (pack_items[p] >= per_pack) continue;
+      if (best == SIZE_MAX || pack_weight[p] < pack_weight[best]) best = p;
+    }
+    (*pack_index)[static_cast<size_t>(item)] = static_cast<int64_t>(best);
+    (*rank_in_pack)[static_cast<size_t>(item)] = static_cast<int64_t>(pack_items[best]);
+    pack_weight[best] += w;
+    ++pack_items[best];
+  }
+}
+
+// eplb.py replicate_experts on one row: each redundant slot to the first expert of highest
+// load per replica (float32).
+void ReplicateExperts(const FRow& weight, int num_phy, IRow* phy2log, IRow* rank, IRow* logcnt) {
+  const size_t num_log = weight.size();
+  phy2log->resize(static_cast<size_t>(num_phy));
+  rank->assign(static_cast<size_t>(num_phy), 0);
+  logcnt->assign(num_log, 1);
+  for (size_t i = 0; i < num_log; ++i) (*phy2log)[i] = static_cast<int64_t>(i);
+  for (size_t i = num_log; i < static_cast<size_t>(num_phy); ++i) {
+    size_t best = 0;
+    float best_v = 0;
+    for (size_t e = 0; e < num_log; ++e) {
+      const float v = weight[e] / static_cast<float>((*logcnt)[e]);
+      if (e == 0 || v > best_v) best = e, best_v = v;
+    }
+    (*phy2log)[i] = static_cast<int64_t>(best);
+    (*rank)[i] = (*logcnt)[best];
+    ++(*logcnt)[best];
+  }
+}
+
+IRow Inverse(const IRow& perm) {
+  IRow inv(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i)
+    inv[static_cast<size_t>(perm[i])] = static_cast<int64_t>(i);
+  return inv;
+}
+
+// eplb.py rebalance_experts_hierarchical followed by rebalance_experts' log2phy, for one layer
+// (eplb.py's rows are independent).
+LayerMaps EplbLayer(const std::vector<double>& load, int num_phy, int num_groups, int num_nodes,
+                    int num_gpus) {
+  const int num_log = static_cast<int>(load.size());
+  const int group_size = num_log / num_groups;
+  const int groups_per_node = num_groups / num_nodes;
+  const int phy_per_gpu = num_phy / num_gpus;
+  const int log_per_node = num_log / num_nodes;
+  const int phy_per_node = num_phy / num_nodes;
+  FRow weight(load.size());
+  for (size_t e = 0; e < load.size(); ++e) weight[e] = static_cast<float>(load[e]);
+
+  // Step 1: pack groups to nodes.
+  FRow tokens_per_group(static_cast<size_t>(num_groups), 0.0f);
+  for (int g = 0; g < num_groups; ++g) {
+    float s = 0.0f;
+    for (int k = 0; k < group_size; ++k) s += weight[static_cast<size_t>(g * group_size + k)];
+    tokens_per_group[static_cast<size_t>(g)] = s;
+  }
+  IRow group_pack, group_rank;
+  BalancedPacking(tokens_per_group, num_nodes, &group_pack, &group_rank);
+  IRow log2mlog(static_cast<size_t>(num_log));
+  for (int e = 0; e < num_log; ++e) {
+    const size_t g = static_cast<size_t>(e / group_size);
+    log2mlog[static_cast<size_t>(e)] =
+        (group_pack[g] * groups_per_node + group_rank[g]) * group_size + e % group_size;
+  }
+  const IRow mlog2log = Inverse(log2mlog);
+
+  // Steps 2 and 3, node by node: replicate within the node, pack its replicas onto its GPUs.
+  std::vector<int> phy2log(static_cast<size_t>(num_phy));
+  IRow pphyrank(static_cast<size_t>(num_phy));
+  IRow mlogcnt_all(static_cast<size_t>(num_log));
+  for (int node = 0; node < num_nodes; ++node) {
+    FRow tokens_per_mlog(static_cast<size_t>(log_per_node));
+    for (int j = 0; j < log_per_node; ++j) {
+      tokens_per_mlog[static_cast<size_t>(j)] =
+          weight[static_cast<size_t>(mlog2log[static_cast<size_t>(node * log_per_node + j)])];
+    }
+    IRow phy2mlog, phyrank, mlogcnt;
+    ReplicateExperts(tokens_per_mlog, phy_per_node, &phy2mlog, &phyrank, &mlogcnt);
+    FRow tokens_per_phy(static_cast<size_t>(phy_per_node));
+    for (int p = 0; p < phy_per_node; ++p) {
+      const size_t m = static_cast<size_t>(phy2mlog[static_cast<size_t>(p)]);
+      tokens_per_phy[static_cast<size_t>(p)] = tokens_per_mlog[m] / static_cast<float>(mlogcnt[m]);
+    }
+    IRow pack, rank_in_pack;
+    BalancedPacking(tokens_per_phy, num_gpus / num_nodes, &pack, &rank_in_pack);
+    IRow phy2pphy(static_cast<size_t>(phy_per_node));
+    for (size_t p = 0; p < phy2pphy.size(); ++p)
+      phy2pphy[p] = pack[p] * phy_per_gpu + rank_in_pack[p];
+    const IRow pphy2phy = Inverse(phy2pphy);
+    for (int q = 0; q < phy_per_node; ++q) {
+      const size_t p = static_cast<size_t>(pphy2phy[static_cast<size_t>(q)]);
+      const int64_t mlog = phy2mlog[p] + node * log_per_node;
+      const size_t out = static_cast<size_t>(node * phy_per_node + q);
+      phy2log[out] = static_cast<int>(mlog2log[static_cast<size_t>(mlog)]);
+      pphyrank[out] = phyrank[p];
+    }
+    for (int j = 0; j < log_per_node; ++j) {
+      mlogcnt_all[static_cast<size_t>(node * log_per_node + j)] = mlogcnt[static_cast<size_t>(j)];
+    }
+  }
+  LayerMaps maps;
+  maps.phy2log = std::move(phy2log);
+  maps.logcnt.resize(static_cast<size_t>(num_log));
+  maps.log2phy.resize(static_cast<size_t>(num_log));
+  for (int e = 0; e < num_log; ++e) {
+    const int cnt =
+        static_cast<int>(mlogcnt_all[static_cast<size_t>(log2mlog[static_cast<size_t>(e)])]);
+    maps.logcnt[static_cast<size_t>(e)] = cnt;
+    maps.log2phy[static_cast<size_t>(e)].assign(static_cast<size_t>(cnt), -1);
+  }
+  for (int s = 0; s < num_phy; ++s) {
+    const size_t e = static_cast<size_t>(maps.phy2log[static_cast<size_t>(s)]);
+    maps.log2phy[e][static_cast<size_t>(pphyrank[static_cast<size_t>(s)])] = s;
+  }
+  return maps;
+}
+
+// Maps from phy2log alone: log2phy in slot order.
+LayerMaps MapsOf(std::vector<int> phy2log, int num_log) {
+  LayerMaps maps;
+  maps.log2phy.resize(static_cast<size_t>(num_log));
+  maps.logcnt.assign(static_cast<size_t>(num_log), 0);
+  for (size_t s = 0; s < phy2log.size(); ++s) {
+    const size_t e = static_cast<size_t>(phy2log[s]);
+    maps.log2phy[e].push_back(static_cast<int>(s));
+    ++maps.logcnt[e];
+  }
+  maps.phy2log = std::move(phy2log);
+  return maps;
+}
+
+std::vector<double> RankLoads(const std::vector<double>& load, const std::vector<int>& phy2log,
+                              const std::vector<int>& cnt, int num_ranks) {
+  std::vector<double> rank_load(static_cast<size_t>(num_ranks), 0.0);
+  const size_t per_rank = phy2log.size() / static_cast<size_t>(num_ranks);
+  for (size_t s = 0; s < phy2log.size(); ++s) {
+    const size_t e = static_cast<size_t>(phy2log[s]);
+    rank_load[s / per_rank] += load[e] / cnt[e];
+  }
+  return rank_load;
+}
+
+struct Key {
+  double max = 0, sumsq = 0;
+  bool operator<(const Key& o) const {
+    return max < o.max || (max == o.max && sumsq < o.sumsq * (1 - 1e-12));
+  }
+};
+
+Key KeyOf(const std::vector<double>& rank_load) {
+  Key k;
+  for (double v : rank_load) k.max = std::max(k.max, v), k.sumsq += v * v;
+  return k;
+}
+
+// The default policy's local search (see planner.h).
+LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
+  const int num_log = static_cast<int>(load.size());
+  std::vector<int> p2l = start.phy2log;
+  const size_t slots = p2l.size();
+  const size_t per_rank = slots / static_cast<size_t>(num_ranks);
+  std::vector<int> cnt(static_cast<size_t>(num_log), 0);
+  for (int e : p2l) ++cnt[static_cast<size_t>(e)];
+  std::vector<int> holds(static_cast<size_t>(num_ranks) * static_cast<size_t>(num_log));
+  auto held = [&](size_t r, int e) -> int& {
+    return holds[r * static_cast<size_t>(num_log) + static_cast<size_t>(e)];
+  };
+  for (size_t iter = 0; iter < 50 * slots; ++iter) {
+    std::fill(holds.begin(), holds.end(), 0);
+    for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
+    std::vector<double> rank_load = RankLoads(load, p2l, cnt, num_ranks);
+    const Key now = KeyOf(rank_load);
+    const size_t a = static_cast<size_t>(std::max_element(rank_load.begin(), rank_load.end()) -
+                                         rank_load.begin());
+    Key best = now;
+    int kind = 0;  // 0: none, 1: swap i <-> j, 2: slot j becomes expert e
+    size_t bi = 0, bj = 0;
+    int be = -1;
+    for (size_t i = a * per_rank; i < (a + 1) * per_rank; ++i) {
+      const int ei = p2l[i];
+      const double wi = load[static_cast<size_t>(ei)] / cnt[static_cast<size_t>(ei)];
+      for (size_t j = 0; j < slots; ++j) {
+        const size_t b = j / per_rank;
+        const int ej = p2l[j];
+        if (b == a || ei == ej || held(b, ei) > 0 || held(a, ej) > 0) continue;
+        const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
+        std::vector<double> trial = rank_load;
+        trial[a] += wj - wi;
+        trial[b] += wi - wj;
+        const Key k = KeyOf(trial);
+        if (k < best) best = k, kind = 1, bi = i, bj = j;
+      }
+    }
+    // Re-assign a slot whose expert has several replicas: a slot of rank a to any expert, or any
+    // slot to an expert of rank a.
+    std::vector<bool> on_a(static_cast<size_t>(num_log), false);
+    for (size_t i = a * per_rank; i < (a + 1) * per_rank; ++i)
+      on_a[static_cast<size_t>(p2l[i])] = true;
+    for (size_t j = 0; j < slots; ++j) {
+      const int f = p2l[j];
+      const size_t b = j / per_rank;
+      if (cnt[static_cast<size_t>(f)] < 2) continue;
+      for (int e = 0; e < num_log; ++e) {
+        if (e == f || held(b, e) > 0 || (b != a && !on_a[static_cast<size_t>(e)])) continue;
+        std::vector<int> trial_p2l = p2l;
+        trial_p2l[j] = e;
+        std::vector<int> trial_cnt = cnt;
+        ++trial_cnt[static_cast<size_t>(e)];
+        --trial_cnt[static_cast<size_t>(f)];
+        const Key k = KeyOf(RankLoads(load, trial_p2l, trial_cnt, num_ranks));
+        if (k < best) best = k, kind = 2, bj = j, be = e;
+      }
+    }
+    if (kind == 0) break;
+    if (kind == 1) {
+      std::swap(p2l[bi], p2l[bj]);
+    } else {
+      --cnt[static_cast<size_t>(p2l[bj])];
+      ++cnt[static_cast<size_t>(be)];
+      p2l[bj] = be;
+    }
+  }
+  return MapsOf(std::move(p2l), num_log);
+}
+
+Status CheckInput(const PlannerInput& in, PlannerPolicy policy) {
+  if (in.load.empty()) return Status::InvalidArgument("planner: no layers in the load");
+  const size_t experts = in.load[0].size();
+  if (experts == 0) return Status::InvalidArgument("planner: no experts in the load");
+  for (size_t l = 0; l < in.load.size(); ++l) {
+    if (in.load[l].size() != experts) {
+      return Status::InvalidArgument(fmt::format(
+          "planner: layer {} has {} expert loads, layer 0 has {}", l, in.load[l].size(), experts));
+    }
+    for (size_t e = 0; e < experts; ++e) {
+      const double v = in.load[l][e];
+      if (!(v >= 0) || !std::isfinite(static_cast<float>(v))) {
+        return Status::InvalidArgument(fmt::format(
+            "planner: layer {} expert {}: load {} is not a finite non-negative number", l, e, v));
+      }
+    }
+  }
+  const int num_log = static_cast<int>(experts);
+  if (in.num_ranks < 1) return Status::InvalidArgument("planner: num_ranks must be at least 1");
+  if (in.num_slots < num_log || in.num_slots % in.num_ranks != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "planner: {} slots must be at least the {} experts and a multiple of the {} ranks",
+        in.num_slots, num_log, in.num_ranks));
+  }
+  if (in.num_groups < 1 || num_log % in.num_groups != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "planner: {} expert groups do not divide the {} experts", in.num_groups, num_log));
+  }
+  if (in.num_nodes < 1 || in.num_ranks % in.num_nodes != 0) {
+    return Status::InvalidArgument(
+        fmt::format("planner: {} nodes do not divide the {} ranks", in.num_nodes, in.num_ranks));
+  }
+  if (policy == PlannerPolicy::kEplbHierarchical && in.num_groups % in.num_nodes != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "planner: eplb-hierarchical needs the {} nodes to divide the {} expert groups (EPLB "
+        "uses its global policy here)",
+        in.num_nodes, in.num_groups));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+const char* PlannerPolicyName(PlannerPolicy policy) {
+  switch (policy) {
+    case PlannerPolicy::kEplbHierarchical:
+      return "eplb-hierarchical";
+    case PlannerPolicy::kEplbGlobal:
+      return "eplb-global";
+    case PlannerPolicy::kDefault:
+      return "default";
+  }
+  return "?";
+}
+
+Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name) {
+  for (PlannerPolicy p :
+       {PlannerPolicy::kEplbHierarchical, PlannerPolicy::kEplbGlobal, PlannerPolicy::kDefault}) {
+    if (name == PlannerPolicyName(p)) return p;
+  }
+  return Status::InvalidArgument(fmt::format(
+      "unknown planner policy \"{}\" (eplb-hierarchical, eplb-global or default)", name));
+}
+
+PlannerPolicy EplbAutoPolicy(const PlannerInput& input) {
+  return input.num_nodes > 0 && input.num_groups % input.num_nodes == 0
+             ? PlannerPolicy::kEplbHierarchical
+             : PlannerPolicy::kEplbGlobal;
+}
+
+Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
+  MOERUN_RETURN_IF_ERROR(CheckInput(in, policy));
+  std::vector<LayerMaps> plan;
+  for (const std::vector<double>& load : in.load) {
+    if (policy == PlannerPolicy::kEplbHierarchical) {
+      plan.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
+      continue;
+    }
+    LayerMaps global = EplbLayer(load, in.num_slots, 1, 1, in.num_ranks);
+    if (policy == PlannerPolicy::kEplbGlobal) {
+      plan.push_back(std::move(global));
+      continue;
+    }
+    std::vector<LayerMaps> candidates;
+    if (in.num_groups % in.num_nodes == 0) {
+      candidates.push_back(
+          EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
+    }
+    candidates.push_back(std::move(global));
+    const size_t eplb_plans = candidates.size();
+    for (size_t c = 0; c < eplb_plans; ++c) {
+      candidates.push_back(Improve(load, candidates[c], in.num_ranks));
+    }
+    size_t best = 0;
+    double best_b = PredictedBalancedness(load, candidates[0], in.num_ranks);
+    for (size_t c = 1; c < candidates.size(); ++c) {
+      const double b = PredictedBalancedness(load, candidates[c], in.num_ranks);
+      if (b > best_b) best = c, best_b = b;
+    }
+    plan.push_back(std::move(candidates[best]));
+  }
+  return plan;
+}
+
+double PredictedBalancedness(const std::vector<double>& layer_load, const LayerMaps& maps,
+                             int num_ranks) {
+  if (num_ranks < 1 || maps.phy2log.empty()) return 1.0;
+  std::vector<int> cnt(layer_load.size(), 0);
+  for (int e : maps.phy2log) ++cnt[static_cast<size_t>(e)];
+  const std::vector<double> rank_load = RankLoads(layer_load, maps.phy2log, cnt, num_ranks);
+  double sum = 0, max = 0;
+  for (double v : rank_load) sum += v, max = std::max(max, v);
+  if (max <= 0) return 1.0;
+  return sum / num_ranks / max;
+}
+
+int64_t BytesToMove(const LayerMaps& from, const LayerMaps& to, int num_ranks,
+                    int64_t expert_bytes) {
+  if (num_ranks < 1) return 0;
+  const size_t from_per = std::max<size_t>(1, from.phy2log.size() / static_cast<size_t>(num_ranks));
+  const size_t to_per = std::max<size_t>(1, to.phy2log.size() / static_cast<size_t>(num_ranks));
+  std::set<std::pair<size_t, int>> had, need;
+  for (size_t s = 0; s < from.phy2log.size(); ++s) had.insert({s / from_per, from.phy2log[s]});
+  for (size_t s = 0; s < to.phy2log.size(); ++s) need.insert({s / to_per, to.phy2log[s]});
+  int64_t n = 0;
+  for (const auto& x : need) n += had.count(x) == 0 ? 1 : 0;
+  return n * expert_bytes;
+}
+
+Result<LayerPlacement> ToLayerPlacement(const LayerMaps& maps, int num_ranks, int num_routers) {
+  const size_t slots = maps.phy2log.size();
+  const size_t num_log = maps.log2phy.size();
+  if (num_ranks < 1 || num_routers < 0 || slots == 0 || slots % static_cast<size_t>(num_ranks)) {
+    return Status::InvalidArgument(fmt::format(
+        "planner: {} slots do not spread evenly over {} expert ranks", slots, num_ranks));
+  }
+  const size_t per_rank = slots / static_cast<size_t>(num_ranks);
+  LayerPlacement lp;
+  lp.replicas.resize(num_log);
+  lp.rank_slots.resize(static_cast<size_t>(num_routers + num_ranks));
+  std::set<std::pair<int, int>> seen;
+  for (size_t s = 0; s < slots; ++s) {
+    const int e = maps.phy2log[s];
+    const int rank = num_routers + static_cast<int>(s / per_rank);
+    if (e < 0 || static_cast<size_t>(e) >= num_log) {
+      return Status::InvalidArgument(
+          fmt::format("planner: slot {} names expert {} of {}", s, e, num_log));
+    }
+    if (!seen.insert({rank, e}).second) {
+      return Status::InvalidArgument(fmt::format(
+          "planner: expert {} has two slots on rank {}; a placement holds one", e, rank));
+    }
+    lp.slots.push_back(Slot{rank, e});
+    lp.replicas[static_cast<size_t>(e)].push_back(static_cast<int>(s));
+    lp.rank_slots[static_cast<size_t>(rank)].push_back(static_cast<int>(s));
+  }
+  for (size_t e = 0; e < num_log; ++e) {
+    if (lp.replicas[e].empty()) {
+      return Status::InvalidArgument(fmt::format("planner: expert {} has no slot", e));
+    }
+  }
+  return lp;
+}
+
+Result<LayerMaps> FromLayerPlacement(const LayerPlacement& placement, int num_routers) {
+  const int ranks = static_cast<int>(placement.rank_slots.size());
+  if (num_routers < 0 || ranks <= num_routers) {
+    return Status::InvalidArgument("planner: the placement has no expert rank");
+  }
+  const size_t per_rank = placement.rank_slots[static_cast<size_t>(num_routers)].size();
+  std::vector<int> phy2log;
+  for (int r = 0; r < ranks; ++r) {
+    const auto& rs = placement.rank_slots[static_cast<size_t>(r)];
+    if (r < num_routers ? !rs.empty() : rs.size() != per_rank) {
+      return Status::InvalidArgument(
+          fmt::format("planner: rank {} holds {} slots; routers hold none and expert ranks {} each",
+                      r, rs.size(), per_rank));
+    }
+    for (int s : rs) phy2log.push_back(placement.slots[static_cast<size_t>(s)].expert);
+  }
+  return MapsOf(std::move(phy2log), static_cast<int>(placement.replicas.size()));
+}
+
+Result<Placement> ToPlacement(const std::vector<LayerMaps>& plan, int num_ranks, int num_routers,
+                              uint64_t version) {
+  if (plan.empty()) return Status::InvalidArgument("planner: an empty plan");
+  nlohmann::json layers = nlohmann::json::object();
+  for (size_t l = 0; l < plan.size(); ++l) {
+    MOERUN_ASSIGN_OR_RETURN(LayerPlacement lp, ToLayerPlacement(plan[l], num_ranks, num_routers));
+    nlohmann::json slots = nlohmann::json::array();
+    for (const Slot& s : lp.slots) slots.push_back({s.rank, s.expert});
+    layers[std::to_string(l)] = std::move(slots);
+  }
+  const nlohmann::json doc = {{"format", "moerun-placement-v1"},
+                              {"version", version},
+                              {"num_experts", plan[0].log2phy.size()},
+                              {"num_ranks", num_routers + num_ranks},
+                              {"num_routers", num_routers},
+                              {"layers", layers}};
+  return Placement::FromJson(doc.dump(), "planner");
+}
+
+}  // namespace moerun

@@ -1,0 +1,89 @@
+// The placement planner: from the load of a window (assignments per logical expert, per layer), the
+// physical expert slots of every rank.
+//
+// Policies:
+//  - kEplbHierarchical, kEplbGlobal: a faithful port of DeepSeek's published EPLB (eplb.py,
+//    deepseek-ai/EPLB). Hierarchical: pack expert groups onto nodes (balanced packing), replicate
+//    experts within each node (each redundant slot goes to the expert of highest load per replica),
+//    pack the node's replicas onto its ranks (balanced packing, an equal number per rank). Global:
+//    the same with one group and one node, as eplb.py does. The arithmetic is eplb.py's: loads are
+//    converted to float32 and summed/divided in float32; ties as torch 1.13 on the CPU breaks them
+//    (std::sort over (value, index) comparing values only, descending; first index of a maximum;
+//    the first pack of least weight). tests/data/eplb holds eplb.py and the maps it gives, which
+//    the port reproduces exactly.
+//  - kDefault: per layer, both EPLB plans (hierarchical only where num_groups % num_nodes == 0),
+//    each then improved by a deterministic local search, and the best of the four by
+//    PredictedBalancedness (ties: EPLB hierarchical, EPLB global, improved hierarchical, improved
+//    global). So it is never worse than EPLB. The local search repeats, while it finds one, the
+//    move that most lowers (max rank load, then the sum of squared rank loads):
+//      * swap the contents of a slot of the most loaded rank with a slot of another rank;
+//      * re-assign a slot of an expert that has several replicas (it gets one fewer, the other
+//        expert one more): a slot of the most loaded rank to any expert, or any slot to an expert
+//        of the most loaded rank;
+//    never placing an expert on a rank that already holds it (EPLB plans may hold two replicas of
+//    one expert on a rank; the search keeps those it inherits). It stops after 50 × slots moves.
+//
+// Slots: physical slot s lives on expert rank s / (num_slots / num_ranks); expert ranks come after
+// the router ranks in the job (ToLayerPlacement adds the offset).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "router/placement.h"
+#include "runtime/status.h"
+
+namespace moerun {
+
+enum class PlannerPolicy { kEplbHierarchical, kEplbGlobal, kDefault };
+
+// "eplb-hierarchical", "eplb-global", "default".
+const char* PlannerPolicyName(PlannerPolicy policy);
+Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name);
+
+struct PlannerInput {
+  std::vector<std::vector<double>> load;  // [layers][logical experts]: assignments in the window
+  int num_slots = 0;   // physical experts per layer = logical + redundant; a multiple of num_ranks
+  int num_groups = 1;  // expert groups (divides the experts)
+  int num_nodes = 1;   // nodes (divides num_ranks)
+  int num_ranks = 1;   // expert ranks (GPUs)
+};
+
+struct LayerMaps {
+  std::vector<int> phy2log;               // [num_slots]: the logical expert of each slot
+  std::vector<std::vector<int>> log2phy;  // per logical expert: its slots (EPLB: by replica rank)
+  std::vector<int> logcnt;                // per logical expert: its number of slots
+};
+
+// The policy eplb.py's rebalance_experts would use: hierarchical iff num_groups % num_nodes == 0.
+PlannerPolicy EplbAutoPolicy(const PlannerInput& input);
+
+// The maps of every layer. InvalidArgument on bad input (ragged or empty load, negative or
+// non-finite load, num_slots not a multiple of num_ranks or fewer than the experts, num_groups not
+// dividing the experts, num_nodes not dividing num_ranks, kEplbHierarchical where num_groups %
+// num_nodes != 0). Deterministic.
+Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& input, PlannerPolicy policy);
+
+// Each expert's load split evenly over its slots; mean ÷ max of the ranks' loads (1 = perfect;
+// 1 where all loads are zero).
+double PredictedBalancedness(const std::vector<double>& layer_load, const LayerMaps& maps,
+                             int num_ranks);
+
+// Bytes of expert weights to load when going from `from` to `to`: expert_bytes for every
+// (rank, logical expert) that `to` places on a rank that holds no copy of it in `from`.
+int64_t BytesToMove(const LayerMaps& from, const LayerMaps& to, int num_ranks,
+                    int64_t expert_bytes);
+
+// To the runtime's placement of one layer: slot s on rank num_routers + s / (slots per rank);
+// rank_slots spans all num_routers + num_ranks ranks. InvalidArgument if the maps are inconsistent
+// or place one expert twice on a rank (the placement table forbids that).
+Result<LayerPlacement> ToLayerPlacement(const LayerMaps& maps, int num_ranks, int num_routers);
+// Back: slots renumbered rank after rank (each rank's slots in slot order); every expert rank must
+// hold the same number of slots. log2phy in slot order.
+Result<LayerMaps> FromLayerPlacement(const LayerPlacement& placement, int num_routers);
+// A whole plan as a placement table (layer i of the plan is layer i of the table).
+Result<Placement> ToPlacement(const std::vector<LayerMaps>& plan, int num_ranks, int num_routers,
+                              uint64_t version);
+
+}  // namespace moerun
