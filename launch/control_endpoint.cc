@@ -68,8 +68,8 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   ep->provider_ = std::move(provider);
   ep->auth_failures_ = metrics->AddCounter("moerun_control_auth_failures_total",
                                            "Control requests refused for a missing or wrong token");
-  const char* kinds[4] = {"status", "placement", "stats", "malformed"};
-  for (int i = 0; i < 4; ++i) {
+  const char* kinds[5] = {"status", "placement", "stats", "plan", "malformed"};
+  for (int i = 0; i < 5; ++i) {
     ep->requests_[i] = metrics->AddCounter("moerun_control_requests_total",
                                            "Control requests, by command", {{"command", kinds[i]}});
   }
@@ -89,7 +89,7 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
                               const std::string& body) {
   ControlRequest req;
   if (!req.ParseFromString(body)) {
-    requests_[3]->Inc();
+    requests_[4]->Inc();
     return conn->Send(ErrorFrame(moerun::v1::MALFORMED_FRAME,
                                  "the frame is not a valid moerun.v1.ControlRequest"));
   }
@@ -117,8 +117,20 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
         requests_[2]->Inc();
         *r.mutable_stats() = provider_.stats();
         break;
-      default:
+      case ControlRequest::kPlan: {
         requests_[3]->Inc();
+        if (!provider_.plan) {
+          return conn->Send(ErrorFrame(moerun::v1::INVALID_ARGUMENT, "planning is not offered"));
+        }
+        Result<moerun::v1::PlanResponse> plan = provider_.plan(req.plan());
+        if (!plan.ok()) {
+          return conn->Send(ErrorFrame(moerun::v1::INVALID_ARGUMENT, plan.status().message()));
+        }
+        *r.mutable_plan() = std::move(plan).value();
+        break;
+      }
+      default:
+        requests_[4]->Inc();
         return conn->Send(ErrorFrame(moerun::v1::INVALID_ARGUMENT, "no command in the request"));
     }
   } catch (const std::exception& e) {

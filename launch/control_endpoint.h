@@ -19,6 +19,8 @@ struct ControlProvider {
   std::function<moerun::v1::StatusResponse()> status;
   std::function<moerun::v1::PlacementResponse()> placement;
   std::function<moerun::v1::StatsResponse()> stats;
+  // A planner dry run; an error is answered INVALID_ARGUMENT with its message.
+  std::function<Result<moerun::v1::PlanResponse>(const moerun::v1::PlanRequest&)> plan;
 };
 
 // Reads a token file: its first line, surrounding whitespace removed; an error if the file is
@@ -43,7 +45,7 @@ class ControlEndpoint {
   ControlProvider provider_;
   std::unique_ptr<FramedServer> server_;
   Counter* auth_failures_ = nullptr;
-  Counter* requests_[4] = {};
+  Counter* requests_[5] = {};  // status, placement, stats, plan, malformed
 };
 
 }  // namespace moerun

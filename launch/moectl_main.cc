@@ -3,6 +3,10 @@
 //   moectl ... placement show
 //   moectl ... placement export FILE
 //   moectl ... stats [--json]
+//   moectl ... placement plan [--redundant N] [--policy P] [--groups G] [--nodes N] [--json]
+//                             [--out FILE]                          (a dry run on the job's load)
+//   moectl placement plan --loads FILE (--placement FILE | --ranks N [--routers R]) [...]
+//                                                                      (offline, no job)
 // The token comes from --token-file or MOERUN_TOKEN_FILE. Exit: 0 ok, 1 refused or failed, 2 bad
 // usage.
 #include <fmt/format.h>
@@ -11,10 +15,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "launch/control_endpoint.h"
 #include "launch/serve_client.h"
 #include "moerun/v1/control.pb.h"
+#include "router/placement_plan.h"
 
 namespace {
 
@@ -71,6 +77,79 @@ void PrintStatus(const moerun::v1::StatusResponse& s) {
   }
 }
 
+void PrintPlan(const moerun::v1::PlanResponse& p) {
+  std::printf(
+      "plan (%s policy, %d slots per expert rank%s): a dry run, nothing changed\n",
+      p.policy().c_str(), p.slots_per_rank(),
+      p.window_s() > 0 ? fmt::format(", loads of the last {:.0f} s", p.window_s()).c_str() : "");
+  std::printf("%-6s %12s %10s %10s %8s %12s\n", "layer", "assignments", "balanced", "planned",
+              "copies", "bytes");
+  for (const auto& l : p.layers()) {
+    std::printf(
+        "%-6d %12llu %10.3f %10.3f %8d %12s\n", l.layer(),
+        static_cast<unsigned long long>(l.load()), l.balancedness_before(), l.balancedness_after(),
+        l.experts_to_load(),
+        fmt::format("{:.1f} MiB", static_cast<double>(l.bytes_to_move()) / (1 << 20)).c_str());
+  }
+  if (!p.note().empty()) std::printf("note: %s\n", p.note().c_str());
+}
+
+moerun::v1::PlanResponse ToProto(const moerun::PlanReport& rep) {
+  moerun::v1::PlanResponse r;
+  r.set_policy(rep.policy);
+  r.set_slots_per_rank(rep.slots_per_rank);
+  for (const auto& l : rep.layers) {
+    auto* lp = r.add_layers();
+    lp->set_layer(l.layer);
+    lp->set_load(l.load);
+    lp->set_balancedness_before(l.balancedness_before);
+    lp->set_balancedness_after(l.balancedness_after);
+    lp->set_experts_to_load(l.experts_to_load);
+    lp->set_bytes_to_move(l.bytes_to_move);
+  }
+  r.set_placement_json(rep.placement_json);
+  r.set_note(rep.note);
+  return r;
+}
+
+// --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
+moerun::Result<std::map<int, std::vector<double>>> ReadLoads(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound(path + ": cannot open");
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(path + ": not JSON: " + e.what());
+  }
+  std::map<int, std::vector<double>> loads;
+  auto row = [&](const nlohmann::json& v, int layer) -> Status {
+    if (!v.is_array()) return Status::InvalidArgument(path + ": layer loads must be arrays");
+    for (const auto& x : v) {
+      if (!x.is_number()) return Status::InvalidArgument(path + ": loads must be numbers");
+      loads[layer].push_back(x.get<double>());
+    }
+    return Status::Ok();
+  };
+  if (j.is_array()) {
+    for (size_t i = 0; i < j.size(); ++i) MOERUN_RETURN_IF_ERROR(row(j[i], static_cast<int>(i)));
+  } else if (j.is_object() && j.contains("layers") && j["layers"].is_object()) {
+    for (const auto& [k, v] : j["layers"].items()) {
+      int layer = -1;
+      try {
+        layer = std::stoi(k);
+      } catch (const std::exception&) {
+      }
+      if (layer < 0) return Status::InvalidArgument(path + ": layer '" + k + "' is not a number");
+      MOERUN_RETURN_IF_ERROR(row(v, layer));
+    }
+  } else {
+    return Status::InvalidArgument(path + ": expected {\"layers\": {\"0\": [...]}} or [[...]]");
+  }
+  if (loads.empty()) return Status::InvalidArgument(path + ": no loads");
+  return loads;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,10 +172,64 @@ int main(int argc, char** argv) {
   std::string export_path;
   CLI::App* exp = placement->add_subcommand("export", "Write the placement JSON to FILE");
   exp->add_option("FILE", export_path, "Output file")->required();
+  CLI::App* plan = placement->add_subcommand(
+      "plan", "Dry run: the planner's placement for the measured load (or --loads FILE)");
+  int redundant = 0, groups = 0, nodes = 0, ranks = 0, routers = 1;
+  int64_t expert_bytes = 0;
+  std::string policy = "default", loads_path, placement_path, plan_out;
+  plan->add_option("--redundant", redundant, "Redundant expert slots per layer")->default_val(0);
+  plan->add_option("--policy", policy, "default, eplb-hierarchical or eplb-global")
+      ->default_val("default");
+  plan->add_option("--groups", groups, "Expert groups (default: the model's gate groups)");
+  plan->add_option("--nodes", nodes, "Nodes the expert ranks span (default 1)");
+  plan->add_option("--out", plan_out, "Write the planned placement JSON to FILE");
+  plan->add_flag("--json", json, "Print JSON");
+  plan->add_option("--loads", loads_path, "Plan offline from this load matrix (JSON)");
+  plan->add_option("--placement", placement_path, "Offline: the current placement JSON");
+  plan->add_option("--ranks", ranks, "Offline, without --placement: ranks (linear placement)");
+  plan->add_option("--routers", routers, "Offline, with --ranks: router ranks")->default_val(1);
+  plan->add_option("--expert-bytes", expert_bytes, "Offline: bytes of one expert's weights");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  auto finish_plan = [&](const moerun::v1::PlanResponse& p) -> int {
+    if (json) {
+      std::printf("%s\n", Json(p).c_str());
+    } else {
+      PrintPlan(p);
+    }
+    if (!plan_out.empty()) {
+      if (p.placement_json().empty()) return Fail("no placement to write: " + p.note());
+      std::ofstream out(plan_out);
+      out << p.placement_json() << "\n";
+      out.close();
+      if (!out) return Fail("cannot write " + plan_out);
+      std::fprintf(stderr, "moectl: planned placement written to %s\n", plan_out.c_str());
+    }
+    return 0;
+  };
+  if (plan->parsed() && !loads_path.empty()) {  // offline: no job involved
+    auto loads = ReadLoads(loads_path);
+    if (!loads.ok()) return Fail(loads.status().ToString(), 2);
+    const int experts = static_cast<int>(loads->begin()->second.size());
+    auto current = !placement_path.empty() ? moerun::Placement::FromFile(placement_path)
+                   : ranks > 0             ? moerun::Placement::Linear(experts, ranks, routers)
+                               : moerun::Result<moerun::Placement>(Status::InvalidArgument(
+                                     "--loads needs --placement FILE or --ranks N"));
+    if (!current.ok()) return Fail(current.status().ToString(), 2);
+    moerun::PlanOptions o;
+    o.redundant = redundant;
+    auto pol = moerun::ParsePlannerPolicy(policy);
+    if (!pol.ok()) return Fail(pol.status().ToString(), 2);
+    o.policy = *pol;
+    o.groups = groups > 0 ? groups : 1;
+    o.nodes = nodes > 0 ? nodes : 1;
+    auto rep = moerun::MakePlan(*loads, *current, expert_bytes, o);
+    if (!rep.ok()) return Fail(rep.status().ToString(), 2);
+    return finish_plan(ToProto(*rep));
   }
 
   moerun::v1::ControlRequest req;
@@ -109,6 +242,12 @@ int main(int argc, char** argv) {
     req.mutable_status();
   } else if (stats->parsed()) {
     req.mutable_stats();
+  } else if (plan->parsed()) {
+    moerun::v1::PlanRequest* pr = req.mutable_plan();
+    pr->set_redundant(redundant);
+    pr->set_policy(policy);
+    pr->set_groups(groups);
+    pr->set_nodes(nodes);
   } else {
     req.mutable_placement();
   }
@@ -140,6 +279,8 @@ int main(int argc, char** argv) {
                     static_cast<unsigned long long>(e.assignments()));
       }
     }
+  } else if (plan->parsed()) {
+    return finish_plan(resp.plan());
   } else if (show->parsed()) {
     std::printf("%s\n", resp.placement().json().c_str());
   } else {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "router/placement_plan.h"
 #include "runtime/ep_layer.h"
 #include "runtime/expert_host.h"
 #include "runtime/log.h"
@@ -32,6 +33,7 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placem
   rs->model_ = FamilyName(spec.family);
   rs->placement_ = placement;
   rs->layers_ = layers;
+  rs->gate_groups_ = spec.gate.n_group;
   rs->transport_ = transport;
   MetricsRegistry& m = rs->metrics_;
   const std::string role = rs->router_ ? "router" : "expert";
@@ -164,6 +166,8 @@ bool RankServices::Ready(std::string* why) const {
 void RankServices::Attach(ExpertParallelLayer* layer) {
   ep_layers_.push_back(layer);
   layer->set_timing(dispatch_, combine_);
+  const MoeLayerWeights& w = layer->weights();
+  expert_bytes_ = 3 * w.spec.hidden * w.spec.expert_inter * (DTypeBits(w.dtype) / 8);
   auto it = by_expert_.find(layer->weights().layer);
   if (it == by_expert_.end()) return;
   std::vector<Counter*>* counters = &it->second;
@@ -329,6 +333,57 @@ moerun::v1::PlacementResponse RankServices::PlacementInfo() const {
   p.set_version(placement_.version());
   p.set_json(placement_.ToJson());
   return p;
+}
+
+Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanRequest& request) const {
+  if (!router_) return Status::InvalidArgument("plan: only routers measure load");
+  PlanOptions o;
+  o.redundant = request.redundant();
+  if (!request.policy().empty()) {
+    MOERUN_ASSIGN_OR_RETURN(o.policy, ParsePlannerPolicy(request.policy()));
+  }
+  o.groups = request.groups() > 0 ? request.groups() : gate_groups_;
+  o.nodes = request.nodes() > 0 ? request.nodes() : 1;
+  std::map<int, std::vector<double>> loads;
+  const auto t = LoadWindow::Clock::now();
+  double window_s = 0;
+  for (int layer : layers_) {
+    std::vector<uint64_t> w;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = windows_.find(layer);
+      if (it != windows_.end()) {
+        w = it->second.ExpertLoad(t);
+        window_s = static_cast<double>(it->second.window().count()) / 1e3;
+      }
+    }
+    uint64_t sum = 0;
+    for (uint64_t v : w) sum += v;
+    auto& l = loads[layer];
+    if (sum > 0) {
+      for (uint64_t v : w) l.push_back(static_cast<double>(v));
+    } else {  // nothing in the window: everything since the start
+      window_s = 0;
+      for (const Counter* c : by_expert_.at(layer)) l.push_back(c->value());
+    }
+  }
+  MOERUN_ASSIGN_OR_RETURN(PlanReport rep, MakePlan(loads, placement_, expert_bytes_.load(), o));
+  moerun::v1::PlanResponse r;
+  r.set_policy(rep.policy);
+  r.set_slots_per_rank(rep.slots_per_rank);
+  for (const LayerPlanReport& l : rep.layers) {
+    moerun::v1::LayerPlan* lp = r.add_layers();
+    lp->set_layer(l.layer);
+    lp->set_load(l.load);
+    lp->set_balancedness_before(l.balancedness_before);
+    lp->set_balancedness_after(l.balancedness_after);
+    lp->set_experts_to_load(l.experts_to_load);
+    lp->set_bytes_to_move(l.bytes_to_move);
+  }
+  r.set_placement_json(rep.placement_json);
+  r.set_note(rep.note);
+  r.set_window_s(window_s);
+  return r;
 }
 
 moerun::v1::StatsResponse RankServices::Stats() const {

@@ -56,6 +56,8 @@ class RankServices {
   moerun::v1::StatusResponse Status() const;
   moerun::v1::PlacementResponse PlacementInfo() const;
   moerun::v1::StatsResponse Stats() const;
+  // A planner dry run on the window's loads (since the start when the window is empty).
+  Result<moerun::v1::PlanResponse> Plan(const moerun::v1::PlanRequest& request) const;
 
  private:
   RankServices() = default;
@@ -82,6 +84,8 @@ class RankServices {
   std::map<int, LoadWindow> windows_;
   std::map<int, std::vector<uint64_t>> expert_seen_;  // what the window already has (router thread)
   std::map<int, Gauge*> window_balancedness_, window_assignments_;
+  int gate_groups_ = 1;
+  std::atomic<int64_t> expert_bytes_{0};  // one expert's weights (set when a layer attaches)
   Histogram* dispatch_ = nullptr;
   Histogram* combine_ = nullptr;
   Gauge* queue_requests_ = nullptr;

@@ -229,6 +229,7 @@ int RunServe(const ServeFlags& f) {
         provider.status = [rs] { return rs->Status(); };
         provider.placement = [rs] { return rs->PlacementInfo(); };
         provider.stats = [rs] { return rs->Stats(); };
+        provider.plan = [rs](const moerun::v1::PlanRequest& r) { return rs->Plan(r); };
         MOERUN_ASSIGN_OR_RETURN(control,
                                 ControlEndpoint::Start(co, token, provider, &rs->metrics()));
       }

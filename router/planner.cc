@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
@@ -261,6 +262,99 @@ LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int n
       p2l[bj] = be;
     }
   }
+  // Then lift replicas held twice by one rank, by the swap or re-assignment that keeps the max
+  // rank load lowest, never raising it.
+  for (size_t iter = 0; iter < slots; ++iter) {
+    std::fill(holds.begin(), holds.end(), 0);
+    for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
+    size_t i = slots;
+    for (size_t s = 0; s < slots && i == slots; ++s) {
+      if (held(s / per_rank, p2l[s]) > 1) i = s;
+    }
+    if (i == slots) break;
+    const std::vector<double> rank_load = RankLoads(load, p2l, cnt, num_ranks);
+    const Key now = KeyOf(rank_load);
+    const size_t a = i / per_rank;
+    const int e = p2l[i];
+    Key best{std::numeric_limits<double>::infinity(), 0};
+    size_t bj = slots;
+    int bg = -1;
+    for (size_t j = 0; j < slots; ++j) {  // swap i <-> j
+      const size_t b = j / per_rank;
+      const int ej = p2l[j];
+      if (b == a || ej == e || held(b, e) > 0 || held(a, ej) > 0) continue;
+      std::vector<double> trial = rank_load;
+      const double wi = load[static_cast<size_t>(e)] / cnt[static_cast<size_t>(e)];
+      const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
+      trial[a] += wj - wi;
+      trial[b] += wi - wj;
+      const Key k = KeyOf(trial);
+      if (k.max <= now.max && k < best) best = k, bj = j, bg = -1;
+    }
+    for (int g = 0; g < num_log; ++g) {  // slot i becomes expert g
+      if (held(a, g) > 0) continue;
+      std::vector<int> trial_p2l = p2l;
+      trial_p2l[i] = g;
+      std::vector<int> trial_cnt = cnt;
+      ++trial_cnt[static_cast<size_t>(g)];
+      --trial_cnt[static_cast<size_t>(e)];
+      const Key k = KeyOf(RankLoads(load, trial_p2l, trial_cnt, num_ranks));
+      if (k.max <= now.max && k < best) best = k, bj = slots, bg = g;
+    }
+    if (bg >= 0) {
+      --cnt[static_cast<size_t>(e)];
+      ++cnt[static_cast<size_t>(bg)];
+      p2l[i] = bg;
+    } else if (bj < slots) {
+      std::swap(p2l[i], p2l[bj]);
+    } else {
+      break;
+    }
+  }
+  return MapsOf(std::move(p2l), num_log);
+}
+
+// Whether a rank holds two slots of one expert.
+bool HoldsTwice(const LayerMaps& maps, int num_ranks) {
+  const size_t per_rank = maps.phy2log.size() / static_cast<size_t>(num_ranks);
+  std::set<std::pair<size_t, int>> seen;
+  for (size_t s = 0; s < maps.phy2log.size(); ++s) {
+    if (!seen.insert({s / per_rank, maps.phy2log[s]}).second) return true;
+  }
+  return false;
+}
+
+// A plan the placement table can hold: every second copy of an expert on one rank goes to the
+// expert with the most load per copy that this rank does not hold yet (ties: lower index).
+LayerMaps Repair(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
+  std::vector<int> p2l = start.phy2log;
+  const int num_log = static_cast<int>(load.size());
+  const size_t per_rank = p2l.size() / static_cast<size_t>(num_ranks);
+  std::vector<int> cnt(static_cast<size_t>(num_log), 0);
+  for (int e : p2l) ++cnt[static_cast<size_t>(e)];
+  for (size_t r = 0; r < static_cast<size_t>(num_ranks); ++r) {
+    std::set<int> here;
+    for (size_t s = r * per_rank; s < (r + 1) * per_rank; ++s) here.insert(p2l[s]);
+    std::set<int> seen;
+    for (size_t s = r * per_rank; s < (r + 1) * per_rank; ++s) {
+      if (seen.insert(p2l[s]).second) continue;
+      int best = -1;
+      for (int e = 0; e < num_log; ++e) {
+        if (here.count(e)) continue;
+        if (best < 0 ||
+            load[static_cast<size_t>(e)] / (cnt[static_cast<size_t>(e)] + 1) >
+                load[static_cast<size_t>(best)] / (cnt[static_cast<size_t>(best)] + 1)) {
+          best = e;
+        }
+      }
+      if (best < 0) continue;  // the rank holds every expert already: nothing better to put here
+      --cnt[static_cast<size_t>(p2l[s])];
+      ++cnt[static_cast<size_t>(best)];
+      p2l[s] = best;
+      here.insert(best);
+      seen.insert(best);
+    }
+  }
   return MapsOf(std::move(p2l), num_log);
 }
 
@@ -357,11 +451,26 @@ Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPoli
     for (size_t c = 0; c < eplb_plans; ++c) {
       candidates.push_back(Improve(load, candidates[c], in.num_ranks));
     }
+    // Plans that hold an expert twice on a rank cannot be applied: add their repaired forms.
+    const size_t plans = candidates.size();
+    for (size_t c = 0; c < plans; ++c) {
+      if (HoldsTwice(candidates[c], in.num_ranks)) {
+        LayerMaps fixed = Repair(load, candidates[c], in.num_ranks);
+        if (!HoldsTwice(fixed, in.num_ranks)) {
+          candidates.push_back(Improve(load, fixed, in.num_ranks));
+        }
+      }
+    }
+    // The best plan the table can hold; only if there is none, the best of all.
     size_t best = 0;
     double best_b = PredictedBalancedness(load, candidates[0], in.num_ranks);
+    bool best_twice = HoldsTwice(candidates[0], in.num_ranks);
     for (size_t c = 1; c < candidates.size(); ++c) {
       const double b = PredictedBalancedness(load, candidates[c], in.num_ranks);
-      if (b > best_b) best = c, best_b = b;
+      const bool twice = HoldsTwice(candidates[c], in.num_ranks);
+      if ((best_twice && !twice) || (twice == best_twice && b > best_b)) {
+        best = c, best_b = b, best_twice = twice;
+      }
     }
     plan.push_back(std::move(candidates[best]));
   }

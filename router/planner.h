@@ -20,8 +20,10 @@
 //      * re-assign a slot of an expert that has several replicas (it gets one fewer, the other
 //        expert one more): a slot of the most loaded rank to any expert, or any slot to an expert
 //        of the most loaded rank;
-//    never placing an expert on a rank that already holds it (EPLB plans may hold two replicas of
-//    one expert on a rank; the search keeps those it inherits). It stops after 50 × slots moves.
+//    never placing an expert on a rank that already holds it. It stops after 50 × slots moves.
+//    EPLB plans may hold two replicas of one expert on a rank, which a placement table cannot;
+//    the search then lifts such replicas (by a swap or a re-assignment) where that does not raise
+//    the max rank load, and among equally balanced candidates the choice prefers one without.
 //
 // Slots: physical slot s lives on expert rank s / (num_slots / num_ranks); expert ranks come after
 // the router ranks in the job (ToLayerPlacement adds the offset).

@@ -1,0 +1,134 @@
+#include "router/placement_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+namespace moerun {
+namespace {
+
+double MeanOverMaxD(const std::vector<double>& v) {
+  double most = 0, total = 0;
+  for (double x : v) {
+    most = std::max(most, x);
+    total += x;
+  }
+  return most <= 0 || v.empty() ? 1.0 : total / static_cast<double>(v.size()) / most;
+}
+
+}  // namespace
+
+double PlacementBalancedness(const std::vector<double>& load, const LayerPlacement& placement,
+                             int num_routers) {
+  const size_t ranks = placement.rank_slots.size();
+  std::vector<double> per_rank(ranks > static_cast<size_t>(num_routers) ? ranks - num_routers : 0,
+                               0.0);
+  for (const Slot& s : placement.slots) {
+    const auto e = static_cast<size_t>(s.expert);
+    if (e >= load.size() || s.rank < num_routers) continue;
+    per_rank[static_cast<size_t>(s.rank - num_routers)] +=
+        load[e] / static_cast<double>(placement.replicas[e].size());
+  }
+  return MeanOverMaxD(per_rank);
+}
+
+Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
+                            const Placement& current, int64_t expert_bytes,
+                            const PlanOptions& options) {
+  const int experts = current.num_experts();
+  const int routers = current.num_routers();
+  const int ranks = current.num_ranks() - routers;
+  if (loads.empty()) return Status::InvalidArgument("plan: no layer to plan");
+  if (ranks < 1) return Status::InvalidArgument("plan: the placement has no expert rank");
+  if (options.redundant < 0 || options.redundant > 64 * experts) {
+    return Status::InvalidArgument("plan: --redundant must be in 0.." +
+                                   std::to_string(64 * experts));
+  }
+  const int slots = experts + options.redundant;
+  if (slots % ranks != 0) {
+    const int up = (ranks - slots % ranks) % ranks;
+    return Status::InvalidArgument(fmt::format(
+        "plan: {} experts + {} redundant = {} slots do not divide evenly over {} expert ranks; "
+        "use --redundant {}",
+        experts, options.redundant, slots, ranks, options.redundant + up));
+  }
+  PlannerInput in;
+  in.num_slots = slots;
+  in.num_groups = options.groups < 1 ? 1 : options.groups;
+  in.num_nodes = options.nodes < 1 ? 1 : options.nodes;
+  in.num_ranks = ranks;
+  double total = 0;
+  for (const auto& [layer, l] : loads) {
+    if (static_cast<int>(l.size()) != experts) {
+      return Status::InvalidArgument(fmt::format(
+          "plan: layer {} has loads for {} experts, the placement {}", layer, l.size(), experts));
+    }
+    if (current.Layer(layer) == nullptr) {
+      return Status::InvalidArgument(fmt::format("plan: the placement has no layer {}", layer));
+    }
+    for (double v : l) total += v;
+    in.load.push_back(l);
+  }
+  if (!(total > 0)) {
+    return Status::InvalidArgument(
+        "plan: no load measured yet (send traffic first, or give "
+        "--loads FILE)");
+  }
+  MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan, PlanPlacement(in, options.policy));
+
+  PlanReport report;
+  report.policy = PlannerPolicyName(options.policy);
+  report.slots_per_rank = slots / ranks;
+  std::string layers_json;
+  size_t i = 0;
+  for (const auto& [layer, l] : loads) {
+    const LayerMaps& maps = plan[i++];
+    const LayerPlacement& cur = *current.Layer(layer);
+    LayerPlanReport r;
+    r.layer = layer;
+    for (double v : l) r.load += static_cast<uint64_t>(std::llround(v));
+    r.balancedness_before = PlacementBalancedness(l, cur, routers);
+    r.balancedness_after = PredictedBalancedness(l, maps, ranks);
+    // Copies to load: (rank, expert) pairs of the plan that the rank does not hold now.
+    const int per_rank = slots / ranks;
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::set<int> have;
+      for (int s : cur.rank_slots[static_cast<size_t>(rank + routers)]) {
+        have.insert(cur.slots[static_cast<size_t>(s)].expert);
+      }
+      std::set<int> want;
+      for (int s = rank * per_rank; s < (rank + 1) * per_rank; ++s) {
+        want.insert(maps.phy2log[static_cast<size_t>(s)]);
+      }
+      for (int e : want) r.experts_to_load += have.count(e) ? 0 : 1;
+    }
+    r.bytes_to_move = static_cast<int64_t>(r.experts_to_load) * expert_bytes;
+    report.layers.push_back(r);
+    Result<LayerPlacement> lp = ToLayerPlacement(maps, ranks, routers);
+    if (!lp.ok()) {
+      report.note = fmt::format(
+          "layer {}: {} (the placement table holds at most one copy of an "
+          "expert per rank; --policy default never plans two)",
+          layer, lp.status().message());
+      continue;
+    }
+    std::string slots_json;
+    for (const Slot& s : lp->slots) {
+      slots_json += fmt::format("{}[{},{}]", slots_json.empty() ? "" : ",", s.rank, s.expert);
+    }
+    layers_json +=
+        fmt::format("{}\"{}\": [{}]", layers_json.empty() ? "" : ", ", layer, slots_json);
+  }
+  if (report.note.empty()) {
+    report.placement_json = fmt::format(
+        "{{\"format\": \"moerun-placement-v1\", \"version\": {}, \"num_experts\": {}, "
+        "\"num_ranks\": {}, \"num_routers\": {}, \"layers\": {{{}}}}}",
+        current.version() + 1, experts, current.num_ranks(), routers, layers_json);
+    MOERUN_RETURN_IF_ERROR(Placement::FromJson(report.placement_json, "plan").status());
+  }
+  return report;
+}
+
+}  // namespace moerun

@@ -1,0 +1,54 @@
+// A placement plan as operators see it (`moectl placement plan`, a dry run): from measured loads
+// and the current placement, the planner's new placement (router/planner.h), the predicted
+// balancedness before and after, and the expert weights each rank would have to load.
+// Pure; used by router 0's control endpoint (window loads) and by moectl offline (--loads FILE).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "router/placement.h"
+#include "router/planner.h"
+#include "runtime/status.h"
+
+namespace moerun {
+
+struct PlanOptions {
+  int redundant = 0;  // redundant expert slots per layer (slots = experts + redundant)
+  PlannerPolicy policy = PlannerPolicy::kDefault;
+  int groups = 1;  // expert groups (EPLB hierarchical: groups to nodes); 0: as the model's gate
+  int nodes = 1;   // nodes the expert ranks span
+};
+
+struct LayerPlanReport {
+  int layer = 0;
+  double balancedness_before = 1.0;  // the current placement, on the same loads
+  double balancedness_after = 1.0;   // the plan's, predicted
+  int experts_to_load = 0;           // (rank, expert) copies the plan adds
+  int64_t bytes_to_move = 0;         // their weights
+  uint64_t load = 0;                 // assignments the plan is made from
+};
+
+struct PlanReport {
+  std::string policy;
+  int slots_per_rank = 0;
+  std::vector<LayerPlanReport> layers;
+  std::string placement_json;  // the new "moerun-placement-v1" table (version + 1)
+  std::string note;            // why there is no table, when there is none
+};
+
+// loads: per served layer, assignments per logical expert. expert_bytes: the weights of one
+// expert (0: report copies only). InvalidArgument for loads that do not match the placement, no
+// load at all, or slots that do not divide evenly over the expert ranks.
+Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
+                            const Placement& current, int64_t expert_bytes,
+                            const PlanOptions& options);
+
+// Mean ÷ max of the expert ranks' loads under a placement: each expert's load split evenly over
+// its replicas.
+double PlacementBalancedness(const std::vector<double>& load, const LayerPlacement& placement,
+                             int num_routers);
+
+}  // namespace moerun
