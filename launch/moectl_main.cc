@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launch/control_endpoint.h"
+#include "launch/rank_services.h"
 #include "launch/serve_client.h"
 #include "moerun/v1/control.pb.h"
 #include "router/placement_plan.h"
@@ -36,6 +37,7 @@ std::string Json(const google::protobuf::Message& m) {
   google::protobuf::util::JsonPrintOptions o;
   o.add_whitespace = true;
   o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;  // layer 0, 0 copies: printed, not left out
   (void)google::protobuf::util::MessageToJsonString(m, &out, o);
   return out;
 }
@@ -92,24 +94,6 @@ void PrintPlan(const moerun::v1::PlanResponse& p) {
         fmt::format("{:.1f} MiB", static_cast<double>(l.bytes_to_move()) / (1 << 20)).c_str());
   }
   if (!p.note().empty()) std::printf("note: %s\n", p.note().c_str());
-}
-
-moerun::v1::PlanResponse ToProto(const moerun::PlanReport& rep) {
-  moerun::v1::PlanResponse r;
-  r.set_policy(rep.policy);
-  r.set_slots_per_rank(rep.slots_per_rank);
-  for (const auto& l : rep.layers) {
-    auto* lp = r.add_layers();
-    lp->set_layer(l.layer);
-    lp->set_load(l.load);
-    lp->set_balancedness_before(l.balancedness_before);
-    lp->set_balancedness_after(l.balancedness_after);
-    lp->set_experts_to_load(l.experts_to_load);
-    lp->set_bytes_to_move(l.bytes_to_move);
-  }
-  r.set_placement_json(rep.placement_json);
-  r.set_note(rep.note);
-  return r;
 }
 
 // --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
@@ -229,7 +213,7 @@ int main(int argc, char** argv) {
     o.nodes = nodes > 0 ? nodes : 1;
     auto rep = moerun::MakePlan(*loads, *current, expert_bytes, o);
     if (!rep.ok()) return Fail(rep.status().ToString(), 2);
-    return finish_plan(ToProto(*rep));
+    return finish_plan(moerun::PlanToProto(*rep));
   }
 
   moerun::v1::ControlRequest req;

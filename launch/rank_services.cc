@@ -335,6 +335,24 @@ moerun::v1::PlacementResponse RankServices::PlacementInfo() const {
   return p;
 }
 
+moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
+  moerun::v1::PlanResponse r;
+  r.set_policy(rep.policy);
+  r.set_slots_per_rank(rep.slots_per_rank);
+  for (const LayerPlanReport& l : rep.layers) {
+    moerun::v1::LayerPlan* lp = r.add_layers();
+    lp->set_layer(l.layer);
+    lp->set_load(l.load);
+    lp->set_balancedness_before(l.balancedness_before);
+    lp->set_balancedness_after(l.balancedness_after);
+    lp->set_experts_to_load(l.experts_to_load);
+    lp->set_bytes_to_move(l.bytes_to_move);
+  }
+  r.set_placement_json(rep.placement_json);
+  r.set_note(rep.note);
+  return r;
+}
+
 Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanRequest& request) const {
   if (!router_) return Status::InvalidArgument("plan: only routers measure load");
   PlanOptions o;
@@ -368,20 +386,7 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
     }
   }
   MOERUN_ASSIGN_OR_RETURN(PlanReport rep, MakePlan(loads, placement_, expert_bytes_.load(), o));
-  moerun::v1::PlanResponse r;
-  r.set_policy(rep.policy);
-  r.set_slots_per_rank(rep.slots_per_rank);
-  for (const LayerPlanReport& l : rep.layers) {
-    moerun::v1::LayerPlan* lp = r.add_layers();
-    lp->set_layer(l.layer);
-    lp->set_load(l.load);
-    lp->set_balancedness_before(l.balancedness_before);
-    lp->set_balancedness_after(l.balancedness_after);
-    lp->set_experts_to_load(l.experts_to_load);
-    lp->set_bytes_to_move(l.bytes_to_move);
-  }
-  r.set_placement_json(rep.placement_json);
-  r.set_note(rep.note);
+  moerun::v1::PlanResponse r = PlanToProto(rep);
   r.set_window_s(window_s);
   return r;
 }

@@ -19,6 +19,7 @@
 #include "moerun/v1/control.pb.h"
 #include "router/load_window.h"
 #include "router/placement.h"
+#include "router/placement_plan.h"
 #include "runtime/metrics.h"
 #include "runtime/model_spec.h"
 #include "runtime/peer_health.h"
@@ -28,6 +29,9 @@ namespace moerun {
 
 class ExpertParallelLayer;
 class ExpertHost;
+
+// A planner report as moectl receives it.
+moerun::v1::PlanResponse PlanToProto(const PlanReport& report);
 
 class RankServices {
  public:
