@@ -81,7 +81,7 @@ class CudaLayerImpl final : public CudaMoeLayer {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  Status Init(int64_t max_shared_inter) {
+  Status Init(bool has_shared, int64_t max_shared_inter) {
     const ModelSpec& s = spec_;
     if (s.num_experts > 512) {
       return Status::Unsupported(fmt::format(
@@ -123,13 +123,13 @@ class CudaLayerImpl final : public CudaMoeLayer {
     MOERUN_CUDA_TRY(cudaEventCreate(&ev1_));
     MOERUN_CUDA_TRY(cudaMallocHost(&pinned_ntok_, sizeof(int32_t)));
 
-    groups_ = s.num_experts + (s.shared_inter > 0 ? 1 : 0);
+    groups_ = s.num_experts + (has_shared ? 1 : 0);
     shape_.max_tokens = opts_.max_tokens;
     shape_.hidden = s.hidden;
     shape_.experts = s.num_experts;
     shape_.top_k = s.top_k;
     shape_.gate_rows = s.num_experts + (s.shared_gated ? 1 : 0);
-    shape_.shared = s.shared_inter > 0;
+    shape_.shared = has_shared;  // as the CPU layer: the weights decide, not the spec
     shape_.max_inter_padded =
         std::max(cuda_plan::PaddedInter(s.expert_inter), cuda_plan::PaddedInter(max_shared_inter));
     shape_.act_bytes = opts_.math == CudaMath::kExact ? 4 : 2;
@@ -181,6 +181,20 @@ class CudaLayerImpl final : public CudaMoeLayer {
   // Copies one packed CPU expert into the device layout (group g: expert g, or the shared one).
   Status UploadExpert(int g, const ExpertWeights& ew, const ActParams& act) {
     const int64_t h = ew.hidden, inter = ew.inter, ip = cuda_plan::PaddedInter(inter);
+    // One weight type per layer on the device: an expert of another type (the loader makes
+    // experts with mixed tensor types f32) would be rounded, so it is refused.
+    for (DType t : {ew.w13.dtype(), ew.w2.dtype()}) {
+      MOERUN_ASSIGN_OR_RETURN(WType wt, ToWType(t));
+      if (wt != wtype_ && !(opts_.math == CudaMath::kTensorCore && wt == WType::kF32)) {
+        return Status::Unsupported(fmt::format(
+            "CUDA layer: expert {} holds {} weights, the layer's device type is {}; convert the "
+            "checkpoint to one type",
+            g, DTypeName(t),
+            wtype_ == WType::kF32    ? "F32"
+            : wtype_ == WType::kBF16 ? "BF16"
+                                     : "F16"));
+      }
+    }
     const int nr = ew.w13.nr();
     std::vector<uint8_t> w13(static_cast<size_t>(2 * ip * h) * WBytes(wtype_), 0);
     for (int64_t j = 0; j < inter; ++j) {
@@ -257,7 +271,8 @@ class CudaLayerImpl final : public CudaMoeLayer {
                                sizeof(DevGroup) * host_groups_.size(), cudaMemcpyHostToDevice));
     MOERUN_CUDA_TRY(
         cudaMemcpy(present_, present_host_.data(), present_host_.size(), cudaMemcpyHostToDevice));
-    MOERUN_CUDA_TRY(cudaStreamSynchronize(stream_));
+    // The uploads ran on the legacy stream, the generators on ours: wait for both.
+    MOERUN_CUDA_TRY(cudaDeviceSynchronize());
     spdlog::info("cuda: {} ({})", Describe(), plan_.Describe());
     return Status::Ok();
   }
@@ -324,14 +339,14 @@ class CudaLayerImpl final : public CudaMoeLayer {
       return Status::InvalidArgument("RunExperts: group lists differ in length");
     }
     const int n = static_cast<int>(group_expert.size());
-    if (n > groups_ + 1) return Status::InvalidArgument("RunExperts: too many groups");
+    if (n > groups_) return Status::InvalidArgument("RunExperts: more groups than the layer's");
     std::vector<DevGroup> groups(static_cast<size_t>(n));
     std::vector<int32_t> counts(static_cast<size_t>(n));
     int64_t total = 0;
     for (int g = 0; g < n; ++g) {
       const int e = group_expert[static_cast<size_t>(g)];
       const int idx = e < 0 ? spec_.num_experts : e;
-      if (e >= spec_.num_experts || (e < 0 && spec_.shared_inter == 0) ||
+      if (e >= spec_.num_experts || (e < 0 && !shape_.shared) ||
           host_groups_[static_cast<size_t>(idx)].w13 == nullptr) {
         return Status::InvalidArgument(fmt::format("RunExperts: expert {} is not loaded", e));
       }
@@ -464,7 +479,7 @@ class CudaLayerImpl final : public CudaMoeLayer {
   // The whole forward for up to `bound` tokens (the real count is read from ntok_).
   void Enqueue(int64_t bound) {
     const ModelSpec& s = spec_;
-    const bool shared = s.shared_inter > 0;
+    const bool shared = shape_.shared;
     cudaMemsetAsync(error_flag_, 0, sizeof(int32_t), stream_);
     cuda_kernels::LaunchGateLogits(F32("x"), gate_, bound, s.hidden, shape_.gate_rows,
                                    F32("logits"), ntok_, stream_);
@@ -484,7 +499,8 @@ class CudaLayerImpl final : public CudaMoeLayer {
 
   // Runs the forward of the tokens set by SetTokens: from the bucket's graph when there is one.
   Status Launch(int64_t tokens) {
-    const int64_t bucket = cuda_plan::GraphBucket(tokens, opts_.graph_max_tokens);
+    const int64_t bucket =
+        cuda_plan::GraphBucket(tokens, std::min(opts_.graph_max_tokens, opts_.max_tokens));
     if (bucket == 0) {
       Enqueue(tokens);
       MOERUN_CUDA_TRY(cudaGetLastError());
@@ -492,6 +508,11 @@ class CudaLayerImpl final : public CudaMoeLayer {
     }
     auto it = graphs_.find(bucket);
     if (it == graphs_.end()) {
+      // Once eagerly first: modules load and local memory grows outside the capture, and a bad
+      // launch is a plain error.
+      Enqueue(bucket);
+      MOERUN_CUDA_TRY(cudaGetLastError());
+      MOERUN_CUDA_TRY(cudaStreamSynchronize(stream_));
       cudaGraph_t graph = nullptr;
       MOERUN_CUDA_TRY(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       Enqueue(bucket);
@@ -568,7 +589,7 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights
                                                            const CudaLayerOptions& opts) {
   MOERUN_ASSIGN_OR_RETURN(WType wt, ChooseWType(w.dtype, opts));
   auto layer = std::make_unique<CudaLayerImpl>(w.spec, w.layer, opts, wt);
-  MOERUN_RETURN_IF_ERROR(layer->Init(w.shared ? w.shared->inter : 0));
+  MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
   MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   const ActParams act = w.spec.RoutedAct(w.layer);
   for (size_t e = 0; e < w.experts.size(); ++e) {
@@ -587,6 +608,10 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::FromPreset(const ModelSpec& 
                                                                const PresetOptions& preset,
                                                                const CudaLayerOptions& opts) {
   MOERUN_ASSIGN_OR_RETURN(WType wt, ChooseWType(preset.dtype, opts));
+  if (!preset.load_expert.empty() &&
+      preset.load_expert.size() != static_cast<size_t>(spec.num_experts)) {
+    return Status::InvalidArgument("expert mask size does not match the expert count");
+  }
   // The host builds the small parts (gate, biases, the shared expert); experts come from the GPU.
   PresetOptions host = preset;
   host.load_expert.assign(static_cast<size_t>(spec.num_experts), false);
@@ -594,7 +619,7 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::FromPreset(const ModelSpec& 
   MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w,
                           BuildPresetLayer(spec, KernelsFor(Isa::kScalar), host));
   auto layer = std::make_unique<CudaLayerImpl>(spec, w.layer, opts, wt);
-  MOERUN_RETURN_IF_ERROR(layer->Init(w.shared ? w.shared->inter : 0));
+  MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
   MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   int todo = 0, done = 0;
   for (int e = 0; e < spec.num_experts; ++e) {

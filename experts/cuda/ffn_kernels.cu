@@ -29,6 +29,9 @@ __device__ inline bool TileRows(const FfnArgs& a, int bm, int* g, int32_t* m0, i
   const int32_t tile = static_cast<int32_t>(blockIdx.x);
   if (tile >= a.rows.tile_off[a.n_groups]) return false;
   *g = FindGroup(a.rows.tile_off, a.n_groups, tile);
+  // An expert this process has not loaded: the route kernel has flagged the error; its rows are
+  // left alone (the forward fails).
+  if (a.groups[*g].w13 == nullptr) return false;
   *m0 = a.rows.row_off[*g] + (tile - a.rows.tile_off[*g]) * bm;
   *m_end = a.rows.row_off[*g + 1];
   return true;

@@ -11,11 +11,11 @@ namespace {
 
 constexpr int kGateTensor = 1, kUpTensor = 2, kDownTensor = 3;
 
-// Block y = one row of W13 [2 * inter_pad][hidden].
+// Block x = one row of W13 [2 * inter_pad][hidden] (x: no 65535 limit), y = a chunk of it.
 template <typename T>
 __global__ void PresetW13(uint64_t seed, int layer, int expert, int64_t hidden, int64_t inter,
                           float scale, T* w13) {
-  const int64_t rr = blockIdx.y;
+  const int64_t rr = blockIdx.x;
   const int64_t within = rr % (2 * cuda_plan::kColBlock);
   const bool up = within >= cuda_plan::kColBlock;
   const int64_t j = (rr / (2 * cuda_plan::kColBlock)) * cuda_plan::kColBlock +
@@ -23,17 +23,17 @@ __global__ void PresetW13(uint64_t seed, int layer, int expert, int64_t hidden, 
   const uint64_t row_seed =
       preset_hash::RowSeed(seed, layer, up ? kUpTensor : kGateTensor, expert, j);
   T* out = w13 + rr * hidden;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < hidden;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t k = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; k < hidden;
+       k += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     out[k] = FromFloat<T>(j < inter ? preset_hash::Element(row_seed, k, scale) : 0.0f);
   }
 }
 
-// Block y = one row of W2 [hidden][inter_pad].
+// Block x = one row of W2 [hidden][inter_pad].
 template <typename T>
 __global__ void PresetW2(uint64_t seed, int layer, int expert, int64_t inter, int64_t inter_pad,
                          float scale, T* w2) {
-  const int64_t n = blockIdx.y;
+  const int64_t n = blockIdx.x;
   const uint64_t row_seed = preset_hash::RowSeed(seed, layer, kDownTensor, expert, n);
   T* out = w2 + n * inter_pad;
   for (int64_t k = threadIdx.x; k < inter_pad; k += blockDim.x) {
@@ -45,9 +45,9 @@ template <typename T>
 void Launch(uint64_t seed, int layer, int expert, int64_t hidden, int64_t inter, int64_t inter_pad,
             float scale13, float scale2, void* w13, void* w2, cudaStream_t s) {
   const unsigned kx = static_cast<unsigned>((hidden + 255) / 256 < 8 ? (hidden + 255) / 256 : 8);
-  PresetW13<T><<<dim3(kx, static_cast<unsigned>(2 * inter_pad)), 256, 0, s>>>(
+  PresetW13<T><<<dim3(static_cast<unsigned>(2 * inter_pad), kx), 256, 0, s>>>(
       seed, layer, expert, hidden, inter, scale13, static_cast<T*>(w13));
-  PresetW2<T><<<dim3(1, static_cast<unsigned>(hidden)), 256, 0, s>>>(
+  PresetW2<T><<<dim3(static_cast<unsigned>(hidden), 1), 256, 0, s>>>(
       seed, layer, expert, inter, inter_pad, scale2, static_cast<T*>(w2));
 }
 
