@@ -7,6 +7,7 @@
 #   - the whole multi-rank matrix: every golden fixture x 2/3/4 ranks x placements x
 #     microbatching, under mpirun and across two network-namespace hosts (MOERUN_FULL=1)
 #   - a 60 s soak of moerun serve under moebench serve --verify (resident memory per rank)
+#   - tests/serving/rebalance_restart.sh: skewed load, moectl placement plan, the plan applied
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
 #     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
 set -euo pipefail
@@ -34,6 +35,9 @@ MOERUN_FULL=1 ctest --test-dir build --output-on-failure -L 'mpi|multihost' --ti
 
 printf '\n==== serving soak: 60 s of verified load, resident memory per rank ====\n'
 bash tests/serving/serve_e2e.sh build/bin/moerun build/bin/moectl build/bin/moebench tests/data 60
+
+printf '\n==== the planner on skewed traffic (applied by a restart) ====\n'
+bash tests/serving/rebalance_restart.sh build/bin/moerun build/bin/moectl build/bin/moebench 8
 
 printf '\n==== benchmarks ====\n'
 mkdir -p build/bench
