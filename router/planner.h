@@ -9,7 +9,7 @@
 //    the same with one group and one node, as eplb.py does. The arithmetic is eplb.py's: loads are
 //    converted to float32 and summed/divided in float32; ties as torch 1.13 on the CPU breaks them
 //    (std::sort over (value, index) comparing values only, descending; first index of a maximum;
-//    the first pack of least weight). tests/data/eplb holds eplb.py and the maps it gives, which
+//    the first pack of least weight). tests/data/eplb holds the maps eplb.py gives, which
 //    the port reproduces exactly.
 //  - kDefault: per layer, both EPLB plans (hierarchical only where num_groups % num_nodes == 0),
 //    each then improved by a deterministic local search, and the best of the four by

@@ -1,9 +1,11 @@
 #!/usr/bin/python3
-"""Writes expected.json: the maps that DeepSeek's published eplb.py (copied verbatim next to this
-file) gives on the README example and on seeded random load matrices. moerun's C++ port
-(router/planner.cc) must reproduce them exactly (tests/unit/planner_test.cc).
+"""Writes expected.json: the maps that DeepSeek's published eplb.py gives on the README example and
+on seeded random load matrices. moerun's C++ port (router/planner.cc) must reproduce them exactly
+(tests/unit/planner_test.cc). eplb.py is not part of this repository: download it from
+https://github.com/deepseek-ai/EPLB (see README.md here for the version and its sha256) and pass
+the folder that holds it:
 
-Run with Debian's python3-torch:  /usr/bin/python3 tests/data/eplb/make_expected.py
+Run with Debian's python3-torch:  /usr/bin/python3 tests/data/eplb/make_expected.py EPLB_DIR
 The output is deterministic: running it again rewrites the same bytes.
 
 Ties. eplb.py sorts with torch's default, unstable sort: torch 1.13 on the CPU runs std::sort over
@@ -23,7 +25,9 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+if len(sys.argv) != 2 or not os.path.isfile(os.path.join(sys.argv[1], "eplb.py")):
+    sys.exit("usage: make_expected.py EPLB_DIR (the folder holding DeepSeek's eplb.py)")
+sys.path.insert(0, os.path.abspath(sys.argv[1]))
 import eplb  # noqa: E402
 
 _orig_max = torch.Tensor.max
