@@ -8,6 +8,7 @@
 #include <fstream>
 #include <mutex>
 
+#include "experts/cuda/cuda_device.h"
 #include "launch/control_endpoint.h"
 #include "launch/cuda_setup.h"
 #include "launch/host_port.h"
@@ -137,7 +138,13 @@ int RunServe(const ServeFlags& f) {
   opts.threads = c.threads;
   opts.isa = *isa;
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
-  if (f.dev.device == "cuda") {
+  if (f.dev.device == "cuda") {  // before anything starts: no GPU is a clear error, exit 2
+    const CudaProbe probe = ProbeCuda();
+    if (probe.devices.empty()) {
+      return FailWith(Status::InvalidArgument(
+          "--device cuda: no usable GPU: " +
+          (probe.built ? probe.error : std::string("this build has no CUDA backend"))));
+    }
     opts.hooks.expert_device = [&f](int rank, const LoadedLayers& l) {
       return CudaExpertCompute(f.dev, rank, l);
     };

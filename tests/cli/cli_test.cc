@@ -560,10 +560,23 @@ TEST_F(CliDenseLayerTest, ExplicitMoeLayer) {
 // --- Flags ---------------------------------------------------------------------------------------
 
 TEST_F(CliTest, DeviceCuda) {
-  const ProcessResult r = Forward(FixtureDir(kQwen), kQwen, {"--device", "cuda"});
-  ExpectFailure(r, {"--device cuda"});
-  // Without a GPU the message says so; with one it says the layer runs on the CPU only.
-  EXPECT_TRUE(Contains(r.output, "GPU") || Contains(r.output, "CPU only")) << r.output;
+  const ProcessResult r =
+      Forward(FixtureDir(kQwen), kQwen, {"--device", "cuda", "--check", Golden(kQwen)});
+  if (r.exit_code == 0) {  // a GPU: exact math (f32 fixture) matches the reference at 1e-5
+    EXPECT_TRUE(Contains(r.output, "cuda")) << r.output;
+    EXPECT_TRUE(Contains(r.output, "within")) << r.output;
+    return;
+  }
+  // Without one (or in a build without CUDA): a clear error, exit 2, before any work.
+  ExpectFailure(r, {"--device cuda", "no usable GPU"});
+  EXPECT_EQ(r.exit_code, 2);
+}
+
+TEST_F(CliTest, DeviceCudaFlags) {
+  ExpectFailure(Forward(FixtureDir(kQwen), kQwen, {"--device", "cuda", "--math", "fast"}),
+                {"--math must be auto, exact or tensor-core"});
+  ExpectFailure(Forward(FixtureDir(kQwen), kQwen, {"--device", "cuda", "--max-tokens", "0"}),
+                {"--max-tokens must be in 1..1048576"});
 }
 
 TEST_F(CliTest, UnknownDevice) {
