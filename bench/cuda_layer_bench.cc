@@ -43,12 +43,6 @@ Result<CudaMath> ParseMath(const std::string& name) {
   return Status::InvalidArgument("--math must be tensor-core or exact, not '" + name + "'");
 }
 
-std::string Describe(const ModelSpec& s, int layer, DType dtype) {
-  return std::string(FamilyName(s.family)) + " layer " + std::to_string(layer) + ": " +
-         std::to_string(s.num_experts) + " experts top-" + std::to_string(s.top_k) + ", hidden " +
-         std::to_string(s.hidden) + ", " + DTypeName(dtype) + " weights";
-}
-
 Result<DeviceLayer> BuildLayer(const LayerFlags& lf, const CudaLayerOptions& opts) {
   DeviceLayer d;
   if (!lf.model.empty()) {
@@ -77,10 +71,11 @@ Result<DeviceLayer> BuildLayer(const LayerFlags& lf, const CudaLayerOptions& opt
   MOERUN_ASSIGN_OR_RETURN(const ModelSpec spec, PresetSpec(lf.preset, preset, &note));
   if (!note.empty()) spdlog::info("{}", note);
   MOERUN_ASSIGN_OR_RETURN(const int layer, ResolveMoeLayer(spec, lf.layer));
-  spdlog::info("generating {} on the device: {}", lf.preset, Describe(spec, layer, preset.dtype));
+  spdlog::info("generating {} on the device: {}", lf.preset,
+               DescribeLayer(spec, layer, preset.dtype));
   MOERUN_ASSIGN_OR_RETURN(d.layer, CudaMoeLayer::FromPreset(spec, preset, opts));
   d.model = "preset:" + lf.preset;
-  d.description = Describe(spec, layer, preset.dtype);
+  d.description = DescribeLayer(spec, layer, preset.dtype);
   d.weight_dtype = preset.dtype;
   return d;
 }
@@ -361,12 +356,9 @@ std::string FindTorchScript(const std::string& flag) {
 
 int RunCudaLayerBench(const LayerBenchFlags& f) {
   if (Status s = CheckFlags(f); !s.ok()) return FailWith(s);
-  const CudaProbe probe = ProbeCuda();
-  if (probe.devices.empty()) {
-    return FailWith(Status::InvalidArgument(
-        "--device cuda: no usable GPU: " +
-        (probe.built ? probe.error : std::string("this build has no CUDA backend"))));
-  }
+  auto required = RequireCuda();
+  if (!required.ok()) return FailWith(required.status());
+  const CudaProbe& probe = *required;
   const LocalDeviceChoice choice = ChooseLocalDevice(
       ProcessEnvironment(), static_cast<int>(probe.devices.size()), f.device_index);
   if (!choice.ok()) return FailWith(choice.error);

@@ -25,17 +25,21 @@ Status ValidateDeviceFlags(const DeviceFlags& f) {
   return Status::Ok();
 }
 
+void AddDeviceFlags(CLI::App* cmd, DeviceFlags* f, const std::string& device_help,
+                    const std::string& max_tokens_help) {
+  cmd->add_option("--device", f->device, device_help)->default_val("cpu");
+  cmd->add_option("--math", f->math,
+                  "--device cuda: auto (exact for f32 weights, else tensor-core), exact (fp32, "
+                  "bitwise the CPU), tensor-core (bf16/f16)")
+      ->default_val("auto");
+  cmd->add_option("--device-index", f->device_index,
+                  "--device cuda: GPU ordinal (default: local rank modulo the visible GPUs)");
+  cmd->add_option("--max-tokens", f->max_tokens, max_tokens_help)->default_val(8192);
+}
+
 Result<CudaLayerOptions> CudaOptionsFor(const DeviceFlags& f, DType dtype, int rank) {
   MOERUN_RETURN_IF_ERROR(ValidateDeviceFlags(f));
-  const CudaProbe probe = ProbeCuda();
-  if (!probe.built) {
-    return Status::Unsupported(
-        "--device cuda: this build of moerun has no CUDA backend (configure with "
-        "-DMOERUN_WITH_CUDA=ON where nvcc is installed)");
-  }
-  if (probe.devices.empty()) {
-    return Status::Unavailable("--device cuda: no usable GPU: " + probe.error);
-  }
+  MOERUN_ASSIGN_OR_RETURN(const CudaProbe probe, RequireCuda());
   const LocalDeviceChoice choice = ChooseLocalDevice(
       ProcessEnvironment(), static_cast<int>(probe.devices.size()), f.device_index);
   if (!choice.ok()) return choice.error;

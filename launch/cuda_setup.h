@@ -3,6 +3,7 @@
 // (or without a CUDA build) every entry returns a clear error; the CPU path never comes here.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <string>
 
 #include "experts/cuda/cuda_layer.h"
@@ -18,6 +19,10 @@ struct DeviceFlags {
   int device_index = -1;       // -1: local rank modulo the visible GPUs
   int64_t max_tokens = 8192;   // per forward (the device arena is sized for it)
 };
+
+// Adds --device, --math, --device-index and --max-tokens to a subcommand.
+void AddDeviceFlags(CLI::App* cmd, DeviceFlags* f, const std::string& device_help,
+                    const std::string& max_tokens_help);
 
 // Checks --device/--math without touching a GPU.
 Status ValidateDeviceFlags(const DeviceFlags& f);

@@ -253,12 +253,7 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
 int RunForward(const ForwardFlags& f) {
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
   if (f.dev.device == "cuda") {  // before any work: no GPU is a clear error, exit 2
-    const CudaProbe probe = ProbeCuda();
-    if (probe.devices.empty()) {
-      return FailWith(Status::InvalidArgument(
-          "--device cuda: no usable GPU: " +
-          (probe.built ? probe.error : std::string("this build has no CUDA backend"))));
-    }
+    if (auto probe = RequireCuda(); !probe.ok()) return FailWith(probe.status());
   }
   if (Status s = ValidateLayerFlags(f.layer); !s.ok()) return FailWith(s);
   auto isa = ChooseIsa(f.layer.isa);
@@ -293,19 +288,10 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
   cmd->add_option("--output", flags->output, "safetensors file to write 'output' [T, H] to")
       ->required();
   cmd->add_option("--layer", flags->layer.layer, "Decoder layer (default: the first MoE layer)");
-  cmd->add_option("--device", flags->dev.device,
-                  "cpu or cuda (the whole layer on one GPU; with several ranks, the expert "
-                  "ranks' experts, each on its local GPU)")
-      ->default_val("cpu");
-  cmd->add_option("--math", flags->dev.math,
-                  "--device cuda: auto (exact for f32 weights, else tensor-core), exact (fp32, "
-                  "bitwise the CPU), tensor-core (bf16/f16)")
-      ->default_val("auto");
-  cmd->add_option("--device-index", flags->dev.device_index,
-                  "--device cuda: GPU ordinal (default: local rank modulo the visible GPUs)");
-  cmd->add_option("--max-tokens", flags->dev.max_tokens,
-                  "--device cuda, expert ranks: tokens per microbatch the GPU buffers hold")
-      ->default_val(8192);
+  AddDeviceFlags(cmd, &flags->dev,
+                 "cpu or cuda (the whole layer on one GPU; with several ranks, the expert "
+                 "ranks' experts, each on its local GPU)",
+                 "--device cuda, expert ranks: tokens per microbatch the GPU buffers hold");
   cmd->add_option("--threads", flags->layer.threads, "Worker threads (default: all cores)");
   cmd->add_option("--isa", flags->layer.isa, "CPU kernels: scalar, avx2, avx512 (default: best)");
   cmd->add_option("--check", flags->check,

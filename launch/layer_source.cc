@@ -103,12 +103,14 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFla
   return std::make_shared<const MoeLayerWeights>(std::move(w));
 }
 
+std::string DescribeLayer(const ModelSpec& s, int layer, DType dtype) {
+  return std::string(FamilyName(s.family)) + " layer " + std::to_string(layer) + ": " +
+         std::to_string(s.num_experts) + " experts top-" + std::to_string(s.top_k) + ", hidden " +
+         std::to_string(s.hidden) + ", " + DTypeName(dtype) + " weights";
+}
+
 std::string DescribeLayer(const MoeLayerWeights& w) {
-  const ModelSpec& s = w.spec;
-  std::string d = std::string(FamilyName(s.family)) + " layer " + std::to_string(w.layer) + ": " +
-                  std::to_string(s.num_experts) + " experts top-" + std::to_string(s.top_k) +
-                  ", hidden " + std::to_string(s.hidden) + ", " + DTypeName(w.dtype) + " weights";
-  return d;
+  return DescribeLayer(w.spec, w.layer, w.dtype);
 }
 
 }  // namespace moerun

@@ -40,5 +40,6 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFla
 
 // "qwen3_moe layer 0: 16 experts top-4, hidden 64, F32 weights"
 std::string DescribeLayer(const MoeLayerWeights& w);
+std::string DescribeLayer(const ModelSpec& spec, int layer, DType dtype);  // before it is built
 
 }  // namespace moerun

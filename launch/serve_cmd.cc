@@ -139,12 +139,7 @@ int RunServe(const ServeFlags& f) {
   opts.isa = *isa;
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
   if (f.dev.device == "cuda") {  // before anything starts: no GPU is a clear error, exit 2
-    const CudaProbe probe = ProbeCuda();
-    if (probe.devices.empty()) {
-      return FailWith(Status::InvalidArgument(
-          "--device cuda: no usable GPU: " +
-          (probe.built ? probe.error : std::string("this build has no CUDA backend"))));
-    }
+    if (auto probe = RequireCuda(); !probe.ok()) return FailWith(probe.status());
     opts.hooks.expert_device = [&f](int rank, const LoadedLayers& l) {
       return CudaExpertCompute(f.dev, rank, l);
     };
@@ -320,16 +315,9 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--metrics-listen", flags->metrics_listen,
                   "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r)");
   cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
-  cmd->add_option("--device", flags->dev.device,
-                  "cpu or cuda (expert ranks run their experts on their local GPU)")
-      ->default_val("cpu");
-  cmd->add_option("--math", flags->dev.math, "--device cuda: auto, exact or tensor-core")
-      ->default_val("auto");
-  cmd->add_option("--device-index", flags->dev.device_index,
-                  "--device cuda: GPU ordinal (default: local rank modulo the visible GPUs)");
-  cmd->add_option("--max-tokens", flags->dev.max_tokens,
-                  "--device cuda: tokens per microbatch the GPU buffers hold")
-      ->default_val(8192);
+  AddDeviceFlags(cmd, &flags->dev,
+                 "cpu or cuda (expert ranks run their experts on their local GPU)",
+                 "--device cuda: tokens per microbatch the GPU buffers hold");
   return [flags, cmd]() -> int {
     if (!cmd->parsed()) return -1;
     return RunServe(*flags);

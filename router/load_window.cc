@@ -38,22 +38,22 @@ void LoadWindow::Add(std::span<const uint64_t> per_expert, std::span<const uint6
   for (size_t i = 0; i < per_rank.size() && i < b.ranks.size(); ++i) b.ranks[i] += per_rank[i];
 }
 
-std::vector<uint64_t> LoadWindow::ExpertLoad(Clock::time_point now) const {
-  std::vector<uint64_t> out(ring_.front().experts.size(), 0);
+std::vector<uint64_t> LoadWindow::Sum(std::vector<uint64_t> Bucket::*counts,
+                                      Clock::time_point now) const {
+  std::vector<uint64_t> out((ring_.front().*counts).size(), 0);
   for (const Bucket& b : ring_) {
     if (!Live(b, now)) continue;
-    for (size_t i = 0; i < out.size(); ++i) out[i] += b.experts[i];
+    for (size_t i = 0; i < out.size(); ++i) out[i] += (b.*counts)[i];
   }
   return out;
 }
 
+std::vector<uint64_t> LoadWindow::ExpertLoad(Clock::time_point now) const {
+  return Sum(&Bucket::experts, now);
+}
+
 std::vector<uint64_t> LoadWindow::RankLoad(Clock::time_point now) const {
-  std::vector<uint64_t> out(ring_.front().ranks.size(), 0);
-  for (const Bucket& b : ring_) {
-    if (!Live(b, now)) continue;
-    for (size_t i = 0; i < out.size(); ++i) out[i] += b.ranks[i];
-  }
-  return out;
+  return Sum(&Bucket::ranks, now);
 }
 
 uint64_t LoadWindow::Total(Clock::time_point now) const {

@@ -38,6 +38,8 @@ class LoadWindow {
   };
   int64_t EpochOf(Clock::time_point t) const;
   bool Live(const Bucket& b, Clock::time_point now) const;
+  // Per entry, the total over the live buckets of one of their count vectors.
+  std::vector<uint64_t> Sum(std::vector<uint64_t> Bucket::*counts, Clock::time_point now) const;
 
   std::chrono::milliseconds window_, bucket_;
   Clock::time_point origin_;

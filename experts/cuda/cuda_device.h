@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/status.h"
+
 namespace moerun {
 
 struct CudaDeviceInfo {
@@ -22,5 +24,17 @@ struct CudaProbe {
 };
 
 CudaProbe ProbeCuda();
+
+// The probe, or why --device cuda cannot run here (InvalidArgument: a bad argument for this
+// machine or build, exit 2): every entry point checks this before any work.
+inline Result<CudaProbe> RequireCuda() {
+  CudaProbe probe = ProbeCuda();
+  if (probe.devices.empty()) {
+    return Status::InvalidArgument(
+        "--device cuda: no usable GPU: " +
+        (probe.built ? probe.error : std::string("this build has no CUDA backend")));
+  }
+  return probe;
+}
 
 }  // namespace moerun
