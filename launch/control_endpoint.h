@@ -21,6 +21,16 @@ struct ControlProvider {
   std::function<moerun::v1::StatsResponse()> stats;
   // A planner dry run; an error is answered INVALID_ARGUMENT with its message.
   std::function<Result<moerun::v1::PlanResponse>(const moerun::v1::PlanRequest&)> plan;
+  // Starts a migration (returns at once with its status; "skipped" when below min_gain); an
+  // error (bad placement, one already running) is answered with its code and message.
+  std::function<Result<moerun::v1::MigrationStatus>(const moerun::v1::ApplyRequest&)> apply;
+  // The running or last migration.
+  std::function<moerun::v1::MigrationStatus()> progress;
+  // Expert weight updates: start one, or status / promote / rollback.
+  std::function<Result<moerun::v1::ExpertResponse>(const moerun::v1::ExpertUpdateRequest&)>
+      expert_update;
+  std::function<Result<moerun::v1::ExpertResponse>(const moerun::v1::ExpertActionRequest&)>
+      expert_action;
 };
 
 // Reads a token file: its first line, surrounding whitespace removed; an error if the file is

@@ -31,7 +31,7 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placem
   rs->rank_ = rank;
   rs->router_ = rank < placement.num_routers();
   rs->model_ = FamilyName(spec.family);
-  rs->placement_ = placement;
+  rs->placement_ = std::make_shared<const Placement>(placement);
   rs->layers_ = layers;
   rs->gate_groups_ = spec.gate.n_group;
   rs->transport_ = transport;
@@ -202,7 +202,7 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     uint64_t most = 0, total = 0;
     int n = 0;
     // What arrived since the last refresh goes into the sliding window too.
-    const size_t routers = static_cast<size_t>(placement_.num_routers());
+    const size_t routers = static_cast<size_t>(Current()->num_routers());
     std::vector<uint64_t> rank_delta(now.size() > routers ? now.size() - routers : 0, 0);
     for (size_t r = 0; r < now.size() && r < seen.size(); ++r) {
       if (counters[r] == nullptr) continue;
@@ -251,10 +251,11 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
 
 moerun::v1::StatusResponse RankServices::Status() const {
   moerun::v1::StatusResponse s;
+  const std::shared_ptr<const Placement> placement = Current();
   s.set_model(model_);
-  s.set_num_ranks(placement_.num_ranks());
-  s.set_num_routers(placement_.num_routers());
-  s.set_placement_version(placement_.version());
+  s.set_num_ranks(placement->num_ranks());
+  s.set_num_routers(placement->num_routers());
+  s.set_placement_version(placement->version());
   std::string why;
   s.set_ready(Ready(&why));
   s.set_uptime_s(
@@ -265,10 +266,10 @@ moerun::v1::StatusResponse RankServices::Status() const {
     std::lock_guard<std::mutex> lock(mu_);
     peers = peers_;
   }
-  for (int r = 0; r < placement_.num_ranks(); ++r) {
+  for (int r = 0; r < placement->num_ranks(); ++r) {
     moerun::v1::RankStatus* rs = s.add_ranks();
     rs->set_rank(r);
-    const bool is_router = r < placement_.num_routers();
+    const bool is_router = r < placement->num_routers();
     rs->set_role(is_router ? "router" : "expert");
     if (r == rank_) {
       rs->set_host(HostName());
@@ -293,7 +294,7 @@ moerun::v1::StatusResponse RankServices::Status() const {
     for (int layer : layers_) {
       moerun::v1::LayerExperts* le = rs->add_layers();
       le->set_layer(layer);
-      if (const LayerPlacement* lp = placement_.Layer(layer)) {
+      if (const LayerPlacement* lp = placement->Layer(layer)) {
         for (int slot : lp->rank_slots[static_cast<size_t>(r)]) {
           le->add_experts(lp->slots[static_cast<size_t>(slot)].expert);
         }
@@ -328,10 +329,21 @@ moerun::v1::StatusResponse RankServices::Status() const {
   return s;
 }
 
+std::shared_ptr<const Placement> RankServices::Current() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return placement_;
+}
+
+void RankServices::SetPlacement(std::shared_ptr<const Placement> placement) {
+  std::lock_guard<std::mutex> lock(mu_);
+  placement_ = std::move(placement);
+}
+
 moerun::v1::PlacementResponse RankServices::PlacementInfo() const {
   moerun::v1::PlacementResponse p;
-  p.set_version(placement_.version());
-  p.set_json(placement_.ToJson());
+  const std::shared_ptr<const Placement> placement = Current();
+  p.set_version(placement->version());
+  p.set_json(placement->ToJson());
   return p;
 }
 
@@ -385,7 +397,7 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
       for (const Counter* c : by_expert_.at(layer)) l.push_back(c->value());
     }
   }
-  MOERUN_ASSIGN_OR_RETURN(PlanReport rep, MakePlan(loads, placement_, expert_bytes_.load(), o));
+  MOERUN_ASSIGN_OR_RETURN(PlanReport rep, MakePlan(loads, *Current(), expert_bytes_.load(), o));
   moerun::v1::PlanResponse r = PlanToProto(rep);
   r.set_window_s(window_s);
   return r;

@@ -56,6 +56,11 @@ class RankServices {
   void Refresh(const PeerHealth* health, int64_t queued_requests, int64_t queued_tokens);
   void CountBatch() { requests_.fetch_add(1, std::memory_order_relaxed); }
 
+  // The placement in use (routers: switched by migrations).
+  std::shared_ptr<const Placement> Current() const;
+  void SetPlacement(std::shared_ptr<const Placement> placement);
+  int64_t expert_bytes() const { return expert_bytes_.load(); }
+
   // moectl's answers (router 0).
   moerun::v1::StatusResponse Status() const;
   moerun::v1::PlacementResponse PlacementInfo() const;
@@ -70,7 +75,7 @@ class RankServices {
   int rank_ = 0;
   bool router_ = false;
   std::string model_;
-  Placement placement_;
+  std::shared_ptr<const Placement> placement_;  // under mu_: the one in use
   std::vector<int> layers_;
   const Transport* transport_ = nullptr;
   MetricsRegistry metrics_;

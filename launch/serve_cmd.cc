@@ -14,12 +14,14 @@
 #include "launch/host_port.h"
 #include "launch/job_launch.h"
 #include "launch/layer_source.h"
+#include "launch/placement_control.h"
 #include "launch/rank_services.h"
 #include "launch/serving_endpoint.h"
 #include "runtime/batcher.h"
 #include "runtime/expert_host.h"
 #include "runtime/layer_loader.h"
 #include "runtime/log.h"
+#include "runtime/router_control.h"
 #include "runtime/serve_config.h"
 
 namespace moerun {
@@ -187,19 +189,35 @@ int RunServe(const ServeFlags& f) {
                                         std::chrono::milliseconds(sc.probe_deadline_ms)};
   std::mutex health_mu;
   std::map<int, PeerHealth*> health_of;
+  std::map<int, RouterControl*> control_of;
   opts.hooks.router_health = [&](int rank, PeerHealth* h) {
     std::lock_guard<std::mutex> lock(health_mu);
     health_of[rank] = h;
+  };
+  opts.hooks.router_control = [&](int rank, RouterControl* rc) {
+    std::lock_guard<std::mutex> lock(health_mu);
+    control_of[rank] = rc;
   };
 
   const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& eps) -> Status {
     RankServices* rs = ranks.Get(rank);
     PeerHealth* health = nullptr;
+    RouterControl* rc = nullptr;
     {
       std::lock_guard<std::mutex> lock(health_mu);
       health = health_of[rank];
+      rc = control_of[rank];
     }
     for (auto& [l, ep] : eps) rs->Attach(ep);
+    if (rc != nullptr) {
+      rc->set_on_switch(
+          [rs](std::shared_ptr<const Placement> p) { rs->SetPlacement(std::move(p)); });
+    }
+    std::unique_ptr<PlacementControl> placement_control;
+    if (rank == 0 && rc != nullptr) {
+      placement_control = std::make_unique<PlacementControl>(rs, rc, c.rebalance);
+    }
+    Status control_failed;
     Batcher batcher(c.batching, spec->hidden);
 
     ServingOptions so;
@@ -232,6 +250,16 @@ int RunServe(const ServeFlags& f) {
         provider.placement = [rs] { return rs->PlacementInfo(); };
         provider.stats = [rs] { return rs->Stats(); };
         provider.plan = [rs](const moerun::v1::PlanRequest& r) { return rs->Plan(r); };
+        if (PlacementControl* pc = placement_control.get()) {
+          provider.apply = [pc](const moerun::v1::ApplyRequest& r) { return pc->Apply(r); };
+          provider.progress = [pc] { return pc->Progress(); };
+          provider.expert_update = [pc](const moerun::v1::ExpertUpdateRequest& r) {
+            return pc->Update(r);
+          };
+          provider.expert_action = [pc](const moerun::v1::ExpertActionRequest& r) {
+            return pc->Action(r);
+          };
+        }
         MOERUN_ASSIGN_OR_RETURN(control,
                                 ControlEndpoint::Start(co, token, provider, &rs->metrics()));
       }
@@ -250,6 +278,15 @@ int RunServe(const ServeFlags& f) {
     bool draining = false;
     auto refresh = [&] {
       if (health != nullptr) health->Poll();
+      if (rc != nullptr && control_failed.ok()) {
+        control_failed = rc->Poll();
+        if (!control_failed.ok()) {
+          spdlog::error("router {}: the control channel failed ({}): stopping", rank,
+                        control_failed.ToString());
+          g_stop.store(true);
+        }
+      }
+      if (placement_control) placement_control->Tick();
       const BatcherStats st = batcher.stats();
       rs->Refresh(health, static_cast<int64_t>(st.queued_requests), st.queued_tokens);
     };
@@ -286,6 +323,7 @@ int RunServe(const ServeFlags& f) {
         refresh);
     endpoint->Stop();
     if (control) control->Stop();
+    if (!control_failed.ok()) return control_failed;
     const BatcherStats st = batcher.stats();
     spdlog::info("router {} stopping: {} batches, {} requests, {} tokens served, {} expired", rank,
                  st.batches, st.requests, st.tokens, st.expired);

@@ -71,6 +71,30 @@ Status Placement::AddLayer(int layer, std::vector<Slot> slots, const std::string
   return Status::Ok();
 }
 
+Result<Placement> Placement::WithLayer(int layer, const Placement& from, uint64_t version) const {
+  const LayerPlacement* lp = from.Layer(layer);
+  if (lp == nullptr) {
+    return Status::InvalidArgument("the new placement has no entry for layer " +
+                                   std::to_string(layer));
+  }
+  if (from.num_experts_ != num_experts_ || from.num_ranks_ != num_ranks_ ||
+      from.num_routers_ != num_routers_) {
+    return Status::InvalidArgument("the new placement is for another job");
+  }
+  Placement p = *this;
+  p.version_ = version;
+  MOERUN_RETURN_IF_ERROR(p.AddLayer(layer, lp->slots, "placement"));
+  return p;
+}
+
+bool Placement::SameSlots(const LayerPlacement& a, const LayerPlacement& b) {
+  if (a.slots.size() != b.slots.size()) return false;
+  for (size_t i = 0; i < a.slots.size(); ++i) {
+    if (a.slots[i].rank != b.slots[i].rank || a.slots[i].expert != b.slots[i].expert) return false;
+  }
+  return true;
+}
+
 Result<Placement> Placement::Linear(int num_experts, int ranks, int routers) {
   MOERUN_RETURN_IF_ERROR(CheckJob(num_experts, ranks, routers));
   Placement p;

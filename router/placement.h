@@ -10,7 +10,7 @@
 //    "layers": {"3": [[1, 0], [1, 1], [2, 2], [3, 0], ...],   // [rank, expert] per slot
 //               "*": [...]}}                                    // any layer not listed
 //
-// Immutable after construction; thread-safe to read.
+// Immutable after construction (a new version is a new object); thread-safe to read.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +49,10 @@ class Placement {
   // The placement of `layer` (its own entry, else the "*" entry); null if neither exists.
   const LayerPlacement* Layer(int layer) const;
   std::string ToJson() const;
+  // A copy whose entry for `layer` is `from`'s placement of that layer, with `version`.
+  Result<Placement> WithLayer(int layer, const Placement& from, uint64_t version) const;
+  // Whether two layer placements have the same slots in the same order.
+  static bool SameSlots(const LayerPlacement& a, const LayerPlacement& b);
 
   uint64_t version() const { return version_; }
   int num_experts() const { return num_experts_; }

@@ -7,18 +7,35 @@
 
 #include "runtime/checkpoint.h"
 #include "runtime/ep_protocol.h"
+#include "runtime/expert_file.h"
 #include "runtime/expert_host.h"
 #include "runtime/layer_loader.h"
 #include "runtime/log.h"
 #include "runtime/preset.h"
+#include "runtime/router_control.h"
 
 namespace moerun {
 namespace {
 
-std::function<void(int, int, size_t)> Progress(const std::string& what) {
+// Logs progress every 2 s; with a throttle, also reports the bytes done and sleeps so that the
+// load stays under its bandwidth (the loads it throttles run on one thread).
+std::function<void(int, int, size_t)> Progress(const std::string& what,
+                                               const LoadThrottle& throttle = {}) {
   auto start = std::chrono::steady_clock::now();
   auto last = std::make_shared<std::chrono::steady_clock::time_point>(start);
   return [=](int done, int total, size_t bytes) {
+    if (throttle.bytes_done != nullptr) throttle.bytes_done->store(bytes);
+    if (throttle.bytes_per_s > 0) {
+      const auto due =
+          start +
+          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+              std::chrono::duration<double>(static_cast<double>(bytes) / throttle.bytes_per_s));
+      while (std::chrono::steady_clock::now() < due &&
+             (throttle.cancel == nullptr || !throttle.cancel->load())) {
+        std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+            due - std::chrono::steady_clock::now(), std::chrono::milliseconds(20)));
+      }
+    }
     const auto now = std::chrono::steady_clock::now();
     if (done != total && now - *last < std::chrono::seconds(2)) return;
     *last = now;
@@ -28,20 +45,20 @@ std::function<void(int, int, size_t)> Progress(const std::string& what) {
   };
 }
 
-Result<std::shared_ptr<const MoeLayerWeights>> LoadFor(const WeightSource& src,
-                                                       const ModelSpec& spec, int layer,
-                                                       std::vector<bool> mask,
-                                                       const CpuKernels& kernels, int threads,
-                                                       const std::string& what) {
+Result<std::shared_ptr<MoeLayerWeights>> LoadFor(const WeightSource& src, const ModelSpec& spec,
+                                                 int layer, std::vector<bool> mask,
+                                                 const CpuKernels& kernels, int threads,
+                                                 const std::string& what,
+                                                 const LoadThrottle& throttle = {}) {
   if (!src.model.empty()) {
     MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(src.model));
     LoadOptions o;
     o.layer = layer;
     o.load_expert = std::move(mask);
     o.threads = threads;
-    o.progress = Progress(what);
+    o.progress = Progress(what, throttle);
     MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, LoadLayer(*ckpt, spec, kernels, o));
-    return std::make_shared<const MoeLayerWeights>(std::move(w));
+    return std::make_shared<MoeLayerWeights>(std::move(w));
   }
   PresetOptions o;
   o.seed = src.seed;
@@ -50,9 +67,9 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadFor(const WeightSource& src,
   o.layer = layer;
   o.load_expert = std::move(mask);
   o.threads = threads;
-  o.progress = Progress(what);
+  o.progress = Progress(what, throttle);
   MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, BuildPresetLayer(spec, kernels, o));
-  return std::make_shared<const MoeLayerWeights>(std::move(w));
+  return std::make_shared<MoeLayerWeights>(std::move(w));
 }
 
 Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
@@ -117,8 +134,10 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
   std::string note;
   MOERUN_ASSIGN_OR_RETURN(ModelSpec spec, SpecOf(opts.source, &note));
   if (!note.empty() && rank == 0) spdlog::info("{}", note);
-  MOERUN_ASSIGN_OR_RETURN(Placement placement,
+  MOERUN_ASSIGN_OR_RETURN(Placement made,
                           Placement::Make(opts.placement, spec.num_experts, ranks, opts.routers));
+  const auto shared_placement = std::make_shared<const Placement>(std::move(made));
+  const Placement& placement = *shared_placement;
   const size_t header_bytes = HeaderBytes(placement, opts.layers);
   if (opts.hooks.placement) {
     MOERUN_RETURN_IF_ERROR(opts.hooks.placement(rank, t, placement, spec));
@@ -137,7 +156,7 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
 
   // Load what this rank needs.
   const auto t_load = std::chrono::steady_clock::now();
-  std::map<int, std::shared_ptr<const MoeLayerWeights>> weights;
+  std::map<int, std::shared_ptr<MoeLayerWeights>> weights;
   size_t experts_here = 0;
   for (int layer : opts.layers) {
     std::vector<bool> mask = router
@@ -168,9 +187,32 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
     ho.deadline = opts.ep.deadline;
     ExpertHost host(t, placement, weights, kernels, &pool, ho);
     if (opts.hooks.expert_device) {
-      MOERUN_ASSIGN_OR_RETURN(ExpertCompute compute, opts.hooks.expert_device(rank, weights));
+      const LoadedLayers loaded(weights.begin(), weights.end());
+      MOERUN_ASSIGN_OR_RETURN(ExpertCompute compute, opts.hooks.expert_device(rank, loaded));
       host.set_compute(std::move(compute));
     }
+    // Loads while serving run on one background thread (the pool computes).
+    host.set_loaders(
+        [&opts, &spec, &kernels, rank](
+            int layer, const std::vector<bool>& mask, const std::map<int, std::string>& files,
+            const LoadThrottle& throttle) -> Result<std::shared_ptr<MoeLayerWeights>> {
+          MOERUN_ASSIGN_OR_RETURN(auto w, LoadFor(opts.source, spec, layer, mask, kernels, 1,
+                                                  "rank " + std::to_string(rank) + " layer " +
+                                                      std::to_string(layer) + " (migration)",
+                                                  throttle));
+          for (const auto& [e, file] : files) {  // promoted updates replace the source's weights
+            if (e < 0 || e >= static_cast<int>(mask.size()) || !mask[static_cast<size_t>(e)]) {
+              continue;
+            }
+            MOERUN_ASSIGN_OR_RETURN(w->experts[static_cast<size_t>(e)],
+                                    LoadExpertFile(file, spec, layer, e, w->dtype, kernels));
+          }
+          return w;
+        },
+        [&spec, &kernels, &weights](int layer, int expert,
+                                    const std::string& file) -> Result<ExpertWeights> {
+          return LoadExpertFile(file, spec, layer, expert, weights.at(layer)->dtype, kernels);
+        });
     if (opts.hooks.expert_host) opts.hooks.expert_host(rank, host);
     MOERUN_RETURN_IF_ERROR(host.Serve());
     spdlog::debug("expert rank {} served {} microbatches", rank, host.microbatches_served());
@@ -181,7 +223,7 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
   std::vector<std::unique_ptr<ExpertParallelLayer>> layers;
   std::map<int, ExpertParallelLayer*> by_number;
   for (const auto& [l, w] : weights) {
-    layers.push_back(std::make_unique<ExpertParallelLayer>(t, placement, w, kernels, &pool,
+    layers.push_back(std::make_unique<ExpertParallelLayer>(t, shared_placement, w, kernels, &pool,
                                                            header_bytes, opts.ep));
     by_number[l] = layers.back().get();
   }
@@ -191,7 +233,17 @@ Status RunRank(Transport* t, const JobOptions& opts, const RouterWork& work) {
     for (auto& l : layers) l->set_health(health.get());
     if (opts.hooks.router_health) opts.hooks.router_health(rank, health.get());
   }
+  std::unique_ptr<RouterControl> control;
+  if (opts.hooks.router_control) {
+    control = std::make_unique<RouterControl>(t, shared_placement, by_number, header_bytes,
+                                              opts.ep.deadline);
+    opts.hooks.router_control(rank, control.get());
+  }
   Status s = work ? work(rank, by_number) : Status::Ok();
+  if (control) {
+    opts.hooks.router_control(rank, nullptr);
+    control.reset();
+  }
   if (!s.ok()) return s;
   layers.clear();
   if (health) {

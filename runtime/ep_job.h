@@ -38,6 +38,7 @@ struct WeightSource {
 };
 
 class ExpertHost;
+class RouterControl;
 using LoadedLayers = std::map<int, std::shared_ptr<const MoeLayerWeights>>;
 
 // What a long-running job (serve) hooks into a rank's life; all optional.
@@ -58,6 +59,9 @@ struct JobHooks {
   // transfers of missed deadlines (see runtime/peer_health.h); it is handed over before work.
   std::optional<PeerHealthOptions> health;
   std::function<void(int, PeerHealth*)> router_health;
+  // Routers: their RouterControl (migrations, expert updates) once made, before work; null when
+  // work has returned.
+  std::function<void(int, RouterControl*)> router_control;
 };
 
 struct JobOptions {

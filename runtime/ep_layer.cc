@@ -22,28 +22,30 @@ struct ExpertParallelLayer::Stage {
   bool active = false;
 };
 
-ExpertParallelLayer::ExpertParallelLayer(Transport* transport, const Placement& placement,
+ExpertParallelLayer::ExpertParallelLayer(Transport* transport,
+                                         std::shared_ptr<const Placement> placement,
                                          std::shared_ptr<const MoeLayerWeights> weights,
                                          const CpuKernels& kernels, ThreadPool* pool,
                                          size_t header_bytes, EpOptions options)
     : t_(transport),
-      placement_(placement),
-      lp_(placement.Layer(weights->layer)),
+      placement_(std::move(placement)),
+      lp_(placement_->Layer(weights->layer)),
       w_(std::move(weights)),
       kernels_(kernels),
       pool_(pool),
       header_bytes_(header_bytes),
       opts_(options),
       shared_ffn_(kernels, pool),
-      in_flight_(static_cast<size_t>(placement.num_ranks()), 0.0) {
+      in_flight_(static_cast<size_t>(placement_->num_ranks()), 0.0) {
+  const Placement& pl = *placement_;
   what_ = "expert-parallel layer " + std::to_string(w_->layer);
   for (auto& s : stages_) s = std::make_unique<Stage>(*w_, kernels_, pool_);
   for (auto& s : stages_) {
-    s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement.num_ranks()));
-    s->reqs.reserve(static_cast<size_t>(3 * placement.num_ranks()));
-    s->rows_to.assign(static_cast<size_t>(placement.num_ranks()), 0.0);
+    s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(pl.num_ranks()));
+    s->reqs.reserve(static_cast<size_t>(3 * pl.num_ranks()));
+    s->rows_to.assign(static_cast<size_t>(pl.num_ranks()), 0.0);
   }
-  stats_.rows_per_rank.assign(static_cast<size_t>(placement.num_ranks()), 0);
+  stats_.rows_per_rank.assign(static_cast<size_t>(pl.num_ranks()), 0);
 }
 
 ExpertParallelLayer::~ExpertParallelLayer() {
@@ -89,6 +91,27 @@ Status ExpertParallelLayer::Forward(const float* x, int64_t tokens, float* out, 
   return status;
 }
 
+Status ExpertParallelLayer::SetPlacement(std::shared_ptr<const Placement> placement) {
+  if (placement == nullptr || placement->num_ranks() != placement_->num_ranks() ||
+      placement->num_routers() != placement_->num_routers() ||
+      placement->num_experts() != placement_->num_experts()) {
+    return Status::InvalidArgument(what_ +
+                                   ": a new placement must keep the job's ranks, "
+                                   "routers and experts");
+  }
+  const LayerPlacement* lp = placement->Layer(w_->layer);
+  if (lp == nullptr) return Status::InvalidArgument(what_ + ": the new placement has no entry");
+  const size_t slots = (header_bytes_ - sizeof(EpHeaderFixed)) / sizeof(EpEntry);
+  if (static_cast<size_t>(lp->MaxSlotsPerRank()) > slots) {
+    return Status::InvalidArgument(
+        what_ + ": the new placement puts " + std::to_string(lp->MaxSlotsPerRank()) +
+        " slots on a rank; this job's headers hold " + std::to_string(slots));
+  }
+  placement_ = std::move(placement);
+  lp_ = lp;
+  return Status::Ok();
+}
+
 void ExpertParallelLayer::Abandon(const Status& why) {
   // With a PeerHealth, whatever is still in flight stays posted (whatever failed: another
   // microbatch may be on its way to healthy ranks); without one, it is cancelled.
@@ -104,10 +127,10 @@ void ExpertParallelLayer::Abandon(const Status& why) {
       bufs.push_back(std::move(s->headers));
       health_->Strand(std::move(s->reqs), std::move(bufs));
       s->reqs = std::vector<Request>();
-      s->reqs.reserve(static_cast<size_t>(3 * placement_.num_ranks()));
+      s->reqs.reserve(static_cast<size_t>(3 * placement_->num_ranks()));
       s->rows_out = AlignedBuffer();
       s->rows_in = AlignedBuffer();
-      s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement_.num_ranks()));
+      s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement_->num_ranks()));
     } else {
       for (Request& r : s->reqs) {
         if (r.valid()) (void)t_->Cancel(r);
@@ -125,7 +148,7 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
   const MoeLayerWeights& w = *w_;
   const int64_t hidden = w.spec.hidden;
   const int k = w.spec.top_k;
-  const int ranks = placement_.num_ranks();
+  const int ranks = placement_->num_ranks();
   st.t0 = t0;
   st.tokens = tokens;
   const float* xs = x + t0 * hidden;
@@ -136,7 +159,7 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
   std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
   st.plan.Build(st.gating.ids().data(), tokens, k, *lp_, st.rows_to);  // rows_to: load after
   if (health_ != nullptr) {
-    for (int d = placement_.num_routers(); d < ranks; ++d) {
+    for (int d = placement_->num_routers(); d < ranks; ++d) {
       if (st.plan.rows_to(d) > 0 && !health_->usable(d)) health_->Poll();  // still late?
       if (st.plan.rows_to(d) > 0 && !health_->usable(d)) {
         return Status::Unavailable("expert rank " + std::to_string(d) +
@@ -174,7 +197,7 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
   st.reqs.clear();
   st.deadline = std::min(DeadlineIn(opts_.deadline), call_deadline_);
   float* recv = st.rows_in.as<float>();
-  for (int d = placement_.num_routers(); d < ranks; ++d) {
+  for (int d = placement_->num_routers(); d < ranks; ++d) {
     const int64_t n = st.plan.rows_to(d);
     if (n == 0) continue;
     const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
@@ -192,9 +215,10 @@ Status ExpertParallelLayer::Dispatch(Stage& st, const float* x, int64_t t0, int6
     const auto& slots = lp_->rank_slots[static_cast<size_t>(d)];
     h.slots = static_cast<int32_t>(slots.size());
     std::memcpy(hdr, &h, sizeof h);
-    int32_t* counts = HeaderCounts(hdr);
+    EpEntry* entries = HeaderEntries(hdr);
     for (size_t i = 0; i < slots.size(); ++i) {
-      counts[i] = st.plan.slot_rows[static_cast<size_t>(slots[i])];
+      entries[i].expert = lp_->slots[static_cast<size_t>(slots[i])].expert;
+      entries[i].rows = st.plan.slot_rows[static_cast<size_t>(slots[i])];
     }
     MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
     st.reqs.push_back(hr);

@@ -43,7 +43,7 @@ class ExpertParallelLayer {
  public:
   // `weights` needs the router's tensors only (gate, biases, shared expert); `header_bytes` is
   // the job's HeaderBytes.
-  ExpertParallelLayer(Transport* transport, const Placement& placement,
+  ExpertParallelLayer(Transport* transport, std::shared_ptr<const Placement> placement,
                       std::shared_ptr<const MoeLayerWeights> weights, const CpuKernels& kernels,
                       ThreadPool* pool, size_t header_bytes, EpOptions options);
   ~ExpertParallelLayer();
@@ -66,6 +66,11 @@ class ExpertParallelLayer {
     routing_observer_ = std::move(f);
   }
   const EpStats& stats() const { return stats_; }
+  // Switches to another placement of the same ranks (call between Forwards: a batch boundary);
+  // the expert ranks must already hold every expert it gives them.
+  Status SetPlacement(std::shared_ptr<const Placement> placement);
+  const Placement& placement() const { return *placement_; }
+  int layer() const { return w_->layer; }
   const MoeLayerWeights& weights() const { return *w_; }
   // Rows in flight per rank (what replica choice balances).
   const std::vector<double>& in_flight() const { return in_flight_; }
@@ -77,7 +82,7 @@ class ExpertParallelLayer {
   void Abandon(const Status& why);
 
   Transport* t_;
-  const Placement& placement_;
+  std::shared_ptr<const Placement> placement_;
   const LayerPlacement* lp_;
   std::shared_ptr<const MoeLayerWeights> w_;
   const CpuKernels& kernels_;

@@ -1,13 +1,20 @@
 // The expert-parallel wire protocol between a router rank and an expert rank.
 //
 // Per microbatch, for each expert rank that gets rows: the router sends a header (fixed size for
-// the job: HeaderBytes) with the row count of each of the rank's slots (in the rank's slot order),
-// then the rows themselves (rows x hidden F32, slot after slot); the expert rank answers with the
-// same number of rows, in the same order, each the expert's output for that row. Messages between
-// one router and one expert rank keep their order, so several microbatches can be in flight.
+// the job: HeaderBytes) with one entry per slot of the rank (in the rank's slot order): the
+// logical expert and its row count; then the rows themselves (rows x hidden F32, entry after
+// entry); the expert rank answers with the same number of rows, in the same order, each the
+// expert's output for that row. The header names the experts, so an expert rank needs no copy of
+// the router's placement: it computes whatever experts it holds, and a router can switch to a new
+// placement at a batch boundary once the expert ranks hold the new copies. Messages between one
+// router and one expert rank keep their order, so several microbatches can be in flight.
 // A header of kind kShutdown ends the expert rank's service for that router. A header of kind
 // kPing asks for an EpPong on kTagPong; since an expert rank handles one router's messages in
 // order, the pong also says that every earlier microbatch of that router has been answered.
+// A header of kind kControl carries an operation (load or free experts, new expert weights, ...)
+// as JSON on kTagRows (`rows` is its length, `seq` its id), in order with the microbatches; its
+// answers go back as control messages (EpControlHeader on kTagControl, then the JSON body on
+// kTagControlBody), which is also how routers talk to each other.
 #pragma once
 
 #include <algorithm>
@@ -23,9 +30,11 @@ inline constexpr int kTagHeader = 11;
 inline constexpr int kTagRows = 12;
 inline constexpr int kTagResult = 13;
 inline constexpr int kTagPong = 14;
+inline constexpr int kTagControl = 15;
+inline constexpr int kTagControlBody = 16;
 inline constexpr uint32_t kEpMagic = 0x45454f4d;  // "MOEE"
 
-enum class EpKind : uint32_t { kDispatch = 1, kShutdown = 2, kPing = 3 };
+enum class EpKind : uint32_t { kDispatch = 1, kShutdown = 2, kPing = 3, kControl = 4 };
 
 struct EpHeaderFixed {
   uint32_t magic = kEpMagic;
@@ -34,9 +43,24 @@ struct EpHeaderFixed {
   uint32_t seq = 0;
   int64_t rows = 0;
   int32_t hidden = 0;
-  int32_t slots = 0;  // count entries that follow
+  int32_t slots = 0;  // entries that follow
 };
 static_assert(sizeof(EpHeaderFixed) == 32);
+
+// One slot of a dispatch header: the logical expert and the rows for it.
+struct EpEntry {
+  int32_t expert = 0;
+  int32_t rows = 0;
+};
+
+// Precedes a control message's JSON body (kTagControlBody, exactly `bytes` long).
+struct EpControlHeader {
+  uint32_t magic = kEpMagic;
+  uint32_t reserved = 0;
+  uint64_t bytes = 0;
+};
+static_assert(sizeof(EpControlHeader) == 16);
+inline constexpr uint64_t kMaxControlBytes = 16u << 20;
 
 // An expert rank's answer to kPing: the ping's seq and what the rank reports of itself.
 struct EpPong {
@@ -50,18 +74,26 @@ struct EpPong {
 };
 static_assert(sizeof(EpPong) == 104);
 
-// Header size for a job: the fixed part plus one count per slot of the busiest rank, over all
-// layers served.
-inline size_t HeaderBytes(const Placement& p, const std::vector<int>& layers) {
-  int most = 1;
+// Slots per expert rank a job's headers hold: the busiest rank's over all layers served, and at
+// least one per logical expert, so that any later placement without doubled experts fits.
+inline int HeaderSlots(const Placement& p, const std::vector<int>& layers) {
+  int most = std::max(1, std::min(p.num_experts(), Placement::kMaxSlotsPerRank));
   for (int l : layers) {
     if (const LayerPlacement* lp = p.Layer(l)) most = std::max(most, lp->MaxSlotsPerRank());
   }
-  return sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(most);
+  return most;
 }
 
-inline int32_t* HeaderCounts(void* header) {
-  return reinterpret_cast<int32_t*>(static_cast<char*>(header) + sizeof(EpHeaderFixed));
+// Header size for a job: the fixed part plus HeaderSlots entries.
+inline size_t HeaderBytes(const Placement& p, const std::vector<int>& layers) {
+  return sizeof(EpHeaderFixed) + sizeof(EpEntry) * static_cast<size_t>(HeaderSlots(p, layers));
+}
+
+inline EpEntry* HeaderEntries(void* header) {
+  return reinterpret_cast<EpEntry*>(static_cast<char*>(header) + sizeof(EpHeaderFixed));
+}
+inline const EpEntry* HeaderEntries(const void* header) {
+  return reinterpret_cast<const EpEntry*>(static_cast<const char*>(header) + sizeof(EpHeaderFixed));
 }
 
 }  // namespace moerun

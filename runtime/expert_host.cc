@@ -16,25 +16,47 @@
 namespace moerun {
 
 ExpertHost::ExpertHost(Transport* transport, const Placement& placement,
-                       std::map<int, std::shared_ptr<const MoeLayerWeights>> layers,
+                       std::map<int, std::shared_ptr<MoeLayerWeights>> layers,
                        const CpuKernels& kernels, ThreadPool* pool, ExpertHostOptions options)
     : t_(transport),
-      placement_(placement),
       layers_(std::move(layers)),
+      kernels_(kernels),
       opts_(options),
       ffn_(kernels, pool) {
   std::vector<int> ids;
-  for (const auto& [layer, w] : layers_) ids.push_back(layer);
-  header_bytes_ = HeaderBytes(placement_, ids);
-  routers_.resize(static_cast<size_t>(placement_.num_routers()));
+  const size_t routers = static_cast<size_t>(placement.num_routers());
+  for (const auto& [layer, w] : layers_) {
+    ids.push_back(layer);
+    auto& users = users_[layer];
+    users.assign(w->experts.size(), std::vector<bool>(routers, false));
+    for (size_t e = 0; e < w->experts.size(); ++e) {
+      if (!w->experts[e].w13.empty()) users[e].assign(routers, true);
+    }
+  }
+  header_bytes_ = HeaderBytes(placement, ids);
+  routers_.resize(routers);
   for (auto& r : routers_) {
     r.header = AlignedBuffer(header_bytes_);
     r.ahead = AlignedBuffer(header_bytes_);
   }
-  counts_.reserve(Placement::kMaxSlotsPerRank);
+  entries_.reserve(Placement::kMaxSlotsPerRank);
+}
+
+size_t ExpertHost::held_bytes() const {
+  size_t n = 0;
+  for (const auto& [l, w] : layers_) n += w->ExpertBytes();
+  for (const auto& [k, v] : variants_) n += v.weights.bytes();
+  return n;
 }
 
 ExpertHost::~ExpertHost() {
+  cancel_.store(true);
+  if (result_.valid()) result_.wait();
+  for (auto& o : outgoing_) {
+    for (Request& q : o->reqs) {
+      if (q.valid()) (void)t_->Cancel(q);
+    }
+  }
   for (auto& r : routers_) {
     if (r.rows_req.valid()) (void)t_->Cancel(r.rows_req);
     if (r.header_req.valid()) (void)t_->Cancel(r.header_req);
@@ -53,6 +75,7 @@ Status ExpertHost::Serve() {
   int alive = static_cast<int>(routers_.size());
   uint64_t idle = 0;
   while (alive > 0) {
+    MOERUN_RETURN_IF_ERROR(PollControl());
     bool progressed = false;
     for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
       RouterState& rs = routers_[static_cast<size_t>(r)];
@@ -87,18 +110,30 @@ Status ExpertHost::Serve() {
         MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
         continue;
       }
+      if (h.kind == static_cast<uint32_t>(EpKind::kControl)) {
+        if (!rs.header_req.valid()) {
+          MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                  t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+        }
+        MOERUN_RETURN_IF_ERROR(Control(r, h));
+        continue;
+      }
+      if (h.kind != static_cast<uint32_t>(EpKind::kDispatch)) {
+        return Status::Corrupt("rank " + std::to_string(me) + ": header of unknown kind " +
+                               std::to_string(h.kind) + " from router " + std::to_string(r));
+      }
       if (!SlotsFit(h)) {
         return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
                                std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
       }
-      const auto* counts = reinterpret_cast<const int32_t*>(hdr + sizeof(EpHeaderFixed));
-      counts_.assign(counts, counts + h.slots);
+      const EpEntry* entries = HeaderEntries(hdr);
+      entries_.assign(entries, entries + h.slots);
       // The next header may land while this microbatch is computed.
       if (!rs.header_req.valid()) {
         MOERUN_ASSIGN_OR_RETURN(rs.header_req,
                                 t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
       }
-      MOERUN_RETURN_IF_ERROR(Handle(r, h, counts_.data()));
+      MOERUN_RETURN_IF_ERROR(Handle(r, h, entries_.data()));
     }
     if (progressed) {
       idle = 0;
@@ -109,6 +144,16 @@ Status ExpertHost::Serve() {
         sched_yield();
       }
     }
+  }
+  // Control replies are small; one the routers no longer wait for (they have all stopped) is
+  // withdrawn after a short wait.
+  const Deadline replies_until = DeadlineIn(std::chrono::milliseconds(2000));
+  while (!outgoing_.empty()) {
+    for (Request& q : outgoing_.front()->reqs) {
+      if (q.valid() && !t_->Wait(q, replies_until, "reply send").ok()) (void)t_->Cancel(q);
+      q = Request{};
+    }
+    outgoing_.pop_front();
   }
   for (auto& rs : routers_) {
     if (rs.pong_req.valid()) {
@@ -141,27 +186,31 @@ Status ExpertHost::Pong(int router, uint32_t seq) {
 
 bool ExpertHost::SlotsFit(const EpHeaderFixed& h) const {
   return h.slots >= 0 && h.slots <= Placement::kMaxSlotsPerRank &&
-         sizeof(EpHeaderFixed) + sizeof(int32_t) * static_cast<size_t>(h.slots) <= header_bytes_;
+         sizeof(EpHeaderFixed) + sizeof(EpEntry) * static_cast<size_t>(h.slots) <= header_bytes_;
 }
 
-Result<int64_t> ExpertHost::RowsOf(const EpHeaderFixed& h, const int32_t* counts) const {
+Result<int64_t> ExpertHost::RowsOf(const EpHeaderFixed& h, const EpEntry* entries) const {
   const int me = t_->rank();
   const auto lw = layers_.find(h.layer);
-  const LayerPlacement* lp = placement_.Layer(h.layer);
-  if (lw == layers_.end() || lp == nullptr) {
+  if (lw == layers_.end()) {
     return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
                                    std::to_string(h.layer));
   }
-  const auto& slots = lp->rank_slots[static_cast<size_t>(me)];
-  if (h.hidden != lw->second->spec.hidden || h.slots != static_cast<int32_t>(slots.size()) ||
-      h.rows < 0) {
+  const MoeLayerWeights& w = *lw->second;
+  if (h.hidden != w.spec.hidden || h.rows < 0) {
     return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
-                           std::to_string(h.layer) + " does not match this rank's placement");
+                           std::to_string(h.layer) + " does not match the layer's shape");
   }
   int64_t rows = 0;
   for (int i = 0; i < h.slots; ++i) {
-    if (counts[i] < 0) return Status::Corrupt("negative row count in a header");
-    rows += counts[i];
+    if (entries[i].rows < 0) return Status::Corrupt("negative row count in a header");
+    if (entries[i].expert < 0 || entries[i].expert >= static_cast<int32_t>(w.experts.size())) {
+      return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
+                             std::to_string(h.layer) + " names expert " +
+                             std::to_string(entries[i].expert) + " of " +
+                             std::to_string(w.experts.size()));
+    }
+    rows += entries[i].rows;
   }
   if (rows != h.rows) return Status::Corrupt("header row counts do not add up");
   return rows;
@@ -183,7 +232,7 @@ Status ExpertHost::LookAhead(int router) {
   MOERUN_ASSIGN_OR_RETURN(rs.header_req,
                           t_->Irecv(router, kTagHeader, rs.header.data(), header_bytes_));
   if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || !SlotsFit(h)) return Status::Ok();
-  Result<int64_t> rows = RowsOf(h, HeaderCounts(rs.ahead.data()));
+  Result<int64_t> rows = RowsOf(h, HeaderEntries(rs.ahead.data()));
   if (!rows.ok()) return Status::Ok();  // reported when the main loop handles it
   const size_t bytes = static_cast<size_t>(*rows * h.hidden) * sizeof(float);
   const int k = rs.next_in;
@@ -194,12 +243,10 @@ Status ExpertHost::LookAhead(int router) {
   return Status::Ok();
 }
 
-Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* counts) {
+Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const EpEntry* entries) {
   const int me = t_->rank();
-  MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, counts));  // checks layer and placement
+  MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, entries));  // checks layer and experts
   const MoeLayerWeights& w = *layers_.at(h.layer);
-  const LayerPlacement* lp = placement_.Layer(h.layer);
-  const auto& slots = lp->rank_slots[static_cast<size_t>(me)];
   const int64_t hidden = w.spec.hidden;
 
   // Receive the rows (the router puts them into a registered buffer), unless LookAhead has
@@ -229,19 +276,21 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
   int64_t first = 0;
   const ActParams act = w.spec.RoutedAct(w.layer);
   for (int i = 0; i < h.slots; ++i) {
-    const int expert = lp->slots[static_cast<size_t>(slots[static_cast<size_t>(i)])].expert;
+    const int expert = entries[i].expert;
+    const int32_t n = entries[i].rows;
     const ExpertWeights& ew = w.experts[static_cast<size_t>(expert)];
-    if (counts[i] > 0 && ew.w13.empty()) {
+    if (n > 0 && ew.w13.empty()) {
       return Status::Internal("rank " + std::to_string(me) + " got rows for expert " +
-                              std::to_string(expert) + ", which it has not loaded");
+                              std::to_string(expert) + " of layer " + std::to_string(h.layer) +
+                              ", which it does not hold");
     }
-    groups_.push_back(ExpertGroup{&ew, act, first, counts[i]});
-    if (counts[i] > 0) {
+    groups_.push_back(ExpertGroup{&ew, act, first, n});
+    if (n > 0) {
       group_expert_.push_back(expert);
-      group_rows_.push_back(counts[i]);
+      group_rows_.push_back(n);
     }
-    if (rows_observer_ && counts[i] > 0) rows_observer_(h.layer, expert, counts[i]);
-    first += counts[i];
+    if (rows_observer_ && n > 0) rows_observer_(h.layer, expert, n);
+    first += n;
   }
   if (static_cast<int64_t>(rows_.size()) < rows) {
     const size_t old = rows_.size();
@@ -273,10 +322,50 @@ Status ExpertHost::Handle(int router, const EpHeaderFixed& h, const int32_t* cou
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }
   }
+  if (!variants_.empty()) RunCanaries(h, entries, in.as<float>(), out);
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
   ++served_;
   rows_served_ += static_cast<uint64_t>(rows);
   return Status::Ok();
+}
+
+void ExpertHost::RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in,
+                             float* out) {
+  const MoeLayerWeights& w = *layers_.at(h.layer);
+  const int64_t hidden = w.spec.hidden;
+  const ActParams act = w.spec.RoutedAct(w.layer);
+  int64_t first = 0;
+  for (int i = 0; i < h.slots; ++i) {
+    const int64_t n = entries[i].rows;
+    const auto v = variants_.find({h.layer, entries[i].expert});
+    if (v == variants_.end() || n == 0) {
+      first += n;
+      continue;
+    }
+    // Row j of the expert's stream goes to the new weights when floor((j + 1) * share) passes
+    // floor(j * share): after any number of rows the canary count is the share, rounded down.
+    Variant& var = v->second;
+    canary_rows_.clear();
+    for (int64_t r = 0; r < n; ++r) {
+      const uint64_t j = var.rows++;
+      const auto before = static_cast<uint64_t>(static_cast<double>(j) * var.share);
+      const auto after = static_cast<uint64_t>(static_cast<double>(j + 1) * var.share);
+      if (after > before) canary_rows_.push_back(static_cast<int32_t>(first + r));
+    }
+    first += n;
+    if (canary_rows_.empty()) continue;
+    var.canary_rows += canary_rows_.size();
+    const auto m = static_cast<int64_t>(canary_rows_.size());
+    const int64_t ldy = ffn_.PaddedHidden(hidden);
+    canary_y_.Reserve(static_cast<size_t>(m * ldy) * sizeof(float));
+    const ExpertGroup g{&var.weights, act, 0, m};
+    ffn_.Run(std::span<const ExpertGroup>(&g, 1), in, hidden, canary_rows_.data(),
+             canary_y_.as<float>(), ldy);
+    for (int64_t r = 0; r < m; ++r) {
+      std::memcpy(out + static_cast<int64_t>(canary_rows_[static_cast<size_t>(r)]) * hidden,
+                  canary_y_.as<float>() + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
+    }
+  }
 }
 
 }  // namespace moerun

@@ -1,5 +1,8 @@
 #include "runtime/layer_loader.h"
 
+#include <array>
+#include <bit>
+#include <cstdio>
 #include <cstring>
 
 namespace moerun {
@@ -93,16 +96,103 @@ class TensorSource {
 
 DType PackType(DType a, DType b, DType c) { return a == b && b == c ? a : DType::kF32; }
 
+float RoundTo(float v, DType t) {
+  if (t == DType::kBF16) return Bf16ToF32(F32ToBf16(v));
+  if (t == DType::kF16) return F16ToF32(F32ToF16(v));
+  return v;
+}
+
+// The gate, up and down tensors an expert comes from (for errors).
+using TensorNames = std::array<std::string, 3>;
+
+// OK when every weight of `es` is exactly representable in `held`; otherwise names the first
+// tensor and value that is not.
+Status CheckExact(const ExpertSource& es, DType held, int64_t hidden, int64_t inter,
+                  const TensorNames& names) {
+  std::vector<float> row;
+  const RowReader* readers[3] = {&es.gate, &es.up, &es.down};
+  for (int m = 0; m < 3; ++m) {
+    const int64_t rows = m < 2 ? inter : hidden;
+    const int64_t cols = m < 2 ? hidden : inter;
+    row.resize(static_cast<size_t>(cols));
+    for (int64_t n = 0; n < rows; ++n) {
+      (*readers[m])(n, row.data());
+      for (int64_t k = 0; k < cols; ++k) {
+        const float v = row[static_cast<size_t>(k)];
+        if (std::bit_cast<uint32_t>(RoundTo(v, held)) == std::bit_cast<uint32_t>(v)) continue;
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%.9g (output %lld, input %lld of the matrix)",
+                      static_cast<double>(v), static_cast<long long>(n), static_cast<long long>(k));
+        return Status::InvalidArgument(
+            "tensor '" + names[static_cast<size_t>(m)] + "' holds the value " + buf + ", which " +
+            DTypeName(held) + " cannot hold exactly; the experts are held as " + DTypeName(held) +
+            " and would be rounded: refusing (store the weights as " + DTypeName(held) + ")");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Packs an expert in `hold_as`, or in `stored` (the source's type) if unset. A conversion to F32
+// is exact; one to a 16-bit type is made only if CheckExact passes.
+Result<ExpertWeights> Pack(const CpuKernels& kernels, DType stored,
+                           const std::optional<DType>& hold_as, int64_t hidden, int64_t inter,
+                           const ExpertSource& es, const TensorNames& names, int threads) {
+  const DType held = hold_as.value_or(stored);
+  if (held != stored && held != DType::kF32) {
+    MOERUN_RETURN_IF_ERROR(CheckExact(es, held, hidden, inter, names));
+  }
+  return PackExpert(kernels, held, hidden, inter, es, threads);
+}
+
 // Per-expert matrices named <expert>.<gate|up|down> (Mixtral w1/w3/w2, others *_proj.weight).
 Result<ExpertWeights> LoadSeparateExpert(const TensorSource& src, const std::string& base,
                                          const char* gate, const char* up, const char* down,
                                          int64_t hidden, int64_t inter, const CpuKernels& kernels,
-                                         int threads) {
+                                         const std::optional<DType>& hold_as, int threads) {
   MOERUN_ASSIGN_OR_RETURN(MatrixView g, src.Matrix(base + gate, inter, hidden));
   MOERUN_ASSIGN_OR_RETURN(MatrixView u, src.Matrix(base + up, inter, hidden));
   MOERUN_ASSIGN_OR_RETURN(MatrixView d, src.Matrix(base + down, hidden, inter));
   ExpertSource es{Reader(g), Reader(u), Reader(d), {}, {}, {}};
-  return PackExpert(kernels, PackType(g.dtype, u.dtype, d.dtype), hidden, inter, es, threads);
+  return Pack(kernels, PackType(g.dtype, u.dtype, d.dtype), hold_as, hidden, inter, es,
+              {src.Name(base + gate), src.Name(base + up), src.Name(base + down)}, threads);
+}
+
+// The router (with the Qwen2-MoE shared-expert gate as its last row), router bias and selection
+// bias.
+Status LoadRouter(const TensorSource& src, const ModelSpec& spec, const std::string& gate_name,
+                  const CpuKernels& kernels, MoeLayerWeights* w) {
+  const int64_t h = spec.hidden;
+  const int experts = spec.num_experts;
+  MOERUN_ASSIGN_OR_RETURN(MatrixView gate, src.Matrix(gate_name, experts, h));
+  MatrixView shared_gate;
+  if (spec.shared_gated) {
+    MOERUN_ASSIGN_OR_RETURN(shared_gate, src.Matrix("mlp.shared_expert_gate.weight", 1, h));
+  }
+  const int64_t gate_rows = experts + (spec.shared_gated ? 1 : 0);
+  w->gate = PackedMatrix(DType::kF32, gate_rows, h, kernels.nr);
+  const RowReader gate_reader = Reader(gate);
+  const RowReader shared_gate_reader = spec.shared_gated ? Reader(shared_gate) : RowReader();
+  w->gate.Fill(
+      [&](int64_t n, float* row) {
+        if (n < experts) {
+          gate_reader(n, row);
+        } else {
+          shared_gate_reader(0, row);
+        }
+      },
+      1);
+  if (spec.router_bias) {
+    MOERUN_ASSIGN_OR_RETURN(std::vector<float> b, src.Vector("mlp.router.bias", experts));
+    w->gate_bias.assign(static_cast<size_t>(w->gate.n_padded()), 0.0f);
+    std::copy(b.begin(), b.end(), w->gate_bias.begin());
+  }
+  if (spec.gate.selection_bias) {
+    const char* name =
+        spec.family == Family::kStep3p5 ? "moe.router_bias" : "mlp.gate.e_score_correction_bias";
+    MOERUN_ASSIGN_OR_RETURN(w->selection_bias, src.Vector(name, experts));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -136,6 +226,10 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
   if (!opts.load_expert.empty() && opts.load_expert.size() != static_cast<size_t>(experts)) {
     return Status::InvalidArgument("expert mask size does not match the expert count");
   }
+  if (opts.hold_as && !IsKernelWeightType(*opts.hold_as)) {
+    return Status::InvalidArgument(std::string("cannot hold expert weights as ") +
+                                   DTypeName(*opts.hold_as) + " (F32, BF16 and F16 can be)");
+  }
   const std::string L = "model.layers." + std::to_string(layer) + ".";
   TensorSource src(ckpt, L);
 
@@ -166,33 +260,8 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
       gate_name = "moe.gate.weight";
       break;
   }
-  MOERUN_ASSIGN_OR_RETURN(MatrixView gate, src.Matrix(gate_name, experts, h));
-  MatrixView shared_gate;
-  if (spec.shared_gated) {
-    MOERUN_ASSIGN_OR_RETURN(shared_gate, src.Matrix("mlp.shared_expert_gate.weight", 1, h));
-  }
-  const int64_t gate_rows = experts + (spec.shared_gated ? 1 : 0);
-  w.gate = PackedMatrix(DType::kF32, gate_rows, h, kernels.nr);
-  const RowReader gate_reader = Reader(gate);
-  const RowReader shared_gate_reader = spec.shared_gated ? Reader(shared_gate) : RowReader();
-  w.gate.Fill(
-      [&](int64_t n, float* row) {
-        if (n < experts) {
-          gate_reader(n, row);
-        } else {
-          shared_gate_reader(0, row);
-        }
-      },
-      1);
-  if (spec.router_bias) {
-    MOERUN_ASSIGN_OR_RETURN(std::vector<float> b, src.Vector("mlp.router.bias", experts));
-    w.gate_bias.assign(static_cast<size_t>(w.gate.n_padded()), 0.0f);
-    std::copy(b.begin(), b.end(), w.gate_bias.begin());
-  }
-  if (spec.gate.selection_bias) {
-    const char* name =
-        spec.family == Family::kStep3p5 ? "moe.router_bias" : "mlp.gate.e_score_correction_bias";
-    MOERUN_ASSIGN_OR_RETURN(w.selection_bias, src.Vector(name, experts));
+  if (!opts.experts_only) {
+    MOERUN_RETURN_IF_ERROR(LoadRouter(src, spec, gate_name, kernels, &w));
   }
 
   // Routed experts.
@@ -246,7 +315,10 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
         es.bias_down.push_back(
             LoadAsF32(down_bias.data, down_bias.info->dtype, static_cast<int64_t>(e) * h + j));
       }
-      ew = PackExpert(kernels, PackType(dt, ddt, dt), h, inter, es, opts.threads);
+      const std::string gu_name = src.Name("mlp.experts.gate_up_proj");
+      MOERUN_ASSIGN_OR_RETURN(
+          ew, Pack(kernels, PackType(dt, ddt, dt), opts.hold_as, h, inter, es,
+                   {gu_name, gu_name, src.Name("mlp.experts.down_proj")}, opts.threads));
     } else if (spec.family == Family::kStep3p5) {
       const int64_t gu = static_cast<int64_t>(e) * inter * h;
       const MatrixView g{st_gate.data, st_gate.info->dtype, inter, h, h, 1};
@@ -259,11 +331,16 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
       };
       ExpertSource es{
           Reader(offset(g, gu)), Reader(offset(u, gu)), Reader(offset(d, gu)), {}, {}, {}};
-      ew = PackExpert(kernels, PackType(g.dtype, u.dtype, d.dtype), h, inter, es, opts.threads);
+      MOERUN_ASSIGN_OR_RETURN(
+          ew, Pack(kernels, PackType(g.dtype, u.dtype, d.dtype), opts.hold_as, h, inter, es,
+                   {src.Name("moe.gate_proj.weight"), src.Name("moe.up_proj.weight"),
+                    src.Name("moe.down_proj.weight")},
+                   opts.threads));
     } else {
       MOERUN_ASSIGN_OR_RETURN(
-          ew, LoadSeparateExpert(src, expert_prefix + std::to_string(e), g_name.c_str(),
-                                 u_name.c_str(), d_name.c_str(), h, inter, kernels, opts.threads));
+          ew,
+          LoadSeparateExpert(src, expert_prefix + std::to_string(e), g_name.c_str(), u_name.c_str(),
+                             d_name.c_str(), h, inter, kernels, opts.hold_as, opts.threads));
     }
     bytes += ew.bytes();
     w.experts[static_cast<size_t>(e)] = std::move(ew);
@@ -272,7 +349,7 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
   }
 
   // Shared expert.
-  if (spec.shared_inter > 0) {
+  if (spec.shared_inter > 0 && !opts.experts_only) {
     std::string base;
     const char* g = ".gate_proj.weight";
     const char* u = ".up_proj.weight";
@@ -290,16 +367,20 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
       default:
         return Status::Internal("shared expert in a family without one");
     }
-    MOERUN_ASSIGN_OR_RETURN(
-        ExpertWeights sw,
-        LoadSeparateExpert(src, base, g, u, d, h, spec.shared_inter, kernels, opts.threads));
+    MOERUN_ASSIGN_OR_RETURN(ExpertWeights sw,
+                            LoadSeparateExpert(src, base, g, u, d, h, spec.shared_inter, kernels,
+                                               opts.hold_as, opts.threads));
     w.shared = std::move(sw);
   }
   w.dtype = DType::kF32;
-  for (const auto& e : w.experts) {
-    if (!e.w13.empty()) {
-      w.dtype = e.w13.dtype();
-      break;
+  if (opts.hold_as) {
+    w.dtype = *opts.hold_as;
+  } else {
+    for (const auto& e : w.experts) {
+      if (!e.w13.empty()) {
+        w.dtype = e.w13.dtype();
+        break;
+      }
     }
   }
   return w;

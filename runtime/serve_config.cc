@@ -84,7 +84,7 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   MOERUN_RETURN_IF_ERROR(
       r.CheckKeys({"model", "preset", "layers", "transport", "ranks", "routers", "placement",
                    "microbatch_tokens", "deadline_ms", "startup_timeout_s", "threads", "isa",
-                   "batching", "serving", "log_level"}));
+                   "batching", "serving", "rebalance", "log_level"}));
   MOERUN_RETURN_IF_ERROR(r.GetString("model", &c.model));
   if (const YAML::Node p = root["preset"]) {
     Reader pr(p, source + ": \"preset\"");
@@ -178,6 +178,24 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_deadline_ms", &v.probe_deadline_ms, 1, 3600000));
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("drain_timeout_s", &v.drain_timeout_s, 0, 86400));
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("load_window_s", &v.load_window_s, 1, 86400));
+  }
+  if (const YAML::Node n = root["rebalance"]) {
+    Reader rr(n, source + ": \"rebalance\"");
+    RebalanceConfig& v = c.rebalance;
+    MOERUN_RETURN_IF_ERROR(rr.CheckKeys({"throttle_mib_s", "auto", "interval_s", "min_gain",
+                                         "redundant", "policy", "min_assignments"}));
+    MOERUN_RETURN_IF_ERROR(rr.Get<double>("throttle_mib_s", &v.throttle_mib_s, 0.0, 1e9));
+    MOERUN_RETURN_IF_ERROR(rr.Get<bool>("auto", &v.automatic, false, true));
+    MOERUN_RETURN_IF_ERROR(rr.Get<int64_t>("interval_s", &v.interval_s, 1, 86400 * 30));
+    MOERUN_RETURN_IF_ERROR(rr.Get<double>("min_gain", &v.min_gain, 0.0, 1.0));
+    MOERUN_RETURN_IF_ERROR(rr.Get<int>("redundant", &v.redundant, 0, 65536));
+    MOERUN_RETURN_IF_ERROR(rr.GetString("policy", &v.policy));
+    if (v.policy != "default" && v.policy != "eplb-hierarchical" && v.policy != "eplb-global") {
+      return Status::InvalidArgument(rr.Where("policy") +
+                                     " must be default, eplb-hierarchical or eplb-global");
+    }
+    MOERUN_RETURN_IF_ERROR(
+        rr.Get<int64_t>("min_assignments", &v.min_assignments, 0, int64_t{1} << 40));
   }
   return c;
 }
