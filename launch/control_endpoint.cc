@@ -17,6 +17,24 @@ using moerun::v1::ErrorCode;
 
 namespace {
 
+// A provider's error as the answer's code: bad input stays INVALID_ARGUMENT; "try again later"
+// (a migration already running, a rank that does not answer) is UNAVAILABLE.
+ErrorCode ErrorCodeFor(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kUnavailable:
+      return moerun::v1::UNAVAILABLE;
+    case StatusCode::kResourceExhausted:
+      return moerun::v1::OVERLOADED;
+    case StatusCode::kDeadlineExceeded:
+      return moerun::v1::DEADLINE_EXCEEDED;
+    case StatusCode::kIoError:
+    case StatusCode::kInternal:
+      return moerun::v1::INTERNAL;
+    default:  // invalid argument, not found, corrupt, unsupported
+      return moerun::v1::INVALID_ARGUMENT;
+  }
+}
+
 std::string ErrorFrame(ErrorCode code, const std::string& message) {
   ControlResponse r;
   r.set_code(code);
@@ -68,8 +86,9 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   ep->provider_ = std::move(provider);
   ep->auth_failures_ = metrics->AddCounter("moerun_control_auth_failures_total",
                                            "Control requests refused for a missing or wrong token");
-  const char* kinds[5] = {"status", "placement", "stats", "plan", "malformed"};
-  for (int i = 0; i < 5; ++i) {
+  const char* kinds[9] = {"status", "placement", "stats",         "plan",         "malformed",
+                          "apply",  "progress",  "expert_update", "expert_action"};
+  for (int i = 0; i < 9; ++i) {
     ep->requests_[i] = metrics->AddCounter("moerun_control_requests_total",
                                            "Control requests, by command", {{"command", kinds[i]}});
   }
@@ -127,6 +146,47 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
           return conn->Send(ErrorFrame(moerun::v1::INVALID_ARGUMENT, plan.status().message()));
         }
         *r.mutable_plan() = std::move(plan).value();
+        break;
+      }
+      case ControlRequest::kApply: {
+        requests_[5]->Inc();
+        if (!provider_.apply) {
+          return conn->Send(
+              ErrorFrame(moerun::v1::INVALID_ARGUMENT, "applying a placement is not offered"));
+        }
+        Result<moerun::v1::MigrationStatus> m = provider_.apply(req.apply());
+        if (!m.ok()) return conn->Send(ErrorFrame(ErrorCodeFor(m.status()), m.status().message()));
+        *r.mutable_migration() = std::move(m).value();
+        break;
+      }
+      case ControlRequest::kProgress:
+        requests_[6]->Inc();
+        if (!provider_.progress) {
+          return conn->Send(
+              ErrorFrame(moerun::v1::INVALID_ARGUMENT, "migration progress is not offered"));
+        }
+        *r.mutable_migration() = provider_.progress();
+        break;
+      case ControlRequest::kExpertUpdate: {
+        requests_[7]->Inc();
+        if (!provider_.expert_update) {
+          return conn->Send(
+              ErrorFrame(moerun::v1::INVALID_ARGUMENT, "expert updates are not offered"));
+        }
+        Result<moerun::v1::ExpertResponse> e = provider_.expert_update(req.expert_update());
+        if (!e.ok()) return conn->Send(ErrorFrame(ErrorCodeFor(e.status()), e.status().message()));
+        *r.mutable_experts() = std::move(e).value();
+        break;
+      }
+      case ControlRequest::kExpertAction: {
+        requests_[8]->Inc();
+        if (!provider_.expert_action) {
+          return conn->Send(ErrorFrame(moerun::v1::INVALID_ARGUMENT,
+                                       "expert status, promote and rollback are not offered"));
+        }
+        Result<moerun::v1::ExpertResponse> e = provider_.expert_action(req.expert_action());
+        if (!e.ok()) return conn->Send(ErrorFrame(ErrorCodeFor(e.status()), e.status().message()));
+        *r.mutable_experts() = std::move(e).value();
         break;
       }
       default:

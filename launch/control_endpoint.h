@@ -55,7 +55,8 @@ class ControlEndpoint {
   ControlProvider provider_;
   std::unique_ptr<FramedServer> server_;
   Counter* auth_failures_ = nullptr;
-  Counter* requests_[5] = {};  // status, placement, stats, plan, malformed
+  // status, placement, stats, plan, malformed, apply, progress, expert_update, expert_action
+  Counter* requests_[9] = {};
 };
 
 }  // namespace moerun

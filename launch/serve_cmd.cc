@@ -214,8 +214,21 @@ int RunServe(const ServeFlags& f) {
           [rs](std::shared_ptr<const Placement> p) { rs->SetPlacement(std::move(p)); });
     }
     std::unique_ptr<PlacementControl> placement_control;
+    // Updated between batches (RankServices outlives this router's RouterControl).
+    Gauge* version_gauge = nullptr;
+    Gauge* migration_running = nullptr;
+    Gauge* migration_bytes = nullptr;
+    if (rc != nullptr) {
+      version_gauge = rs->metrics().AddGauge("moerun_placement_version",
+                                             "Version of the placement this router uses");
+      version_gauge->Set(static_cast<double>(rc->placement()->version()));
+    }
     if (rank == 0 && rc != nullptr) {
       placement_control = std::make_unique<PlacementControl>(rs, rc, c.rebalance);
+      migration_running =
+          rs->metrics().AddGauge("moerun_migration_running", "1 while a migration runs");
+      migration_bytes = rs->metrics().AddGauge("moerun_migration_bytes_loaded",
+                                               "Bytes of expert weights the last migration loaded");
     }
     Status control_failed;
     Batcher batcher(c.batching, spec->hidden);
@@ -286,7 +299,15 @@ int RunServe(const ServeFlags& f) {
           g_stop.store(true);
         }
       }
-      if (placement_control) placement_control->Tick();
+      if (placement_control) {
+        placement_control->Tick();
+        const MigrationView mv = rc->Progress();
+        migration_running->Set(mv.state == "running" ? 1.0 : 0.0);
+        migration_bytes->Set(static_cast<double>(mv.bytes_loaded));
+      }
+      if (version_gauge != nullptr) {
+        version_gauge->Set(static_cast<double>(rc->placement()->version()));
+      }
       const BatcherStats st = batcher.stats();
       rs->Refresh(health, static_cast<int64_t>(st.queued_requests), st.queued_tokens);
     };

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Online migration and an expert update on a real job: `mpirun -np 5 moerun serve` (2 routers,
+# 3 expert ranks, a skewed preset), `moebench serve --verify` against both routers while
+#   1. `moectl rebalance --redundant 1 --wait` moves experts (every answer must stay bitwise
+#      right, none may fail), and the window's balancedness rises;
+#   2. `moectl expert update --canary 20` puts new weights (tests/serving/make_expert_file.py)
+#      beside the hottest expert: the share of its rows they compute is 20% (+-1 point) and
+#      answers change; `moectl expert rollback`: answers are bitwise right again;
+#   3. bad requests (a placement for another job, a missing file, promote without an update)
+#      are refused with exit 1 and a reason, and the job keeps serving.
+# Prints one JSON line with the figures. Exit 0 on success, 1 on failure, 77 (skip) without mpirun.
+#
+#   migrate_e2e.sh MOERUN MOECTL MOEBENCH [mpi|ucx]
+set -uo pipefail
+[[ $# -ge 3 ]] || { echo "usage: migrate_e2e.sh MOERUN MOECTL MOEBENCH [mpi|ucx]" >&2; exit 2; }
+MOERUN=$(realpath "$1")
+MOECTL=$(realpath "$2")
+MOEBENCH=$(realpath "$3")
+TRANSPORT=${4:-mpi}
+HERE=$(cd "$(dirname "$0")" && pwd)
+command -v mpirun >/dev/null || { echo "SKIP: mpirun is not installed"; exit 77; }
+command -v python3 >/dev/null || { echo "SKIP: python3 is not installed"; exit 77; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+WORK=$(mktemp -d /tmp/moerun-migrate.XXXXXX)
+PORT=$((20000 + RANDOM % 20000))
+CTL=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
+MPIRUN_PID=""
+cleanup() {
+  if [[ -n "$MPIRUN_PID" ]]; then
+    kill -TERM "$MPIRUN_PID" 2>/dev/null
+    for _ in $(seq 1 20); do kill -0 "$MPIRUN_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$MPIRUN_PID" 2>/dev/null
+  fi
+  pkill -KILL -f "$WORK/serve.yaml" 2>/dev/null
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+[[ -n "${KEEP_WORK:-}" ]] && trap - EXIT
+fail() {
+  echo "FAIL: $*" >&2
+  echo "--- serve log (tail)" >&2
+  tail -40 "$WORK/serve.log" >&2
+  exit 1
+}
+printf 'migrate-test-token-%s\n' "$RANDOM$RANDOM" >"$WORK/token"
+chmod 600 "$WORK/token"
+cat >"$WORK/serve.yaml" <<EOC
+preset: {name: qwen3-30b-a3b, seed: 5, experts: 32, dtype: bf16, gate_skew: 1.0}
+transport: $TRANSPORT
+routers: 2
+placement: linear
+threads: 1
+serving:
+  listen: 127.0.0.1:$PORT
+  control_listen: 127.0.0.1:$((PORT + 100))
+  metrics_listen: 127.0.0.1:$((PORT + 200))
+  token_file: $WORK/token
+  load_window_s: 6
+rebalance:
+  throttle_mib_s: 200
+EOC
+mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 5 "$MOERUN" serve \
+  --config "$WORK/serve.yaml" --ready-file "$WORK/ready" >"$WORK/serve.log" 2>&1 &
+MPIRUN_PID=$!
+for _ in $(seq 1 240); do [[ -f "$WORK/ready" ]] && break; sleep 0.5; done
+[[ -f "$WORK/ready" ]] || fail "serve did not get ready"
+
+BENCH=(--concurrency 2 --tokens-per-request 16 --preset qwen3-30b-a3b --seed 5 --experts 32
+       --weights-dtype bf16 --gate-skew 1.0 --json)
+bench() {  # bench NAME ROUTER DURATION [--verify]
+  "$MOEBENCH" serve --target "127.0.0.1:$((PORT + $2))" --duration "$3" "${BENCH[@]}" "${@:4}" \
+    >"$WORK/$1.json" 2>"$WORK/$1.log"
+}
+status() { "$MOECTL" "${CTL[@]}" status --json >"$WORK/$1.status" || fail "moectl status"; }
+
+# 0. Skewed steady state.
+bench steady0 0 6 --verify & B0=$!
+bench steady1 1 6 --verify & B1=$!
+wait $B0 || fail "moebench (router 0) failed before the migration"
+wait $B1 || fail "moebench (router 1) failed before the migration"
+status before
+
+# 1. Rebalance while both routers serve.
+bench during0 0 14 --verify & B0=$!
+bench during1 1 14 --verify & B1=$!
+sleep 2
+"$MOECTL" "${CTL[@]}" rebalance --redundant 1 --wait --json >"$WORK/migration.json" \
+  2>"$WORK/migration.err" || { cat "$WORK/migration.err" >&2; fail "moectl rebalance"; }
+wait $B0 || fail "moebench (router 0) saw failed or wrong answers during the migration"
+wait $B1 || fail "moebench (router 1) saw failed or wrong answers during the migration"
+bench after0 0 6 --verify || fail "moebench after the migration"
+status after
+
+# 2. New weights for the hottest expert, 20% canary.
+LAYER=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['layers'][0]['layer'])" \
+  "$WORK/after.status")
+python3 "$HERE/make_expert_file.py" --family qwen3 --layer "$LAYER" --expert 0 --hidden 2048 \
+  --inter 768 --dtype bf16 --seed 9 "$WORK/expert0.safetensors" || fail "make_expert_file.py"
+"$MOECTL" "${CTL[@]}" expert update --layer "$LAYER" --expert 0 \
+  --from "$WORK/expert0.safetensors" --canary 20 --wait >"$WORK/update.txt" 2>&1 ||
+  { cat "$WORK/update.txt" >&2; fail "moectl expert update"; }
+bench canary 0 6   # no --verify: a fifth of expert 0's rows now differ
+bench canary_check 0 2 --verify && fail "answers did not change under the canary"
+sleep 1.5          # router 0 asks the expert ranks for their counts once a second
+"$MOECTL" "${CTL[@]}" expert status --layer "$LAYER" --expert 0 --json >"$WORK/canary.json" ||
+  fail "moectl expert status"
+"$MOECTL" "${CTL[@]}" expert rollback --layer "$LAYER" --expert 0 >"$WORK/rollback.txt" 2>&1 ||
+  { cat "$WORK/rollback.txt" >&2; fail "moectl expert rollback"; }
+for _ in $(seq 1 50); do
+  "$MOECTL" "${CTL[@]}" expert status --layer "$LAYER" --expert 0 --json >"$WORK/rolled_status.json" ||
+    fail "moectl expert status"
+  grep -q '"rolled back"' "$WORK/rolled_status.json" && break
+  sleep 0.2
+done
+bench rolled 0 3 --verify || fail "answers are not bitwise right after the rollback"
+
+# 3. Refusals.
+python3 - "$WORK/other.json" <<'PY'
+import json, sys
+slots = [[1 + e % 3, e] for e in range(32)]
+json.dump({"format": "moerun-placement-v1", "version": 1, "num_experts": 32, "num_ranks": 4,
+           "num_routers": 1, "layers": {"*": slots}}, open(sys.argv[1], "w"))
+PY
+"$MOECTL" "${CTL[@]}" placement apply "$WORK/other.json" >"$WORK/refused1.txt" 2>&1 &&
+  fail "a placement for another job was accepted"
+grep -q "this job has" "$WORK/refused1.txt" || fail "no reason for the refusal: $(cat "$WORK/refused1.txt")"
+"$MOECTL" "${CTL[@]}" expert promote --layer "$LAYER" --expert 3 >"$WORK/refused2.txt" 2>&1 &&
+  fail "promote without an update was accepted"
+"$MOECTL" "${CTL[@]}" expert update --layer "$LAYER" --expert 1 --from "$WORK/nope.safetensors" \
+  >"$WORK/refused3.txt" 2>&1 && fail "an update from a missing file was accepted"
+bench final 0 2 --verify || fail "the job does not serve after the refusals"
+
+python3 - "$WORK" <<'PY'
+import json, sys
+w = sys.argv[1]
+def j(n): return json.load(open(f"{w}/{n}"))
+m = j("migration.json")
+before = j("before.status")["layers"][0]["window_balancedness"]
+after = j("after.status")["layers"][0]["window_balancedness"]
+canary = j("canary.json")["variants"][0]
+rolled = j("rolled_status.json")["variants"][0]
+share = int(canary["canary_rows"]) / max(1, int(canary["rows"]))
+benches = [j(f"{n}.json") for n in ("during0", "during1", "after0", "rolled", "final")]
+out = {
+    "migration_state": m["state"], "migration_s": round(m["elapsed_s"], 2),
+    "bytes_loaded": int(m["bytes_loaded"]), "bytes_freed": int(m.get("bytes_freed", 0)),
+    "balancedness_before": round(before, 3), "balancedness_after": round(after, 3),
+    "predicted": round(m["plan"]["layers"][0]["balancedness_after"], 3),
+    "requests_during": [b.get("ok", 0) for b in benches[:2]],
+    "latency_ms_max_during": max(b["latency_ms"]["max"] for b in benches[:2]),
+    "canary_rows": int(canary["canary_rows"]), "rows": int(canary["rows"]),
+    "canary_share": round(share, 4), "rollback_state": rolled["state"],
+}
+print(json.dumps(out))
+ok = (m["state"] == "done" and after > before and abs(share - 0.20) <= 0.01
+      and int(canary["rows"]) > 0 and rolled["state"] == "rolled back"
+      and all(b.get("error_count", 1) == 0 and b.get("verified", -1) == b.get("ok", -2)
+              and b.get("ok", 0) > 0 for b in benches))
+sys.exit(0 if ok else 1)
+PY
+rc=$?
+[[ $rc -eq 0 ]] || fail "the figures above do not hold"
+echo "PASS"
