@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "router/placement.h"
@@ -61,6 +62,14 @@ struct EpControlHeader {
 };
 static_assert(sizeof(EpControlHeader) == 16);
 inline constexpr uint64_t kMaxControlBytes = 16u << 20;
+
+inline std::vector<char> ControlHeaderFor(const std::string& body) {
+  EpControlHeader h;
+  h.bytes = body.size();
+  std::vector<char> out(sizeof h);
+  std::memcpy(out.data(), &h, sizeof h);
+  return out;
+}
 
 // An expert rank's answer to kPing: the ping's seq and what the rank reports of itself.
 struct EpPong {

@@ -52,11 +52,7 @@ size_t ExpertHost::held_bytes() const {
 ExpertHost::~ExpertHost() {
   cancel_.store(true);
   if (result_.valid()) result_.wait();
-  for (auto& o : outgoing_) {
-    for (Request& q : o->reqs) {
-      if (q.valid()) (void)t_->Cancel(q);
-    }
-  }
+  outgoing_.Drain(t_, SteadyClock::now());
   for (auto& r : routers_) {
     if (r.rows_req.valid()) (void)t_->Cancel(r.rows_req);
     if (r.header_req.valid()) (void)t_->Cancel(r.header_req);
@@ -147,14 +143,7 @@ Status ExpertHost::Serve() {
   }
   // Control replies are small; one the routers no longer wait for (they have all stopped) is
   // withdrawn after a short wait.
-  const Deadline replies_until = DeadlineIn(std::chrono::milliseconds(2000));
-  while (!outgoing_.empty()) {
-    for (Request& q : outgoing_.front()->reqs) {
-      if (q.valid() && !t_->Wait(q, replies_until, "reply send").ok()) (void)t_->Cancel(q);
-      q = Request{};
-    }
-    outgoing_.pop_front();
-  }
+  outgoing_.Drain(t_, DeadlineIn(std::chrono::milliseconds(2000)));
   for (auto& rs : routers_) {
     if (rs.pong_req.valid()) {
       MOERUN_RETURN_IF_ERROR(t_->Wait(rs.pong_req, DeadlineIn(opts_.deadline), "pong send"));

@@ -31,6 +31,7 @@
 #include "router/placement.h"
 #include "runtime/ep_protocol.h"
 #include "runtime/moe_layer.h"
+#include "runtime/owned_sends.h"
 #include "transport/transport.h"
 
 namespace moerun {
@@ -193,12 +194,7 @@ class ExpertHost {
   std::atomic<uint64_t> job_bytes_{0};
   std::atomic<bool> cancel_{false};
   std::chrono::steady_clock::time_point last_progress_;
-  struct Outgoing {
-    EpControlHeader header;
-    std::string body;
-    Request reqs[2];
-  };
-  std::deque<std::unique_ptr<Outgoing>> outgoing_;
+  OwnedSends outgoing_;
   std::vector<char> control_in_;
 };
 

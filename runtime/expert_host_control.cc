@@ -25,14 +25,7 @@ std::vector<int> IntList(const json& j, const char* key) {
 }  // namespace
 
 Status ExpertHost::Reply(int router, const std::string& body) {
-  auto o = std::make_unique<Outgoing>();
-  o->body = body;
-  o->header.bytes = o->body.size();
-  MOERUN_ASSIGN_OR_RETURN(o->reqs[0], t_->Isend(router, kTagControl, &o->header, sizeof o->header));
-  MOERUN_ASSIGN_OR_RETURN(o->reqs[1],
-                          t_->Isend(router, kTagControlBody, o->body.data(), o->body.size()));
-  outgoing_.push_back(std::move(o));
-  return Status::Ok();
+  return outgoing_.Send(t_, router, kTagControl, kTagControlBody, ControlHeaderFor(body), body);
 }
 
 Status ExpertHost::Control(int router, const EpHeaderFixed& h) {
@@ -244,21 +237,7 @@ Status ExpertHost::StartNextJob() {
 }
 
 Status ExpertHost::PollControl() {
-  while (!outgoing_.empty()) {
-    Outgoing& o = *outgoing_.front();
-    bool all = true;
-    for (Request& q : o.reqs) {
-      if (!q.valid()) continue;
-      MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(q));
-      if (done) {
-        q = Request{};
-      } else {
-        all = false;
-      }
-    }
-    if (!all) break;
-    outgoing_.pop_front();
-  }
+  MOERUN_RETURN_IF_ERROR(outgoing_.Poll(t_));
   if (!running_) return Status::Ok();
   const auto now = std::chrono::steady_clock::now();
   if (result_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {

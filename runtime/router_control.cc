@@ -64,13 +64,7 @@ RouterControl::~RouterControl() {
     if (r.valid()) (void)t_->Cancel(r);
   }
   // Replies and switch messages are small (sent eagerly); wait a little for them, then withdraw.
-  const Deadline until = DeadlineIn(std::chrono::milliseconds(2000));
-  for (auto& o : outgoing_) {
-    for (Request& q : o->reqs) {
-      if (!q.valid()) continue;
-      if (!t_->Wait(q, until, "control send").ok()) (void)t_->Cancel(q);
-    }
-  }
+  outgoing_.Drain(t_, DeadlineIn(std::chrono::milliseconds(2000)));
 }
 
 std::shared_ptr<const Placement> RouterControl::placement() const {
@@ -82,36 +76,22 @@ Status RouterControl::SendToExpert(int rank, const std::string& op, ReplyFn on_r
   const uint32_t id = next_id_++;
   json j = json::parse(op);
   j["id"] = id;
-  auto o = std::make_unique<Outgoing>();
-  o->body = j.dump();
-  o->header.assign(header_bytes_, 0);
+  std::string body = j.dump();
+  std::vector<char> header(header_bytes_, 0);
   EpHeaderFixed h;
   h.kind = static_cast<uint32_t>(EpKind::kControl);
   h.layer = j.value("layer", -1);
   h.seq = id;
-  h.rows = static_cast<int64_t>(o->body.size());
-  std::memcpy(o->header.data(), &h, sizeof h);
-  MOERUN_ASSIGN_OR_RETURN(o->reqs[0],
-                          t_->Isend(rank, kTagHeader, o->header.data(), o->header.size()));
-  MOERUN_ASSIGN_OR_RETURN(o->reqs[1], t_->Isend(rank, kTagRows, o->body.data(), o->body.size()));
-  outgoing_.push_back(std::move(o));
-  pending_[id] = std::move(on_reply);
+  h.rows = static_cast<int64_t>(body.size());
+  std::memcpy(header.data(), &h, sizeof h);
+  MOERUN_RETURN_IF_ERROR(
+      outgoing_.Send(t_, rank, kTagHeader, kTagRows, std::move(header), std::move(body)));
+  pending_[id] = PendingOp{std::move(on_reply), rank, std::chrono::steady_clock::now()};
   return Status::Ok();
 }
 
 Status RouterControl::SendToRouter(int rank, const std::string& body) {
-  auto o = std::make_unique<Outgoing>();
-  o->body = body;
-  EpControlHeader h;
-  h.bytes = o->body.size();
-  o->header.resize(sizeof h);
-  std::memcpy(o->header.data(), &h, sizeof h);
-  MOERUN_ASSIGN_OR_RETURN(o->reqs[0],
-                          t_->Isend(rank, kTagControl, o->header.data(), o->header.size()));
-  MOERUN_ASSIGN_OR_RETURN(o->reqs[1],
-                          t_->Isend(rank, kTagControlBody, o->body.data(), o->body.size()));
-  outgoing_.push_back(std::move(o));
-  return Status::Ok();
+  return outgoing_.Send(t_, rank, kTagControl, kTagControlBody, ControlHeaderFor(body), body);
 }
 
 Status RouterControl::PollReceives() {
@@ -136,21 +116,7 @@ Status RouterControl::PollReceives() {
     MOERUN_ASSIGN_OR_RETURN(r, t_->Irecv(p, kTagControl, &h, sizeof h));
     MOERUN_RETURN_IF_ERROR(OnMessage(p, body));
   }
-  while (!outgoing_.empty()) {
-    bool all = true;
-    for (Request& q : outgoing_.front()->reqs) {
-      if (!q.valid()) continue;
-      MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(q));
-      if (done) {
-        q = Request{};
-      } else {
-        all = false;
-      }
-    }
-    if (!all) break;
-    outgoing_.pop_front();
-  }
-  return Status::Ok();
+  return outgoing_.Poll(t_);
 }
 
 Status RouterControl::OnMessage(int from, const std::string& body) {
@@ -212,7 +178,9 @@ Status RouterControl::OnMessage(int from, const std::string& body) {
   r.freed = j.value("freed_bytes", int64_t{0});
   r.rows = j.value("rows", uint64_t{0});
   r.canary_rows = j.value("canary_rows", uint64_t{0});
-  ReplyFn fn = it->second;
+  if (it->second.rank != from) return Status::Ok();  // not the rank it was sent to
+  it->second.last = std::chrono::steady_clock::now();
+  ReplyFn fn = it->second.fn;
   if (r.final) pending_.erase(it);
   if (fn) fn(from, r);
   return Status::Ok();
@@ -249,7 +217,7 @@ Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> ne
   if (tell_routers) {
     for (int r = 1; r < next->num_routers(); ++r) {
       const uint32_t id = next_id_++;
-      pending_[id] = done;
+      pending_[id] = PendingOp{done, r, std::chrono::steady_clock::now()};
       MOERUN_RETURN_IF_ERROR(SendToRouter(
           r, json{{"id", id}, {"op", "switch"}, {"layer", layer}, {"placement", next->ToJson()}}
                  .dump()));
@@ -260,9 +228,31 @@ Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> ne
   return sent;
 }
 
+void RouterControl::ExpireSilent() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (now - it->second.last < deadline_) {
+      ++it;
+      continue;
+    }
+    RouterControlReply r;
+    r.ok = false;
+    r.error = "no answer for " +
+              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(deadline_).count()) +
+              " s";
+    const int rank = it->second.rank;
+    ReplyFn fn = std::move(it->second.fn);
+    it = pending_.erase(it);
+    spdlog::warn("router {}: rank {} did not answer a control message: {}", t_->rank(), rank,
+                 r.error);
+    if (fn) fn(rank, r);
+  }
+}
+
 Status RouterControl::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
   MOERUN_RETURN_IF_ERROR(PollReceives());
+  ExpireSilent();
   if (t_->rank() != 0) return Status::Ok();
   MOERUN_RETURN_IF_ERROR(StepUpdates());
   return StepMigration();

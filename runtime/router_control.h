@@ -32,6 +32,7 @@
 #include "router/placement.h"
 #include "runtime/ep_layer.h"
 #include "runtime/ep_protocol.h"
+#include "runtime/owned_sends.h"
 #include "runtime/status.h"
 #include "transport/transport.h"
 
@@ -103,11 +104,6 @@ class RouterControl {
   std::vector<ExpertUpdateView> Updates() const;
 
  private:
-  struct Outgoing {
-    std::vector<char> header;
-    std::string body;
-    Request reqs[2];
-  };
   using ReplyFn = std::function<void(int rank, const struct RouterControlReply&)>;
   struct LayerStep {
     MigrationLayerView view;
@@ -156,8 +152,16 @@ class RouterControl {
   // Router thread only.
   std::vector<EpControlHeader> in_headers_;
   std::vector<Request> in_reqs_;
-  std::deque<std::unique_ptr<Outgoing>> outgoing_;
-  std::map<uint64_t, ReplyFn> pending_;
+  OwnedSends outgoing_;
+  // Operations awaiting answers: a rank silent for longer than the deadline (load progress comes
+  // every second) fails its operation.
+  struct PendingOp {
+    ReplyFn fn;
+    int rank = -1;
+    std::chrono::steady_clock::time_point last;
+  };
+  std::map<uint64_t, PendingOp> pending_;
+  void ExpireSilent();
   uint32_t next_id_ = 1;
 
   mutable std::mutex mu_;  // everything below

@@ -8,7 +8,9 @@
 #     microbatching, under mpirun and across two network-namespace hosts (MOERUN_FULL=1)
 #   - a 60 s soak of moerun serve under moebench serve --verify (resident memory per rank)
 #   - tests/serving/rebalance_restart.sh: skewed load, moectl placement plan, the plan applied
-#     by a restart; tests/serving/migrate_e2e.sh over ucx (online migration, canary update)
+#     by a restart; tests/serving/migrate_netns.sh: the same online, each expert rank on its own
+#     namespace host behind a tbf-limited link; tests/serving/migrate_e2e.sh over ucx (online
+#     migration with 2 routers, canary update and rollback)
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
 #     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
 set -euo pipefail
@@ -39,6 +41,10 @@ bash tests/serving/serve_e2e.sh build/bin/moerun build/bin/moectl build/bin/moeb
 
 printf '\n==== the planner on skewed traffic (applied by a restart) ====\n'
 bash tests/serving/rebalance_restart.sh build/bin/moerun build/bin/moectl build/bin/moebench 8
+
+printf '\n==== online migration: expert ranks on namespace hosts behind 50 Mbit/s links ====\n'
+bash tests/serving/migrate_netns.sh build/bin/moerun build/bin/moectl build/bin/moebench 8 ||
+  [[ $? == 77 ]]
 
 printf '\n==== online migration and a canary expert update over ucx (2 routers) ====\n'
 UCX_TLS=sm,self MOERUN_UCX_PUT_MIN=256 \
