@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -44,12 +45,13 @@ std::vector<float> SingleProcess(const std::string& fixture, const std::vector<f
 
 // Runs `work` on router 0 of an inproc job with RouterControl; the other routers poll theirs
 // until router 0 is done.
-void RunJob(const std::string& fixture, int ranks, int routers, const std::string& placement,
-            const std::function<void(ExpertParallelLayer*, RouterControl*)>& work) {
+void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
+              const std::string& placement,
+              const std::function<void(std::map<int, ExpertParallelLayer*>&, RouterControl*)>& work) {
   JobOptions opts;
   opts.routers = routers;
-  opts.source.model = FixtureDir(fixture);
-  opts.layers = {0};
+  opts.source = source;
+  opts.layers = served;
   opts.placement = placement;
   opts.ep.deadline = std::chrono::milliseconds(20000);
   opts.threads = 1;
@@ -69,7 +71,7 @@ void RunJob(const std::string& fixture, int ranks, int routers, const std::strin
     }
     if (c == nullptr) return Status::Internal("no RouterControl");
     if (rank == 0) {
-      work(layers.at(0), c);
+      work(layers, c);
       finished = true;
       return Status::Ok();
     }
@@ -93,6 +95,16 @@ void RunJob(const std::string& fixture, int ranks, int routers, const std::strin
     EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
         << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
   }
+}
+
+void RunJob(const std::string& fixture, int ranks, int routers, const std::string& placement,
+            const std::function<void(ExpertParallelLayer*, RouterControl*)>& work) {
+  WeightSource source;
+  source.model = FixtureDir(fixture);
+  RunJobOn(source, {0}, ranks, routers, placement,
+           [&](std::map<int, ExpertParallelLayer*>& layers, RouterControl* c) {
+             work(layers.at(0), c);
+           });
 }
 
 // Every expert moved to another rank, some replicated: linear over ranks [routers, ranks)
@@ -187,6 +199,55 @@ TEST_P(MigrationTest, ServesBitwiseThroughTheMigration) {
 
 INSTANTIATE_TEST_SUITE_P(Routers, MigrationTest, ::testing::Values(1, 2),
                          [](const auto& tp) { return fmt::format("routers{}", tp.param); });
+
+// Two layers move one after the other; each switch makes a version, and both keep answering
+// exactly as before.
+TEST(MigrationTest, OneLayerAtATime) {
+  ModelSpec spec;
+  spec.family = Family::kQwen3Moe;
+  spec.hidden = 64, spec.num_layers = 2, spec.num_experts = 8, spec.top_k = 2;
+  spec.expert_inter = 32;
+  spec.gate.kind = GateKind::kSoftmaxTopK;
+  spec.gate.num_experts = spec.num_experts;
+  spec.gate.top_k = spec.top_k;
+  spec.moe_layers = {0, 1};
+  WeightSource source;
+  source.spec = spec;
+  source.seed = 3;
+  const int64_t tokens = 32;
+  const auto x = RandomInput(tokens, spec.hidden, 5);
+  RunJobOn(source, {0, 1}, 4, 1, "linear",
+           [&](std::map<int, ExpertParallelLayer*>& layers, RouterControl* c) {
+             std::map<int, std::vector<float>> want;
+             for (auto& [l, layer] : layers) {
+               want[l].resize(x.size());
+               ASSERT_TRUE(layer->Forward(x.data(), tokens, want[l].data()).ok());
+             }
+             MigrationOptions o;
+             ASSERT_TRUE(c->Apply(Shifted(spec.num_experts, 4, 1, 2), o).ok());
+             std::vector<float> out(x.size());
+             std::set<std::string> seen;  // (layer 0 state, layer 1 state) while it runs
+             for (int i = 0; i < 100000 && c->Progress().state == "running"; ++i) {
+               ASSERT_TRUE(c->Poll().ok());
+               const MigrationView v = c->Progress();
+               if (v.layers.size() == 2) seen.insert(v.layers[0].state + "/" + v.layers[1].state);
+               for (auto& [l, layer] : layers) {
+                 ASSERT_TRUE(layer->Forward(x.data(), tokens, out.data()).ok());
+                 ASSERT_EQ(std::memcmp(out.data(), want[l].data(), out.size() * 4), 0);
+               }
+             }
+             const MigrationView v = c->Progress();
+             ASSERT_EQ(v.state, "done") << v.error;
+             EXPECT_EQ(v.to_version, 3u);
+             EXPECT_EQ(c->placement()->version(), 3u);
+             // Layer 1 never loaded while layer 0 was still loading or switching.
+             EXPECT_EQ(seen.count("loading/loading"), 0u);
+             EXPECT_EQ(seen.count("switching/loading"), 0u);
+             EXPECT_EQ(seen.count("loading/switching"), 0u);
+             EXPECT_TRUE(seen.count("done/loading") + seen.count("done/switching") > 0)
+                 << "layer 1 was not seen moving after layer 0";
+           });
+}
 
 TEST(MigrationTest, RefusesPlacementsOfAnotherJob) {
   const std::string fixture = "qwen3_moe";
