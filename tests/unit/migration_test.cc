@@ -45,9 +45,10 @@ std::vector<float> SingleProcess(const std::string& fixture, const std::vector<f
 
 // Runs `work` on router 0 of an inproc job with RouterControl; the other routers poll theirs
 // until router 0 is done.
-void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
-              const std::string& placement,
-              const std::function<void(std::map<int, ExpertParallelLayer*>&, RouterControl*)>& work) {
+void RunJobOn(
+    const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
+    const std::string& placement,
+    const std::function<void(std::map<int, ExpertParallelLayer*>&, RouterControl*)>& work) {
   JobOptions opts;
   opts.routers = routers;
   opts.source = source;
