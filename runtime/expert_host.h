@@ -153,7 +153,8 @@ class ExpertHost {
   void RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in, float* out);
 
   // Control (expert_host_control.cc).
-  Status Control(int router, const EpHeaderFixed& h);
+  Status Control(int router, const EpHeaderFixed& h);  // receives the JSON, HandleControl
+  Status HandleControl(int router, uint64_t id);
   Status Reply(int router, const std::string& json);
   // Finishes sends of replies; installs a finished background job and starts the next one.
   Status PollControl();

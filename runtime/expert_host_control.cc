@@ -37,8 +37,16 @@ Status ExpertHost::Control(int router, const EpHeaderFixed& h) {
   control_in_.resize(static_cast<size_t>(h.rows));
   MOERUN_RETURN_IF_ERROR(t_->Recv(router, kTagRows, control_in_.data(), control_in_.size(),
                                   DeadlineIn(opts_.deadline)));
+  try {
+    return HandleControl(router, h.seq);
+  } catch (const nlohmann::json::exception& e) {  // a field of the wrong type
+    return Reply(router, ErrorReply(h.seq, std::string("malformed control message: ") + e.what()));
+  }
+}
+
+Status ExpertHost::HandleControl(int router, uint64_t id) {
+  const int me = t_->rank();
   const json j = json::parse(control_in_.begin(), control_in_.end(), nullptr, false);
-  const uint64_t id = h.seq;
   if (j.is_discarded() || !j.is_object() || !j.contains("op") || !j["op"].is_string() ||
       !j.contains("layer") || !j["layer"].is_number_integer()) {
     return Reply(router, ErrorReply(id, "malformed control message"));

@@ -120,9 +120,19 @@ Status RouterControl::PollReceives() {
 }
 
 Status RouterControl::OnMessage(int from, const std::string& body) {
+  try {
+    return HandleMessage(from, body);
+  } catch (const json::exception& e) {  // a field of the wrong type
+    return Status::Corrupt("router " + std::to_string(t_->rank()) +
+                           ": malformed control message from rank " + std::to_string(from) + ": " +
+                           e.what());
+  }
+}
+
+Status RouterControl::HandleMessage(int from, const std::string& body) {
   const int me = t_->rank();
   const json j = json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("id")) {
+  if (j.is_discarded() || !j.is_object() || !j.contains("id") || !j["id"].is_number_unsigned()) {
     return Status::Corrupt("router " + std::to_string(me) +
                            ": malformed control message from rank " + std::to_string(from));
   }

@@ -133,7 +133,8 @@ class RouterControl {
   Status SendToExpert(int rank, const std::string& op_json_without_id, ReplyFn on_reply);
   Status SendToRouter(int rank, const std::string& body);
   Status PollReceives();
-  Status OnMessage(int from, const std::string& body);
+  Status OnMessage(int from, const std::string& body);  // HandleMessage, malformed JSON caught
+  Status HandleMessage(int from, const std::string& body);
   // Switches this router's layer, releases the copies it no longer uses and, on router 0 with
   // tell_routers, tells the other routers; `done` gets every answer; returns how many to expect.
   Result<int> Switch(int layer, std::shared_ptr<const Placement> next, bool tell_routers,
