@@ -77,6 +77,16 @@ void PrintStatus(const moerun::v1::StatusResponse& s) {
               static_cast<unsigned long long>(s.placement_version()),
               s.ready() ? "ready" : "NOT READY", s.uptime_s(),
               static_cast<unsigned long long>(s.batches()));
+  if (s.has_migration() && s.migration().id() != 0) {
+    const auto& m = s.migration();
+    std::printf("migration %llu (%s): %s, v%llu -> v%llu, %s of %s MiB loaded, %.1f s%s%s\n",
+                static_cast<unsigned long long>(m.id()), m.trigger().c_str(), m.state().c_str(),
+                static_cast<unsigned long long>(m.from_version()),
+                static_cast<unsigned long long>(m.to_version()),
+                Mib(static_cast<uint64_t>(m.bytes_loaded())).c_str(),
+                Mib(static_cast<uint64_t>(m.bytes_to_move())).c_str(), m.elapsed_s(),
+                m.error().empty() ? "" : ": ", m.error().c_str());
+  }
   for (const auto& l : s.layers()) {
     std::printf(
         "layer %d: %llu assignments, balancedness %.3f; last %.0f s: %llu assignments, "

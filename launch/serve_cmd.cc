@@ -259,7 +259,11 @@ int RunServe(const ServeFlags& f) {
         co.name = "control";
         co.max_connections = 64;
         ControlProvider provider;
-        provider.status = [rs] { return rs->Status(); };
+        provider.status = [rs, pc = placement_control.get()] {
+          moerun::v1::StatusResponse s = rs->Status();
+          if (pc != nullptr) *s.mutable_migration() = pc->Progress();
+          return s;
+        };
         provider.placement = [rs] { return rs->PlacementInfo(); };
         provider.stats = [rs] { return rs->Stats(); };
         provider.plan = [rs](const moerun::v1::PlanRequest& r) { return rs->Plan(r); };

@@ -575,7 +575,8 @@ std::vector<ExpertUpdateView> RouterControl::Updates() const {
 
 Status RouterControl::StepUpdates() {
   while (!actions_.empty()) {
-    const auto [action, key] = actions_.front();
+    const std::string action = actions_.front().first;
+    const std::pair<int, int> key = actions_.front().second;
     actions_.pop_front();
     UpdateState& u = updates_.at(key);
     const int layer = key.first, expert = key.second;

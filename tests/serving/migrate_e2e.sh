@@ -152,7 +152,7 @@ out = {
     "canary_share": round(share, 4), "rollback_state": rolled["state"],
 }
 print(json.dumps(out))
-ok = (m["state"] == "done" and after > before and abs(share - 0.20) <= 0.01
+ok = (m["state"] == "done" and j("after.status")["migration"]["state"] == "done" and after > before and abs(share - 0.20) <= 0.01
       and int(canary["rows"]) > 0 and rolled["state"] == "rolled back"
       and all(b.get("error_count", 1) == 0 and b.get("verified", -1) == b.get("ok", -2)
               and b.get("ok", 0) > 0 for b in benches))

@@ -66,6 +66,25 @@ TEST(ServeConfigTest, ServingKeys) {
   EXPECT_EQ(c->serving.probe_interval_ms, 10);
 }
 
+TEST(ServeConfigTest, RebalanceKeys) {
+  auto d = ParseServeConfig("model: m\n", "c.yaml", "");
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->rebalance.automatic);
+  EXPECT_EQ(d->rebalance.throttle_mib_s, 0.0);
+  auto c = ParseServeConfig(
+      "model: m\nrebalance: {throttle_mib_s: 64, auto: true, interval_s: 30, min_gain: 0.2,\n"
+      "  redundant: 2, policy: eplb-global, min_assignments: 10}\n",
+      "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rebalance.throttle_mib_s, 64.0);
+  EXPECT_TRUE(c->rebalance.automatic);
+  EXPECT_EQ(c->rebalance.interval_s, 30);
+  EXPECT_EQ(c->rebalance.min_gain, 0.2);
+  EXPECT_EQ(c->rebalance.redundant, 2);
+  EXPECT_EQ(c->rebalance.policy, "eplb-global");
+  EXPECT_EQ(c->rebalance.min_assignments, 10);
+}
+
 TEST(ServeConfigTest, ErrorsNameTheKey) {
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"model: a\npreset: b\n", "exactly one"},
@@ -84,6 +103,10 @@ TEST(ServeConfigTest, ErrorsNameTheKey) {
       {"model: a\nserving: {port: 1}\n", "unknown key \"port\""},
       {"model: a\nserving: {max_frame_bytes: 1}\n", "max_frame_bytes"},
       {"model: a\nserving: {listen: [1]}\n", "\"listen\" must be a string"},
+      {"model: a\nrebalance: {policy: best}\n", "\"policy\" must be default"},
+      {"model: a\nrebalance: {min_gain: 2}\n", "\"min_gain\" must be in"},
+      {"model: a\nrebalance: {interval_s: 0}\n", "\"interval_s\" must be in"},
+      {"model: a\nrebalance: {every: 1}\n", "unknown key \"every\""},
   };
   for (const auto& [text, want] : bad) {
     auto c = ParseServeConfig(text, "c.yaml", "");
