@@ -12,16 +12,18 @@ MOERUN=$(realpath "$1")
 MOECTL=$(realpath "$2")
 MOEBENCH=$(realpath "$3")
 WORK=$(mktemp -d /tmp/moerun-autorebalance.XXXXXX)
-PORT=$((20000 + RANDOM % 20000))
+source "$(dirname "$0")/ports.sh"
 cleanup() {
   [[ -f "$WORK/pid" ]] && kill -KILL "$(cat "$WORK/pid")" 2>/dev/null
+  [[ -n "${SERVE_PID:-}" ]] && kill -KILL "$SERVE_PID" 2>/dev/null
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; tail -30 "$WORK/serve.log" >&2; exit 1; }
 printf 'auto-test-token-%s\n' "$RANDOM$RANDOM" >"$WORK/token"
 chmod 600 "$WORK/token"
-cat >"$WORK/serve.yaml" <<EOC
+write_config() {
+  cat >"$WORK/serve.yaml" <<EOC
 preset: {name: qwen3-30b-a3b, seed: 5, experts: 32, dtype: bf16, gate_skew: 1.0}
 transport: inproc
 ranks: 4
@@ -34,9 +36,27 @@ serving:
   load_window_s: 3
 rebalance: {auto: true, interval_s: 3, min_gain: 0.1, min_assignments: 2000, redundant: 1}
 EOC
-"$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" --pid-file "$WORK/pid" \
-  >"$WORK/serve.log" 2>&1 &
-for _ in $(seq 1 240); do [[ -f "$WORK/ready" ]] && break; sleep 0.5; done
+}
+# A port another test took meanwhile: start again on other ports.
+for attempt in 1 2 3; do
+  pick_port || fail "no free ports"
+  write_config
+  rm -f "$WORK/ready" "$WORK/pid"
+  "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" --pid-file "$WORK/pid" \
+    >"$WORK/serve.log" 2>&1 &
+  SERVE_PID=$!
+  for _ in $(seq 1 240); do
+    [[ -f "$WORK/ready" ]] && break
+    grep -q "Address already in use" "$WORK/serve.log" && break
+    kill -0 "$SERVE_PID" 2>/dev/null || break
+    sleep 0.5
+  done
+  [[ -f "$WORK/ready" ]] && break
+  kill -KILL "$SERVE_PID" 2>/dev/null
+  wait "$SERVE_PID" 2>/dev/null
+  grep -q "Address already in use" "$WORK/serve.log" || fail "serve did not get ready"
+  echo "ports taken meanwhile (attempt $attempt): trying others" >&2
+done
 [[ -f "$WORK/ready" ]] || fail "serve did not get ready"
 "$MOEBENCH" serve --target "127.0.0.1:$PORT" --concurrency 2 --duration 14 \
   --tokens-per-request 16 --verify --preset qwen3-30b-a3b --seed 5 --experts 32 \

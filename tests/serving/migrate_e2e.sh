@@ -22,8 +22,7 @@ command -v mpirun >/dev/null || { echo "SKIP: mpirun is not installed"; exit 77;
 command -v python3 >/dev/null || { echo "SKIP: python3 is not installed"; exit 77; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 WORK=$(mktemp -d /tmp/moerun-migrate.XXXXXX)
-PORT=$((20000 + RANDOM % 20000))
-CTL=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
+source "$HERE/ports.sh"
 MPIRUN_PID=""
 cleanup() {
   if [[ -n "$MPIRUN_PID" ]]; then
@@ -44,7 +43,8 @@ fail() {
 }
 printf 'migrate-test-token-%s\n' "$RANDOM$RANDOM" >"$WORK/token"
 chmod 600 "$WORK/token"
-cat >"$WORK/serve.yaml" <<EOC
+write_config() {
+  cat >"$WORK/serve.yaml" <<EOC
 preset: {name: qwen3-30b-a3b, seed: 5, experts: 32, dtype: bf16, gate_skew: 1.0}
 transport: $TRANSPORT
 routers: 2
@@ -59,11 +59,32 @@ serving:
 rebalance:
   throttle_mib_s: 200
 EOC
-mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 5 "$MOERUN" serve \
-  --config "$WORK/serve.yaml" --ready-file "$WORK/ready" >"$WORK/serve.log" 2>&1 &
-MPIRUN_PID=$!
-for _ in $(seq 1 240); do [[ -f "$WORK/ready" ]] && break; sleep 0.5; done
+}
+# A port another test took meanwhile: start again on other ports.
+for attempt in 1 2 3; do
+  pick_port || fail "no free ports"
+  write_config
+  rm -f "$WORK/ready"
+  mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 5 "$MOERUN" serve \
+    --config "$WORK/serve.yaml" --ready-file "$WORK/ready" >"$WORK/serve.log" 2>&1 &
+  MPIRUN_PID=$!
+  for _ in $(seq 1 240); do
+    [[ -f "$WORK/ready" ]] && break
+    grep -q "Address already in use" "$WORK/serve.log" && break
+    kill -0 "$MPIRUN_PID" 2>/dev/null || break
+    sleep 0.5
+  done
+  [[ -f "$WORK/ready" ]] && break
+  kill -TERM "$MPIRUN_PID" 2>/dev/null
+  for _ in $(seq 1 20); do kill -0 "$MPIRUN_PID" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$MPIRUN_PID" 2>/dev/null
+  wait "$MPIRUN_PID" 2>/dev/null
+  MPIRUN_PID=""
+  grep -q "Address already in use" "$WORK/serve.log" || fail "serve did not get ready"
+  echo "ports taken meanwhile (attempt $attempt): trying others" >&2
+done
 [[ -f "$WORK/ready" ]] || fail "serve did not get ready"
+CTL=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
 
 BENCH=(--concurrency 2 --tokens-per-request 16 --preset qwen3-30b-a3b --seed 5 --experts 32
        --weights-dtype bf16 --gate-skew 1.0 --json)
