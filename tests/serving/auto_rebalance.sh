@@ -37,27 +37,9 @@ serving:
 rebalance: {auto: true, interval_s: 3, min_gain: 0.1, min_assignments: 2000, redundant: 1}
 EOC
 }
-# A port another test took meanwhile: start again on other ports.
-for attempt in 1 2 3; do
-  pick_port || fail "no free ports"
-  write_config
-  rm -f "$WORK/ready" "$WORK/pid"
-  "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" --pid-file "$WORK/pid" \
-    >"$WORK/serve.log" 2>&1 &
-  SERVE_PID=$!
-  for _ in $(seq 1 240); do
-    [[ -f "$WORK/ready" ]] && break
-    grep -q "Address already in use" "$WORK/serve.log" && break
-    kill -0 "$SERVE_PID" 2>/dev/null || break
-    sleep 0.5
-  done
-  [[ -f "$WORK/ready" ]] && break
-  kill -KILL "$SERVE_PID" 2>/dev/null
-  wait "$SERVE_PID" 2>/dev/null
-  grep -q "Address already in use" "$WORK/serve.log" || fail "serve did not get ready"
-  echo "ports taken meanwhile (attempt $attempt): trying others" >&2
-done
-[[ -f "$WORK/ready" ]] || fail "serve did not get ready"
+rm -f "$WORK/pid"
+start_serving write_config "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" \
+  --pid-file "$WORK/pid" || fail "serve did not get ready"
 "$MOEBENCH" serve --target "127.0.0.1:$PORT" --concurrency 2 --duration 14 \
   --tokens-per-request 16 --verify --preset qwen3-30b-a3b --seed 5 --experts 32 \
   --weights-dtype bf16 --gate-skew 1.0 --json >"$WORK/bench.json" 2>"$WORK/bench.log" ||

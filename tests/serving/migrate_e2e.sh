@@ -23,12 +23,12 @@ command -v python3 >/dev/null || { echo "SKIP: python3 is not installed"; exit 7
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 WORK=$(mktemp -d /tmp/moerun-migrate.XXXXXX)
 source "$HERE/ports.sh"
-MPIRUN_PID=""
+SERVE_PID=""
 cleanup() {
-  if [[ -n "$MPIRUN_PID" ]]; then
-    kill -TERM "$MPIRUN_PID" 2>/dev/null
-    for _ in $(seq 1 20); do kill -0 "$MPIRUN_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL "$MPIRUN_PID" 2>/dev/null
+  if [[ -n "$SERVE_PID" ]]; then
+    kill -TERM "$SERVE_PID" 2>/dev/null
+    for _ in $(seq 1 20); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$SERVE_PID" 2>/dev/null
   fi
   pkill -KILL -f "$WORK/serve.yaml" 2>/dev/null
   rm -rf "$WORK"
@@ -60,30 +60,9 @@ rebalance:
   throttle_mib_s: 200
 EOC
 }
-# A port another test took meanwhile: start again on other ports.
-for attempt in 1 2 3; do
-  pick_port || fail "no free ports"
-  write_config
-  rm -f "$WORK/ready"
-  mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 5 "$MOERUN" serve \
-    --config "$WORK/serve.yaml" --ready-file "$WORK/ready" >"$WORK/serve.log" 2>&1 &
-  MPIRUN_PID=$!
-  for _ in $(seq 1 240); do
-    [[ -f "$WORK/ready" ]] && break
-    grep -q "Address already in use" "$WORK/serve.log" && break
-    kill -0 "$MPIRUN_PID" 2>/dev/null || break
-    sleep 0.5
-  done
-  [[ -f "$WORK/ready" ]] && break
-  kill -TERM "$MPIRUN_PID" 2>/dev/null
-  for _ in $(seq 1 20); do kill -0 "$MPIRUN_PID" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL "$MPIRUN_PID" 2>/dev/null
-  wait "$MPIRUN_PID" 2>/dev/null
-  MPIRUN_PID=""
-  grep -q "Address already in use" "$WORK/serve.log" || fail "serve did not get ready"
-  echo "ports taken meanwhile (attempt $attempt): trying others" >&2
-done
-[[ -f "$WORK/ready" ]] || fail "serve did not get ready"
+start_serving write_config mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 5 \
+  "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" ||
+  fail "serve did not get ready"
 CTL=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
 
 BENCH=(--concurrency 2 --tokens-per-request 16 --preset qwen3-30b-a3b --seed 5 --experts 32

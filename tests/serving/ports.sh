@@ -22,3 +22,34 @@ PY
   echo "no free port block found" >&2
   return 1
 }
+
+# start_serving WRITE_CONFIG COMMAND...: picks ports, calls WRITE_CONFIG (it writes the config
+# with $PORT), starts COMMAND in the background (output in $WORK/serve.log, pid in SERVE_PID)
+# and waits for $WORK/ready; a start that lost a port to another test meanwhile is retried on
+# other ports (3 attempts). Returns 1 (the log says why) if it does not get ready.
+start_serving() {
+  local write_config=$1 attempt
+  shift
+  for attempt in 1 2 3; do
+    pick_port || return 1
+    "$write_config"
+    rm -f "$WORK/ready"
+    "$@" >"$WORK/serve.log" 2>&1 &
+    SERVE_PID=$!
+    for _ in $(seq 1 240); do
+      [[ -f "$WORK/ready" ]] && return 0
+      grep -q "Address already in use" "$WORK/serve.log" && break
+      kill -0 "$SERVE_PID" 2>/dev/null || break
+      sleep 0.5
+    done
+    [[ -f "$WORK/ready" ]] && return 0
+    kill -TERM "$SERVE_PID" 2>/dev/null
+    for _ in $(seq 1 20); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$SERVE_PID" 2>/dev/null
+    wait "$SERVE_PID" 2>/dev/null
+    SERVE_PID=""
+    grep -q "Address already in use" "$WORK/serve.log" || return 1
+    echo "ports taken meanwhile (attempt $attempt): trying others" >&2
+  done
+  return 1
+}
