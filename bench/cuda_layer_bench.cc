@@ -1,4 +1,5 @@
 #include "bench/cuda_layer_bench.h"
+#include "base/exit_code.h"
 
 #include <sys/wait.h>
 
@@ -10,15 +11,15 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "base/log.h"
+#include "base/thread_pool.h"
 #include "bench/floor.h"
-#include "experts/cuda/cuda_device.h"
-#include "experts/cuda/cuda_layer.h"
-#include "launch/layer_source.h"
+#include "launch/layer_flags.h"
 #include "launch/local_device.h"
-#include "runtime/layer_loader.h"
-#include "runtime/log.h"
-#include "runtime/preset.h"
-#include "runtime/thread_pool.h"
+#include "layer/cuda/cuda_device.h"
+#include "layer/cuda/cuda_layer.h"
+#include "model/layer_loader.h"
+#include "model/preset.h"
 
 namespace moerun::bench {
 namespace {

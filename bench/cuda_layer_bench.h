@@ -1,4 +1,4 @@
-// `moebench layer --device cuda`: times the CUDA MoE layer (experts/cuda/cuda_layer.h) at several
+// `moebench layer --device cuda`: times the CUDA MoE layer (layer/cuda/cuda_layer.h) at several
 // token counts, on device-side CUDA events, against
 //   - its floor (bench/floor.h): max(bytes of the weights the batch's routing needs ÷ copy
 //     bandwidth, FLOPs ÷ dense matmul rate), reported as x_floor = ours ÷ floor;

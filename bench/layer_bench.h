@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "launch/layer_source.h"
+#include "launch/layer_flags.h"
 
 namespace moerun::bench {
 

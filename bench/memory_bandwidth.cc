@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "experts/cpu/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 
 namespace moerun::bench {
 

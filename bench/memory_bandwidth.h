@@ -3,7 +3,7 @@
 // small batches, which are bound by reading expert weights.
 #pragma once
 
-#include "runtime/thread_pool.h"
+#include "base/thread_pool.h"
 
 namespace moerun::bench {
 

@@ -1,4 +1,6 @@
 #include "bench/serve_bench.h"
+#include "layer/moe_layer.h"
+#include "base/exit_code.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,11 +15,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "launch/frame.h"
-#include "launch/serve_client.h"
-#include "runtime/dtype.h"
-#include "runtime/log.h"
-#include "runtime/thread_pool.h"
+#include "base/dtype.h"
+#include "base/log.h"
+#include "base/thread_pool.h"
+#include "serving/frame.h"
+#include "serving/serve_client.h"
 
 namespace moerun::bench {
 namespace {

@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <string>
 
-#include "launch/layer_source.h"
+#include "launch/layer_flags.h"
 
 namespace moerun::bench {
 

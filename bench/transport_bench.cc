@@ -1,4 +1,5 @@
 #include "bench/transport_bench.h"
+#include "base/exit_code.h"
 
 #include <algorithm>
 #include <chrono>
@@ -10,10 +11,10 @@
 #include <numeric>
 #include <random>
 
-#include "launch/layer_source.h"
+#include "base/log.h"
+#include "ep/protocol.h"
+#include "launch/layer_flags.h"
 #include "router/dispatch_plan.h"
-#include "runtime/ep_protocol.h"
-#include "runtime/log.h"
 #include "transport/mpi/alltoallv_baseline.h"
 #include "transport/mpi/mpi_transport.h"
 #include "transport/ucx/raw_put_baseline.h"
@@ -215,7 +216,7 @@ Result<double> TimeLayer(JobLaunch& job, const TransportBenchFlags& f, int64_t t
   for (auto& v : x) v = d(rng);
   std::vector<float> out(x.size());
   std::vector<double> ms;
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
     if (rank != 0) return Status::Ok();
     for (int it = -1; it < std::max(3, f.iters / 4); ++it) {
       const auto t0 = Clock::now();

@@ -4,9 +4,9 @@
 
 #include <memory>
 
-#include "experts/cuda/cuda_device.h"
+#include "base/log.h"
 #include "launch/local_device.h"
-#include "runtime/log.h"
+#include "layer/cuda/cuda_device.h"
 
 namespace moerun {
 

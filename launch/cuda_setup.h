@@ -6,9 +6,9 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
-#include "experts/cuda/cuda_layer.h"
-#include "runtime/ep_job.h"
-#include "runtime/status.h"
+#include "base/status.h"
+#include "layer/cuda/cuda_layer.h"
+#include "ranks/rank_job.h"
 
 namespace moerun {
 

@@ -1,18 +1,20 @@
 #include "launch/forward_cmd.h"
+#include "layer/moe_layer.h"
+#include "base/exit_code.h"
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <optional>
 
-#include "experts/cuda/cuda_device.h"
+#include "base/log.h"
+#include "base/thread_pool.h"
 #include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
-#include "launch/layer_source.h"
-#include "runtime/layer_loader.h"
-#include "runtime/log.h"
-#include "runtime/safetensors.h"
-#include "runtime/thread_pool.h"
+#include "launch/layer_flags.h"
+#include "layer/cuda/cuda_device.h"
+#include "model/layer_loader.h"
+#include "model/safetensors.h"
 
 namespace moerun {
 namespace {
@@ -224,9 +226,9 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.layers = {*layer};
 
   int rc = 0;
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
     if (rank != 0) return Status::Ok();
-    ExpertParallelLayer& ep = *layers.at(*layer);
+    RouterLayer& ep = *layers.at(*layer);
     MOERUN_ASSIGN_OR_RETURN(std::vector<float> x, ReadMatrix(io->input, ep.weights().spec.hidden));
     std::vector<float> out(x.size());
     const auto t0 = std::chrono::steady_clock::now();

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <thread>
 
-#include "runtime/log.h"
+#include "base/log.h"
 #include "transport/mpi/mpi_transport.h"
 #include "transport/ucx/ucx_transport.h"
 

@@ -7,7 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "runtime/ep_job.h"
+#include "ranks/rank_job.h"
 #include "transport/inproc.h"
 
 namespace moerun {

@@ -21,7 +21,7 @@
 #include <functional>
 #include <string>
 
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace moerun {
 

@@ -39,12 +39,12 @@
 #include <sstream>
 #include <thread>
 
-#include "launch/control_endpoint.h"
 #include "launch/rank_services.h"
-#include "launch/serve_client.h"
 #include "moerun/v1/control.pb.h"
 #include "router/placement.h"
 #include "router/placement_plan.h"
+#include "serving/control_endpoint.h"
+#include "serving/serve_client.h"
 
 namespace {
 

@@ -4,12 +4,12 @@
 #include <cstdio>
 #include <exception>
 
+#include "base/log.h"
 #include "experts/cpu/isa.h"
-#include "experts/cuda/cuda_device.h"
 #include "launch/forward_cmd.h"
 #include "launch/serve_cmd.h"
+#include "layer/cuda/cuda_device.h"
 #include "moerun/build_info.h"
-#include "runtime/log.h"
 
 namespace {
 

@@ -6,10 +6,10 @@
 
 #include <algorithm>
 
+#include "base/log.h"
+#include "ep/router_layer.h"
+#include "ranks/expert_rank.h"
 #include "router/placement_plan.h"
-#include "runtime/ep_layer.h"
-#include "runtime/expert_host.h"
-#include "runtime/log.h"
 
 namespace moerun {
 
@@ -163,7 +163,7 @@ bool RankServices::Ready(std::string* why) const {
   return true;
 }
 
-void RankServices::Attach(ExpertParallelLayer* layer) {
+void RankServices::Attach(RouterLayer* layer) {
   ep_layers_.push_back(layer);
   layer->set_timing(dispatch_, combine_);
   const MoeLayerWeights& w = layer->weights();
@@ -179,7 +179,7 @@ void RankServices::Attach(ExpertParallelLayer* layer) {
   });
 }
 
-void RankServices::Attach(ExpertHost* host) {
+void RankServices::Attach(ExpertRank* host) {
   auto* by_expert = &by_expert_;
   host->set_rows_observer([by_expert](int layer, int expert, int64_t rows) {
     auto it = by_expert->find(layer);
@@ -194,7 +194,7 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
   if (!router_) return;
   queue_requests_->Set(static_cast<double>(queued_requests));
   queue_tokens_->Set(static_cast<double>(queued_tokens));
-  for (ExpertParallelLayer* l : ep_layers_) {
+  for (RouterLayer* l : ep_layers_) {
     const int layer = l->weights().layer;
     auto& seen = rank_seen_[layer];
     auto& counters = by_rank_[layer];

@@ -14,21 +14,21 @@
 #include <string>
 #include <vector>
 
-#include "launch/host_port.h"
-#include "launch/http_server.h"
+#include "base/metrics.h"
+#include "ep/peer_health.h"
+#include "model/model_spec.h"
 #include "moerun/v1/control.pb.h"
 #include "router/load_window.h"
 #include "router/placement.h"
 #include "router/placement_plan.h"
-#include "runtime/metrics.h"
-#include "runtime/model_spec.h"
-#include "runtime/peer_health.h"
+#include "serving/host_port.h"
+#include "serving/http_server.h"
 #include "transport/transport.h"
 
 namespace moerun {
 
-class ExpertParallelLayer;
-class ExpertHost;
+class RouterLayer;
+class ExpertRank;
 
 // A planner report as moectl receives it.
 moerun::v1::PlanResponse PlanToProto(const PlanReport& report);
@@ -49,9 +49,9 @@ class RankServices {
   uint16_t http_port() const;
 
   // Routers: wires a layer's observers to this rank's counters.
-  void Attach(ExpertParallelLayer* layer);
+  void Attach(RouterLayer* layer);
   // Expert ranks: counts the rows the host computes.
-  void Attach(ExpertHost* host);
+  void Attach(ExpertRank* host);
   // Routers: called from the router thread between batches and when idle.
   void Refresh(const PeerHealth* health, int64_t queued_requests, int64_t queued_tokens);
   void CountBatch() { requests_.fetch_add(1, std::memory_order_relaxed); }
@@ -102,7 +102,7 @@ class RankServices {
   std::vector<Gauge*> answering_by_rank_;
   mutable std::mutex mu_;
   std::vector<PeerView> peers_;  // under mu_
-  std::vector<ExpertParallelLayer*> ep_layers_;
+  std::vector<RouterLayer*> ep_layers_;
 };
 
 }  // namespace moerun

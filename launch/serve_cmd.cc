@@ -1,4 +1,5 @@
 #include "launch/serve_cmd.h"
+#include "base/exit_code.h"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -8,21 +9,21 @@
 #include <fstream>
 #include <mutex>
 
-#include "experts/cuda/cuda_device.h"
-#include "launch/control_endpoint.h"
+#include "base/log.h"
 #include "launch/cuda_setup.h"
-#include "launch/host_port.h"
 #include "launch/job_launch.h"
-#include "launch/layer_source.h"
-#include "launch/placement_control.h"
+#include "launch/layer_flags.h"
 #include "launch/rank_services.h"
-#include "launch/serving_endpoint.h"
-#include "runtime/batcher.h"
-#include "runtime/expert_host.h"
-#include "runtime/layer_loader.h"
-#include "runtime/log.h"
-#include "runtime/router_control.h"
-#include "runtime/serve_config.h"
+#include "launch/serve_config.h"
+#include "layer/cuda/cuda_device.h"
+#include "migration/placement_control.h"
+#include "migration/router_control.h"
+#include "model/layer_loader.h"
+#include "ranks/expert_rank.h"
+#include "serving/batcher.h"
+#include "serving/control_endpoint.h"
+#include "serving/host_port.h"
+#include "serving/serving_endpoint.h"
 
 namespace moerun {
 namespace {
@@ -182,7 +183,7 @@ int RunServe(const ServeFlags& f) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
     }
   };
-  opts.hooks.expert_host = [&](int rank, ExpertHost& host) {
+  opts.hooks.expert_host = [&](int rank, ExpertRank& host) {
     if (RankServices* rs = ranks.Get(rank)) rs->Attach(&host);
   };
   opts.hooks.health = PeerHealthOptions{std::chrono::milliseconds(sc.probe_interval_ms),
@@ -199,7 +200,7 @@ int RunServe(const ServeFlags& f) {
     control_of[rank] = rc;
   };
 
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& eps) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& eps) -> Status {
     RankServices* rs = ranks.Get(rank);
     PeerHealth* health = nullptr;
     RouterControl* rc = nullptr;

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "runtime/fast_exp.h"
+#include "base/fast_exp.h"
 
 namespace moerun {
 namespace {

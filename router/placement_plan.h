@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "router/placement.h"
 #include "router/planner.h"
-#include "runtime/status.h"
 
 namespace moerun {
 

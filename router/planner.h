@@ -33,8 +33,8 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "router/placement.h"
-#include "runtime/status.h"
 
 namespace moerun {
 

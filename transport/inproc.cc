@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "runtime/log.h"
+#include "base/log.h"
 
 namespace moerun {
 namespace {

@@ -22,14 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/status.h"
+#include "base/clock.h"
+#include "base/status.h"
 
 namespace moerun {
-
-using SteadyClock = std::chrono::steady_clock;
-using Deadline = SteadyClock::time_point;
-
-inline Deadline DeadlineIn(std::chrono::milliseconds ms) { return SteadyClock::now() + ms; }
 
 // What a backend reports of its own data movement (`moebench transport`, zero-copy checks).
 struct TransportCounters {

@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
+#include "base/fast_exp.h"
+#include "base/host_device.h"
 #include "experts/cpu/kernels.h"
-#include "runtime/fast_exp.h"
-#include "runtime/host_device.h"
 
 namespace moerun::elementwise {
 // Internal linkage: each ISA's translation unit keeps its own copy (one compiled for AVX-512 must

@@ -6,10 +6,10 @@
 
 #include <cstdint>
 
-#include "experts/cpu/aligned_buffer.h"
+#include "base/aligned_buffer.h"
+#include "base/thread_pool.h"
 #include "experts/cpu/kernels.h"
 #include "experts/cpu/packed_matrix.h"
-#include "runtime/thread_pool.h"
 
 namespace moerun {
 

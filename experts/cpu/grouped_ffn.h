@@ -12,10 +12,10 @@
 #include <span>
 #include <vector>
 
-#include "experts/cpu/aligned_buffer.h"
+#include "base/aligned_buffer.h"
+#include "base/thread_pool.h"
 #include "experts/cpu/expert_weights.h"
 #include "experts/cpu/kernels.h"
-#include "runtime/thread_pool.h"
 
 namespace moerun {
 

@@ -13,8 +13,8 @@
 
 #include <cstdint>
 
+#include "base/dtype.h"
 #include "experts/cpu/isa.h"
-#include "runtime/dtype.h"
 
 namespace moerun {
 

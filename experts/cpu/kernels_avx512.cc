@@ -2,8 +2,8 @@
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c; only called when the CPU
 // and OS support them.
 #ifdef MOERUN_AVX512_EMULATION
-// Test builds only: the same code over emulated intrinsics (tests/emulation/avx512_emulation.h).
-#include "tests/emulation/avx512_emulation.h"
+// Test builds only: the same code over emulated intrinsics (experts/cpu/avx512_emulation.h).
+#include "experts/cpu/avx512_emulation.h"
 #define MOERUN_AVX512_KERNELS Avx512KernelsEmulated
 #else
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* helpers.

@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <functional>
 
-#include "experts/cpu/aligned_buffer.h"
-#include "runtime/dtype.h"
+#include "base/aligned_buffer.h"
+#include "base/dtype.h"
 
 namespace moerun {
 

@@ -14,8 +14,8 @@
 
 #include "experts/cpu/elementwise.h"
 #include "experts/cuda/convert.cuh"
-#include "experts/cuda/device_plan.h"
-#include "experts/cuda/layer_kernels.h"
+#include "experts/cuda/ffn_kernels.h"
+#include "experts/cuda/tile_layout.h"
 
 namespace moerun::cuda_kernels {
 namespace {

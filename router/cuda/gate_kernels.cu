@@ -3,9 +3,9 @@
 // the build passes --fmad=false), so a token's experts and weights equal the CPU's.
 #include <cmath>
 
-#include "experts/cuda/layer_kernels.h"
+#include "base/fast_exp.h"
+#include "router/cuda/gate_kernels.h"
 #include "router/cuda/route_token.h"
-#include "runtime/fast_exp.h"
 
 namespace moerun::cuda_kernels {
 namespace {

@@ -8,9 +8,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "base/fast_exp.h"
+#include "base/host_device.h"
 #include "router/gate.h"
-#include "runtime/fast_exp.h"
-#include "runtime/host_device.h"
 
 namespace moerun::route_token {
 

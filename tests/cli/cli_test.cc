@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/safetensors.h"
+#include "model/safetensors.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun {

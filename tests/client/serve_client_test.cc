@@ -1,6 +1,6 @@
 // ServeConnection against a small server thread on a real socket (127.0.0.1, an ephemeral port),
 // and the request/response data helpers (F32 exact, BF16 round-to-nearest-even, NaN kept).
-#include "launch/serve_client.h"
+#include "serving/serve_client.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -18,7 +18,7 @@
 #include <set>
 #include <thread>
 
-#include "runtime/dtype.h"
+#include "base/dtype.h"
 
 namespace moerun {
 namespace {

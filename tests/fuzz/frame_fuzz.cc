@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "launch/frame.h"
-#include "launch/infer_codec.h"
 #include "moerun/v1/control.pb.h"
 #include "moerun/v1/serving.pb.h"
+#include "serving/frame.h"
+#include "serving/infer_codec.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <span>
 
-#include "runtime/dtype.h"
-#include "runtime/safetensors.h"
+#include "base/dtype.h"
+#include "model/safetensors.h"
 
 namespace {
 

@@ -7,8 +7,8 @@
 // Every test skips, saying why, on a machine without a GPU.
 #include <gtest/gtest.h>
 
-#include "experts/cuda/cuda_device.h"
-#include "experts/cuda/cuda_layer.h"
+#include "layer/cuda/cuda_device.h"
+#include "layer/cuda/cuda_layer.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {

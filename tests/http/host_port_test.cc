@@ -1,4 +1,4 @@
-#include "launch/host_port.h"
+#include "serving/host_port.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // The HTTP server over real sockets on 127.0.0.1, with a plain POSIX client.
-#include "launch/http_server.h"
+#include "serving/http_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "launch/control_endpoint.h"
-#include "launch/host_port.h"
 #include "router/placement.h"
+#include "serving/control_endpoint.h"
+#include "serving/host_port.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun {

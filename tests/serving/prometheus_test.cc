@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "launch/serve_client.h"
-#include "runtime/gating.h"
+#include "router/gating.h"
+#include "serving/serve_client.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"
 
@@ -123,7 +123,7 @@ TEST(PrometheusTest, PerExpertAssignmentsAreExactlyWhatTheGateChose) {
   const CpuKernels& k = KernelsFor(BestIsa());
   ThreadPool pool(1);
   auto w = LoadFixture("deepseek_v3", k);
-  Gating gate(*w, k, &pool);
+  Gating gate(w->Gate(), k, &pool);
   const int64_t hidden = w->spec.hidden;
   const int topk = w->spec.top_k;
   std::map<int, uint64_t> want;

@@ -10,10 +10,10 @@
 #include <cstring>
 #include <thread>
 
-#include "launch/frame.h"
-#include "launch/serve_client.h"
-#include "launch/serving_endpoint.h"
-#include "runtime/moe_layer.h"
+#include "layer/moe_layer.h"
+#include "serving/frame.h"
+#include "serving/serve_client.h"
+#include "serving/serving_endpoint.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"
 

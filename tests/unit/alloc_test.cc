@@ -11,7 +11,7 @@
 #include <new>
 #include <thread>
 
-#include "runtime/ep_job.h"
+#include "ranks/rank_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"
 
@@ -89,9 +89,9 @@ TEST(AllocationTest, ExpertParallelRouterAndExpertRanks) {
   std::vector<float> out(x.size());
   uint64_t counted = 0;
   Status run;
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
     if (rank != 0) return Status::Ok();
-    ExpertParallelLayer& ep = *layers.at(0);
+    RouterLayer& ep = *layers.at(0);
     for (int i = 0; i < 3; ++i) MOERUN_RETURN_IF_ERROR(ep.Forward(x.data(), tokens, out.data()));
     const std::vector<int64_t> sizes = Sizes(tokens);
     g_allocations = 0;

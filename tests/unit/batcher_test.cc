@@ -1,4 +1,4 @@
-#include "runtime/batcher.h"
+#include "serving/batcher.h"
 
 #include <gtest/gtest.h>
 

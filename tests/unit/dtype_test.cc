@@ -1,4 +1,4 @@
-#include "runtime/dtype.h"
+#include "base/dtype.h"
 
 #include <gtest/gtest.h>
 #include <immintrin.h>

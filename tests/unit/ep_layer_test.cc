@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "runtime/ep_job.h"
+#include "ranks/rank_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"
 
@@ -61,7 +61,7 @@ std::vector<float> Distributed(const std::string& fixture, const std::vector<flo
   opts.isa = BestIsa();
   if (tweak) tweak(opts);
   std::vector<float> out(x.size());
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) {
+  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) {
     if (rank != 0) return Status::Ok();
     const Status s = layers.at(0)->Forward(x.data(), tokens, out.data());
     if (stats) *stats = layers.at(0)->stats();
@@ -216,9 +216,9 @@ TEST(EpLayerTest, FrozenRankFailsFastThenRecovers) {
   PeerHealth* health = nullptr;
   opts.hooks.router_health = [&](int, PeerHealth* h) { health = h; };
   auto fabric = InprocFabric::Create(3);
-  const RouterWork work = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
     if (rank != 0) return Status::Ok();
-    ExpertParallelLayer* l = layers.at(0);
+    RouterLayer* l = layers.at(0);
     std::vector<float> out(x.size());
     EXPECT_TRUE(l->Forward(x.data(), tokens, out.data()).ok());
     EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);

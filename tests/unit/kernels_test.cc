@@ -7,12 +7,12 @@
 #include <random>
 #include <vector>
 
+#include "base/fast_exp.h"
+#include "base/thread_pool.h"
 #include "experts/cpu/gemm.h"
 #include "experts/cpu/isa.h"
 #include "experts/cpu/kernels.h"
 #include "experts/cpu/packed_matrix.h"
-#include "runtime/fast_exp.h"
-#include "runtime/thread_pool.h"
 #include "tests/unit/kernel_variants.h"
 
 namespace moerun {

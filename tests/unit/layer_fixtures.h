@@ -5,11 +5,11 @@
 #include <string>
 #include <vector>
 
-#include "runtime/checkpoint.h"
-#include "runtime/layer_loader.h"
-#include "runtime/moe_layer.h"
-#include "runtime/preset.h"
-#include "runtime/reference_layer.h"
+#include "layer/moe_layer.h"
+#include "layer/reference_layer.h"
+#include "model/checkpoint.h"
+#include "model/layer_loader.h"
+#include "model/preset.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun::testing {

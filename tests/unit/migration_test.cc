@@ -1,5 +1,5 @@
 // Online migration and expert updates inside one process (ranks as threads over the inproc
-// transport, the real RouterControl and ExpertHost): the router keeps answering while experts
+// transport, the real RouterControl and ExpertRank): the router keeps answering while experts
 // move, every answer is bitwise the single-process layer's, the old copies are freed; a canary
 // sends its exact share of the expert's rows to the new weights, and a rollback restores the old
 // outputs bit for bit.
@@ -14,9 +14,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "runtime/checkpoint.h"
-#include "runtime/ep_job.h"
-#include "runtime/router_control.h"
+#include "migration/router_control.h"
+#include "model/checkpoint.h"
+#include "ranks/rank_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"
 
@@ -45,10 +45,9 @@ std::vector<float> SingleProcess(const std::string& fixture, const std::vector<f
 
 // Runs `work` on router 0 of an inproc job with RouterControl; the other routers poll theirs
 // until router 0 is done.
-void RunJobOn(
-    const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
-    const std::string& placement,
-    const std::function<void(std::map<int, ExpertParallelLayer*>&, RouterControl*)>& work) {
+void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
+              const std::string& placement,
+              const std::function<void(std::map<int, RouterLayer*>&, RouterControl*)>& work) {
   JobOptions opts;
   opts.routers = routers;
   opts.source = source;
@@ -64,7 +63,7 @@ void RunJobOn(
     std::lock_guard<std::mutex> lock(mu);
     controls[rank] = c;
   };
-  const RouterWork rw = [&](int rank, std::map<int, ExpertParallelLayer*>& layers) -> Status {
+  const RouterWork rw = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
     RouterControl* c = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -99,13 +98,11 @@ void RunJobOn(
 }
 
 void RunJob(const std::string& fixture, int ranks, int routers, const std::string& placement,
-            const std::function<void(ExpertParallelLayer*, RouterControl*)>& work) {
+            const std::function<void(RouterLayer*, RouterControl*)>& work) {
   WeightSource source;
   source.model = FixtureDir(fixture);
   RunJobOn(source, {0}, ranks, routers, placement,
-           [&](std::map<int, ExpertParallelLayer*>& layers, RouterControl* c) {
-             work(layers.at(0), c);
-           });
+           [&](std::map<int, RouterLayer*>& layers, RouterControl* c) { work(layers.at(0), c); });
 }
 
 // Every expert moved to another rank, some replicated: linear over ranks [routers, ranks)
@@ -129,9 +126,8 @@ Placement Shifted(int experts, int ranks, int routers, uint64_t version) {
 }
 
 // Polls (and serves `x` between polls, checking every answer) until the migration ends.
-MigrationView ServeThrough(ExpertParallelLayer* layer, RouterControl* c,
-                           const std::vector<float>& x, int64_t tokens,
-                           const std::vector<float>& want, int* batches) {
+MigrationView ServeThrough(RouterLayer* layer, RouterControl* c, const std::vector<float>& x,
+                           int64_t tokens, const std::vector<float>& want, int* batches) {
   std::vector<float> out(x.size());
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < until) {
@@ -157,7 +153,7 @@ TEST_P(MigrationTest, ServesBitwiseThroughTheMigration) {
   const int64_t tokens = 64;
   const auto x = RandomInput(tokens, spec->hidden, 7);
   const auto want = SingleProcess(fixture, x, tokens);
-  RunJob(fixture, ranks, routers, "linear", [&](ExpertParallelLayer* layer, RouterControl* c) {
+  RunJob(fixture, ranks, routers, "linear", [&](RouterLayer* layer, RouterControl* c) {
     int batches = 0;
     const Placement target = Shifted(spec->num_experts, ranks, routers, 9);
     MigrationOptions o;
@@ -218,7 +214,7 @@ TEST(MigrationTest, OneLayerAtATime) {
   const int64_t tokens = 32;
   const auto x = RandomInput(tokens, spec.hidden, 5);
   RunJobOn(source, {0, 1}, 4, 1, "linear",
-           [&](std::map<int, ExpertParallelLayer*>& layers, RouterControl* c) {
+           [&](std::map<int, RouterLayer*>& layers, RouterControl* c) {
              std::map<int, std::vector<float>> want;
              for (auto& [l, layer] : layers) {
                want[l].resize(x.size());
@@ -254,7 +250,7 @@ TEST(MigrationTest, RefusesPlacementsOfAnotherJob) {
   const std::string fixture = "qwen3_moe";
   const auto spec = LoadModelSpec(FixtureDir(fixture));
   ASSERT_TRUE(spec.ok());
-  RunJob(fixture, 3, 1, "linear", [&](ExpertParallelLayer*, RouterControl* c) {
+  RunJob(fixture, 3, 1, "linear", [&](RouterLayer*, RouterControl* c) {
     MigrationOptions o;
     auto other = c->Apply(*Placement::Linear(spec->num_experts, 4, 1), o);
     EXPECT_FALSE(other.ok());
@@ -293,7 +289,7 @@ TEST(ExpertUpdateTest, CanaryShareRollbackAndPromote) {
   const int64_t tokens = 256;
   const auto x = RandomInput(tokens, spec->hidden, 11);
   const auto want = SingleProcess(fixture, x, tokens);
-  RunJob(fixture, 4, 1, "linear", [&](ExpertParallelLayer* layer, RouterControl* c) {
+  RunJob(fixture, 4, 1, "linear", [&](RouterLayer* layer, RouterControl* c) {
     std::vector<float> out(x.size());
     auto poll_until = [&](const std::string& state) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);

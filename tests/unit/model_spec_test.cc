@@ -1,10 +1,10 @@
-#include "runtime/model_spec.h"
+#include "model/model_spec.h"
 
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/preset.h"
+#include "model/preset.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun {

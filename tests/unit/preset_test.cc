@@ -1,4 +1,4 @@
-#include "runtime/preset.h"
+#include "model/preset.h"
 
 #include <gtest/gtest.h>
 

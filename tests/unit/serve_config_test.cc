@@ -1,4 +1,4 @@
-#include "runtime/serve_config.h"
+#include "launch/serve_config.h"
 
 #include <gtest/gtest.h>
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/safetensors.h"
+#include "model/safetensors.h"
 
 namespace moerun::testing {
 

@@ -1,4 +1,4 @@
-#include "runtime/watchdog.h"
+#include "base/watchdog.h"
 
 #include <gtest/gtest.h>
 

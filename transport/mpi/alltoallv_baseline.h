@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace moerun {
 

@@ -6,7 +6,7 @@
 #include <limits>
 #include <vector>
 
-#include "runtime/log.h"
+#include "base/log.h"
 
 namespace moerun {
 namespace {

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/log.h"
-#include "runtime/watchdog.h"
+#include "base/log.h"
+#include "base/watchdog.h"
 #include "transport/nccl/nccl_plan.h"
 
 namespace moerun {

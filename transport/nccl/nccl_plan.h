@@ -13,7 +13,7 @@
 #include <span>
 #include <vector>
 
-#include "runtime/status.h"
+#include "base/status.h"
 
 namespace moerun {
 

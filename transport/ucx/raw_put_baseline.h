@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/status.h"
+#include "base/status.h"
 #include "transport/transport.h"
 
 namespace moerun {

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/log.h"
+#include "base/log.h"
 
 namespace moerun {
 namespace {

@@ -1,0 +1,215 @@
+#include "ep/peer_health.h"
+
+#include <cstring>
+
+#include "base/log.h"
+
+namespace moerun {
+
+PeerHealth::PeerHealth(Transport* transport, const Placement& placement, size_t header_bytes,
+                       PeerHealthOptions options)
+    : t_(transport),
+      placement_(placement),
+      header_bytes_(header_bytes),
+      opts_(options),
+      state_(static_cast<size_t>(placement.num_ranks())),
+      ping_headers_(static_cast<size_t>(placement.num_ranks())),
+      started_(SteadyClock::now()) {
+  const auto now = SteadyClock::now();
+  for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
+    ping_headers_[static_cast<size_t>(r)] = AlignedBuffer(header_bytes_);
+    state_[static_cast<size_t>(r)].last_pong = now;
+    state_[static_cast<size_t>(r)].next_probe = now;
+  }
+  strands_.reserve(16);
+  Refresh();
+}
+
+PeerHealth::~PeerHealth() {
+  // Receives can always be withdrawn; a send that cannot (mpi) must keep its buffer until the
+  // transport is gone, so the buffers of such leftovers are parked for the process's lifetime.
+  static std::mutex parked_mu;
+  static std::vector<AlignedBuffer> parked;
+  auto release = [&](Request& r, bool is_send) {
+    if (!r.valid()) return;
+    (void)t_->Cancel(r);
+    if (is_send && !t_->can_withdraw_sends()) {
+      std::lock_guard<std::mutex> lock(parked_mu);
+      parked.push_back(std::move(ping_headers_[static_cast<size_t>(r.peer)]));
+    }
+    r = Request{};
+  };
+  for (State& s : state_) {
+    release(s.pong_recv, false);
+    release(s.ping_send, true);
+  }
+  for (Strands& st : strands_) {
+    bool sends_left = false;
+    for (Request& r : st.requests) {
+      if (!r.valid()) continue;
+      (void)t_->Cancel(r);
+      sends_left = true;  // which of them were sends is not recorded: park conservatively
+      r = Request{};
+    }
+    if (sends_left && !t_->can_withdraw_sends()) {
+      std::lock_guard<std::mutex> lock(parked_mu);
+      for (AlignedBuffer& b : st.buffers) parked.push_back(std::move(b));
+    }
+  }
+}
+
+void PeerHealth::Strand(std::vector<Request> requests, std::vector<AlignedBuffer> buffers) {
+  Strands st{std::move(requests), std::move(buffers)};
+  for (const Request& r : st.requests) {
+    if (r.valid()) ++state_[static_cast<size_t>(r.peer)].stranded;
+  }
+  strands_.push_back(std::move(st));
+  Refresh();
+}
+
+Status PeerHealth::SendProbe(int rank) {
+  State& s = state_[static_cast<size_t>(rank)];
+  char* hdr = ping_headers_[static_cast<size_t>(rank)].as<char>();
+  std::memset(hdr, 0, header_bytes_);
+  EpHeaderFixed h;
+  h.kind = static_cast<uint32_t>(EpKind::kPing);
+  h.seq = ++seq_;
+  std::memcpy(hdr, &h, sizeof h);
+  MOERUN_ASSIGN_OR_RETURN(s.pong_recv, t_->Irecv(rank, kTagPong, &s.pong_in, sizeof s.pong_in));
+  s.ping_deadline = DeadlineIn(opts_.probe_deadline);
+  Result<Request> sent = t_->Isend(rank, kTagHeader, hdr, header_bytes_);
+  if (!sent.ok()) {
+    (void)t_->Cancel(s.pong_recv);
+    s.pong_recv = Request{};
+    return sent.status();
+  }
+  s.ping_send = *sent;
+  return Status::Ok();
+}
+
+void PeerHealth::Poll() {
+  const auto now = SteadyClock::now();
+  bool changed = false;
+  // Stranded transfers: drop the finished ones.
+  for (size_t i = 0; i < strands_.size();) {
+    bool left = false;
+    for (Request& r : strands_[i].requests) {
+      if (!r.valid()) continue;
+      Result<bool> done = t_->Test(r);
+      if (!done.ok() || *done) {
+        if (!done.ok())
+          spdlog::warn("a stranded transfer with rank {} failed: {}", r.peer,
+                       done.status().ToString());
+        --state_[static_cast<size_t>(r.peer)].stranded;
+        r = Request{};
+        changed = true;
+      } else {
+        left = true;
+      }
+    }
+    if (left) {
+      ++i;
+    } else {
+      for (AlignedBuffer& b : strands_[i].buffers) t_->UnregisterMemory(b.data());
+      strands_.erase(strands_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  // Probes.
+  for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
+    State& s = state_[static_cast<size_t>(r)];
+    if (s.ping_send.valid()) {
+      Result<bool> done = t_->Test(s.ping_send);
+      if (!done.ok() || *done) s.ping_send = Request{};
+    }
+    if (s.pong_recv.valid()) {
+      Result<bool> done = t_->Test(s.pong_recv);
+      if (!done.ok()) {
+        s.pong_recv = Request{};
+        spdlog::warn("probe of rank {} failed: {}", r, done.status().ToString());
+      } else if (*done) {
+        s.pong_recv = Request{};
+        s.pong = s.pong_in;
+        s.last_pong = now;
+        s.next_probe = now + opts_.probe_interval;
+        if (s.late) spdlog::info("rank {} answers again", r);
+        s.late = false;
+        changed = true;
+      } else if (!s.late && now >= s.ping_deadline) {
+        s.late = true;
+        changed = true;
+        spdlog::warn("rank {} did not answer a probe within {} ms", r,
+                     opts_.probe_deadline.count());
+      }
+    }
+    if (probing_ && !s.pong_recv.valid() && !s.ping_send.valid() && now >= s.next_probe) {
+      const Status st = SendProbe(r);
+      if (!st.ok()) {
+        spdlog::warn("cannot probe rank {}: {}", r, st.ToString());
+        s.next_probe = now + opts_.probe_interval;
+      }
+    }
+  }
+  if (changed) {
+    Refresh();
+  } else {
+    // last_seen_s moves even when nothing changes.
+    std::lock_guard<std::mutex> lock(view_mu_);
+    for (PeerView& v : view_) {
+      v.last_seen_s =
+          std::chrono::duration<double>(now - state_[static_cast<size_t>(v.rank)].last_pong)
+              .count();
+    }
+  }
+}
+
+bool PeerHealth::idle() const {
+  if (!strands_.empty()) return false;
+  for (const State& s : state_) {
+    if (s.ping_send.valid() || s.pong_recv.valid()) return false;
+  }
+  return true;
+}
+
+int PeerHealth::FirstUnusable(const int64_t* rows_per_rank) const {
+  for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
+    if (rows_per_rank[r] > 0 && !state_[static_cast<size_t>(r)].usable) return r;
+  }
+  return -1;
+}
+
+void PeerHealth::Refresh() {
+  const auto now = SteadyClock::now();
+  bool all = true;
+  std::lock_guard<std::mutex> lock(view_mu_);
+  view_.clear();
+  for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
+    State& s = state_[static_cast<size_t>(r)];
+    const bool was = s.usable;
+    s.usable = !s.late && s.stranded == 0;
+    if (was && !s.usable && s.stranded > 0 && !s.late) {
+      spdlog::warn("rank {} missed a deadline: requests that need it fail until it catches up", r);
+    } else if (!was && s.usable) {
+      spdlog::info("rank {} is answering again", r);
+    }
+    all = all && s.usable;
+    PeerView v;
+    v.rank = r;
+    v.answering = s.usable;
+    v.stranded = s.stranded > 0;
+    v.last_seen_s = std::chrono::duration<double>(now - s.last_pong).count();
+    v.microbatches = s.pong.microbatches;
+    v.rows = s.pong.rows;
+    v.resident_bytes = s.pong.resident_bytes;
+    v.pid = s.pong.pid;
+    v.host.assign(s.pong.host, strnlen(s.pong.host, sizeof s.pong.host));
+    view_.push_back(v);
+  }
+  all_answering_.store(all, std::memory_order_relaxed);
+}
+
+std::vector<PeerView> PeerHealth::Snapshot() const {
+  std::lock_guard<std::mutex> lock(view_mu_);
+  return view_;
+}
+
+}  // namespace moerun

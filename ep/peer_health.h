@@ -1,0 +1,103 @@
+// What a router knows of each expert rank's liveness, and the transfers it had to give up on.
+//
+// A router probes every expert rank (EpKind::kPing → EpPong) when a probe is due, at most one in
+// flight per rank. A rank is "answering" while its last probe came back within probe_deadline
+// and no abandoned transfer to or from it is outstanding. When a microbatch misses its deadline,
+// its transfers are not cancelled (MPI cannot withdraw a send, and a cancelled receive would
+// leave the late answer to be matched by the next one): they stay posted, with their buffers,
+// here ("stranded") until they complete, so that a rank that wakes up drains them in order and
+// the channel stays in step. A stranded rank is not answering; requests that need it fail fast.
+//
+// Threads: Poll, Strand, Probe and usable belong to the router thread (it owns the transport);
+// Snapshot and all_answering may be called from any thread (HTTP, control).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "base/aligned_buffer.h"
+#include "ep/protocol.h"
+#include "router/placement.h"
+#include "transport/transport.h"
+
+namespace moerun {
+
+struct PeerHealthOptions {
+  std::chrono::milliseconds probe_interval{1000};
+  std::chrono::milliseconds probe_deadline{2000};
+};
+
+struct PeerView {
+  int rank = 0;
+  bool answering = true;
+  bool stranded = false;      // transfers of a missed deadline still outstanding
+  double last_seen_s = 0;     // since its last pong (or since start, before the first)
+  uint64_t microbatches = 0;  // as it reported
+  uint64_t rows = 0;
+  uint64_t resident_bytes = 0;
+  uint64_t pid = 0;
+  std::string host;
+};
+
+class PeerHealth {
+ public:
+  PeerHealth(Transport* transport, const Placement& placement, size_t header_bytes,
+             PeerHealthOptions options);
+  ~PeerHealth();
+  PeerHealth(const PeerHealth&) = delete;
+  PeerHealth& operator=(const PeerHealth&) = delete;
+
+  // Keeps requests (that missed their deadline) posted, and the buffers they use alive, until
+  // every one completes. Their peers are not answering meanwhile.
+  void Strand(std::vector<Request> requests, std::vector<AlignedBuffer> buffers);
+  // Tests stranded transfers and probes in flight; sends probes that are due. Cheap; call it
+  // between batches and when idle.
+  void Poll();
+  // Sends no more probes (before shutdown); idle() once nothing is in flight.
+  void StopProbing() { probing_ = false; }
+  bool idle() const;
+  // false while `rank` has stranded transfers or a late probe.
+  bool usable(int rank) const { return state_[static_cast<size_t>(rank)].usable; }
+  // The first expert rank among `ranks_with_rows` (per rank row counts) that is not usable, or -1.
+  int FirstUnusable(const int64_t* rows_per_rank) const;
+
+  bool all_answering() const { return all_answering_.load(std::memory_order_relaxed); }
+  std::vector<PeerView> Snapshot() const;
+
+ private:
+  struct State {
+    Request ping_send, pong_recv;
+    EpPong pong_in, pong;  // pong_in is the transport's until the receive completes
+    Deadline ping_deadline{};
+    SteadyClock::time_point last_pong{}, next_probe{};
+    int stranded = 0;
+    bool late = false;
+    bool usable = true;
+  };
+  struct Strands {
+    std::vector<Request> requests;
+    std::vector<AlignedBuffer> buffers;
+  };
+  Status SendProbe(int rank);
+  void Refresh();
+
+  Transport* t_;
+  const Placement& placement_;
+  const size_t header_bytes_;
+  const PeerHealthOptions opts_;
+  std::vector<State> state_;
+  std::vector<AlignedBuffer> ping_headers_;
+  std::vector<Strands> strands_;
+  uint32_t seq_ = 0;
+  bool probing_ = true;
+  const SteadyClock::time_point started_;
+  std::atomic<bool> all_answering_{true};
+  mutable std::mutex view_mu_;
+  std::vector<PeerView> view_;
+};
+
+}  // namespace moerun

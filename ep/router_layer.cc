@@ -1,0 +1,278 @@
+#include "ep/router_layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "ep/protocol.h"
+#include "ep/registered_buffer.h"
+#include "router/combine.h"
+
+namespace moerun {
+
+struct RouterLayer::Stage {
+  Stage(const MoeLayerWeights& w, const CpuKernels& k, ThreadPool* pool)
+      : gating(w.Gate(), k, pool) {}
+  Gating gating;
+  DispatchPlan plan;
+  int64_t t0 = 0, tokens = 0;
+  AlignedBuffer rows_out, rows_in, shared_y, headers;
+  std::vector<Request> reqs;
+  std::vector<double> rows_to;  // per rank, to release from in_flight_
+  Deadline deadline;
+  bool active = false;
+};
+
+RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> placement,
+                         std::shared_ptr<const MoeLayerWeights> weights, const CpuKernels& kernels,
+                         ThreadPool* pool, size_t header_bytes, EpOptions options)
+    : t_(transport),
+      placement_(std::move(placement)),
+      lp_(placement_->Layer(weights->layer)),
+      w_(std::move(weights)),
+      kernels_(kernels),
+      pool_(pool),
+      header_bytes_(header_bytes),
+      opts_(options),
+      shared_ffn_(kernels, pool),
+      in_flight_(static_cast<size_t>(placement_->num_ranks()), 0.0) {
+  const Placement& pl = *placement_;
+  what_ = "expert-parallel layer " + std::to_string(w_->layer);
+  for (auto& s : stages_) s = std::make_unique<Stage>(*w_, kernels_, pool_);
+  for (auto& s : stages_) {
+    s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(pl.num_ranks()));
+    s->reqs.reserve(static_cast<size_t>(3 * pl.num_ranks()));
+    s->rows_to.assign(static_cast<size_t>(pl.num_ranks()), 0.0);
+  }
+  stats_.rows_per_rank.assign(static_cast<size_t>(pl.num_ranks()), 0);
+}
+
+RouterLayer::~RouterLayer() {
+  for (auto& s : stages_) {
+    for (Request& r : s->reqs) {
+      if (r.valid()) (void)t_->Cancel(r);
+    }
+    Unregister(t_, s->rows_out);
+    Unregister(t_, s->rows_in);
+  }
+}
+
+Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline deadline) {
+  if (lp_ == nullptr) {
+    return Status::InvalidArgument("the placement has no entry for layer " +
+                                   std::to_string(w_->layer));
+  }
+  if (tokens < 0 || tokens > (int64_t{1} << 24)) return Status::InvalidArgument("bad batch size");
+  if (tokens == 0) return Status::Ok();
+  const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : tokens;
+  const int64_t n = (tokens + mb - 1) / mb;
+  call_deadline_ = deadline;
+  Status status;
+  for (int64_t i = 0; i <= n && status.ok(); ++i) {
+    // Dispatch microbatch i, then collect i - 1 while the expert ranks work on i.
+    if (i < n) {
+      Stage& st = *stages_[i % 2];
+      const auto t0 = SteadyClock::now();
+      status = Dispatch(st, x, i * mb, std::min(mb, tokens - i * mb));
+      if (dispatch_hist_ && status.ok()) {
+        dispatch_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
+      }
+    }
+    if (status.ok() && i > 0) {
+      const auto t0 = SteadyClock::now();
+      status = Collect(*stages_[(i - 1) % 2], out);
+      if (combine_hist_ && status.ok()) {
+        combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
+      }
+    }
+  }
+  if (!status.ok()) Abandon(status);
+  return status;
+}
+
+Status RouterLayer::SetPlacement(std::shared_ptr<const Placement> placement) {
+  if (placement == nullptr || placement->num_ranks() != placement_->num_ranks() ||
+      placement->num_routers() != placement_->num_routers() ||
+      placement->num_experts() != placement_->num_experts()) {
+    return Status::InvalidArgument(what_ +
+                                   ": a new placement must keep the job's ranks, "
+                                   "routers and experts");
+  }
+  const LayerPlacement* lp = placement->Layer(w_->layer);
+  if (lp == nullptr) return Status::InvalidArgument(what_ + ": the new placement has no entry");
+  const size_t slots = (header_bytes_ - sizeof(EpHeaderFixed)) / sizeof(EpEntry);
+  if (static_cast<size_t>(lp->MaxSlotsPerRank()) > slots) {
+    return Status::InvalidArgument(
+        what_ + ": the new placement puts " + std::to_string(lp->MaxSlotsPerRank()) +
+        " slots on a rank; this job's headers hold " + std::to_string(slots));
+  }
+  placement_ = std::move(placement);
+  lp_ = lp;
+  return Status::Ok();
+}
+
+void RouterLayer::Abandon(const Status& why) {
+  // With a PeerHealth, whatever is still in flight stays posted (whatever failed: another
+  // microbatch may be on its way to healthy ranks); without one, it is cancelled.
+  (void)why;
+  const bool strand = health_ != nullptr;
+  for (auto& s : stages_) {
+    if (strand &&
+        std::any_of(s->reqs.begin(), s->reqs.end(), [](const Request& r) { return r.valid(); })) {
+      // The late transfers keep their buffers; this stage starts over with new ones.
+      std::vector<AlignedBuffer> bufs;
+      bufs.push_back(std::move(s->rows_out));
+      bufs.push_back(std::move(s->rows_in));
+      bufs.push_back(std::move(s->headers));
+      health_->Strand(std::move(s->reqs), std::move(bufs));
+      s->reqs = std::vector<Request>();
+      s->reqs.reserve(static_cast<size_t>(3 * placement_->num_ranks()));
+      s->rows_out = AlignedBuffer();
+      s->rows_in = AlignedBuffer();
+      s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement_->num_ranks()));
+    } else {
+      for (Request& r : s->reqs) {
+        if (r.valid()) (void)t_->Cancel(r);
+      }
+    }
+    s->reqs.clear();
+    if (s->active) {
+      for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= s->rows_to[d];
+      s->active = false;
+    }
+  }
+}
+
+Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens) {
+  const MoeLayerWeights& w = *w_;
+  const int64_t hidden = w.spec.hidden;
+  const int k = w.spec.top_k;
+  const int ranks = placement_->num_ranks();
+  st.t0 = t0;
+  st.tokens = tokens;
+  const float* xs = x + t0 * hidden;
+
+  // Gate and plan.
+  st.gating.Run(xs, tokens);
+  std::fill(st.rows_to.begin(), st.rows_to.end(), 0.0);
+  std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
+  st.plan.Build(st.gating.ids().data(), tokens, k, *lp_, st.rows_to);  // rows_to: load after
+  if (health_ != nullptr) {
+    for (int d = placement_->num_routers(); d < ranks; ++d) {
+      if (st.plan.rows_to(d) > 0 && !health_->usable(d)) health_->Poll();  // still late?
+      if (st.plan.rows_to(d) > 0 && !health_->usable(d)) {
+        return Status::Unavailable("expert rank " + std::to_string(d) +
+                                   " is not answering; requests that need its experts fail "
+                                   "until it catches up");
+      }
+    }
+  }
+  if (routing_observer_) routing_observer_(st.gating.ids().data(), tokens, k);
+  for (int d = 0; d < ranks; ++d) {
+    st.rows_to[static_cast<size_t>(d)] = static_cast<double>(st.plan.rows_to(d));
+    in_flight_[static_cast<size_t>(d)] += st.rows_to[static_cast<size_t>(d)];
+    stats_.rows_per_rank[static_cast<size_t>(d)] += static_cast<uint64_t>(st.plan.rows_to(d));
+  }
+  st.active = true;
+
+  // Gather every row into its destination's block.
+  const int64_t rows = tokens * k;
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  // Both are registered with the transport (an RDMA backend puts rows straight into rows_in at
+  // the plan's offsets and sends rows_out without staging).
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, st.rows_out, static_cast<size_t>(rows) * row_bytes));
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, st.rows_in, static_cast<size_t>(rows) * row_bytes));
+  float* send = st.rows_out.as<float>();
+  const int64_t chunk = 256;
+  pool_->ParallelFor((rows + chunk - 1) / chunk, [&](int64_t c, int) {
+    for (int64_t r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) {
+      std::memcpy(send + r * hidden,
+                  xs + static_cast<int64_t>(st.plan.row_token[static_cast<size_t>(r)]) * hidden,
+                  row_bytes);
+    }
+  });
+
+  // Post the receives first, then send header and rows to every rank that gets rows.
+  st.reqs.clear();
+  st.deadline = std::min(DeadlineIn(opts_.deadline), call_deadline_);
+  float* recv = st.rows_in.as<float>();
+  for (int d = placement_->num_routers(); d < ranks; ++d) {
+    const int64_t n = st.plan.rows_to(d);
+    if (n == 0) continue;
+    const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
+    MOERUN_ASSIGN_OR_RETURN(Request rr, t_->Irecv(d, kTagResult, recv + off * hidden,
+                                                  static_cast<size_t>(n) * row_bytes));
+    st.reqs.push_back(rr);
+    char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
+    std::memset(hdr, 0, header_bytes_);
+    EpHeaderFixed h;
+    h.kind = static_cast<uint32_t>(EpKind::kDispatch);
+    h.layer = w.layer;
+    h.seq = seq_;
+    h.rows = n;
+    h.hidden = static_cast<int32_t>(hidden);
+    const auto& slots = lp_->rank_slots[static_cast<size_t>(d)];
+    h.slots = static_cast<int32_t>(slots.size());
+    std::memcpy(hdr, &h, sizeof h);
+    EpEntry* entries = HeaderEntries(hdr);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      entries[i].expert = lp_->slots[static_cast<size_t>(slots[i])].expert;
+      entries[i].rows = st.plan.slot_rows[static_cast<size_t>(slots[i])];
+    }
+    MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
+    st.reqs.push_back(hr);
+    MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, send + off * hidden,
+                                                  static_cast<size_t>(n) * row_bytes));
+    st.reqs.push_back(sr);
+  }
+  ++seq_;
+  ++stats_.microbatches;
+  stats_.rows_sent += static_cast<uint64_t>(rows);
+
+  // The shared expert runs here while the expert ranks work.
+  if (w.shared) {
+    if (static_cast<int64_t>(shared_rows_.size()) < tokens) {
+      const size_t old = shared_rows_.size();
+      shared_rows_.resize(static_cast<size_t>(tokens));
+      std::iota(shared_rows_.begin() + static_cast<std::ptrdiff_t>(old), shared_rows_.end(),
+                static_cast<int32_t>(old));
+    }
+    const int64_t ldy = shared_ffn_.PaddedHidden(hidden);
+    st.shared_y.Reserve(static_cast<size_t>(tokens * ldy) * sizeof(float));
+    const ExpertGroup g{&*w.shared, w.spec.SharedAct(w.layer), 0, tokens};
+    shared_ffn_.Run(std::span<const ExpertGroup>(&g, 1), xs, hidden, shared_rows_.data(),
+                    st.shared_y.as<float>(), ldy);
+  }
+  return Status::Ok();
+}
+
+Status RouterLayer::Collect(Stage& st, float* out) {
+  const MoeLayerWeights& w = *w_;
+  const int64_t hidden = w.spec.hidden;
+  const int k = w.spec.top_k;
+  // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
+  MOERUN_RETURN_IF_ERROR(t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false));
+  st.reqs.clear();
+  for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
+  st.active = false;
+
+  const float* recv = st.rows_in.as<float>();
+  const int64_t ldy = shared_ffn_.PaddedHidden(hidden);
+  const float* shared = w.shared ? st.shared_y.as<float>() : nullptr;
+  const int64_t chunk = 64;
+  const int64_t tokens = st.tokens;
+  pool_->ParallelFor((tokens + chunk - 1) / chunk, [&](int64_t c, int) {
+    const float* rows[64];
+    for (int64_t t = c * chunk; t < std::min(tokens, (c + 1) * chunk); ++t) {
+      for (int j = 0; j < k; ++j) {
+        rows[j] = recv + st.plan.assignment_row[static_cast<size_t>(t * k + j)] * hidden;
+      }
+      CombineToken(k, hidden, rows, st.gating.weights().data() + t * k,
+                   shared ? shared + t * ldy : nullptr,
+                   st.gating.shared_scale()[static_cast<size_t>(t)], out + (st.t0 + t) * hidden);
+    }
+  });
+  return Status::Ok();
+}
+
+}  // namespace moerun

@@ -1,0 +1,75 @@
+// The YAML config of `moerun serve`, read strictly: unknown keys, wrong types and out-of-range
+// values are errors that name the key. Relative paths (model, placement) are relative to the
+// config file's folder. The README documents every key.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "serving/batcher.h"
+
+namespace moerun {
+
+// The network side (routers listen on port + router rank; every rank's HTTP on metrics port +
+// rank).
+struct ServingConfig {
+  std::string listen = "0.0.0.0:5700";            // serving endpoint of router 0
+  std::string control_listen = "127.0.0.1:5800";  // moectl endpoint (router 0; needs token_file)
+  std::string metrics_listen = "0.0.0.0:9700";    // HTTP /metrics and /health of rank 0
+  std::string token_file;                         // control token (empty: no control endpoint)
+  int64_t max_frame_bytes = 64 << 20;
+  int max_connections = 4096;
+  int max_inflight_per_connection = 64;
+  int64_t max_buffered_bytes = int64_t{1} << 30;
+  int64_t max_request_tokens = 65536;
+  int64_t default_deadline_ms = 30000;
+  int64_t frame_timeout_ms = 10000;
+  int64_t probe_interval_ms = 1000;
+  int64_t probe_deadline_ms = 2000;
+  int64_t drain_timeout_s = 30;
+  int64_t load_window_s = 60;  // sliding window of the load statistics (moectl status, planner)
+};
+
+// Online migrations (moectl placement apply / rebalance) and the automatic mode.
+struct RebalanceConfig {
+  double throttle_mib_s = 0;  // loading bandwidth per expert rank (0: unlimited)
+  bool automatic = false;     // plan on the window's loads every interval and apply when worth it
+  int64_t interval_s = 300;
+  double min_gain = 0.05;  // predicted balancedness gain (mean over layers) needed to apply
+  int redundant = 0;       // redundant expert slots per layer the planner may add
+  std::string policy = "default";
+  int64_t min_assignments = 1000;  // assignments the window must hold before a plan is made
+};
+
+struct ServeConfig {
+  // Weights: a checkpoint folder, or a preset.
+  std::string model;
+  std::string preset;
+  uint64_t seed = 1;
+  int experts = 0;
+  double gate_skew = 0.0;  // preset.gate_skew: Zipf exponent of the routing
+  std::string dtype = "f32";
+  // Layers to serve: empty = the model's first MoE layer; {-1} = every MoE layer.
+  std::vector<int> layers;
+  // The job.
+  std::string transport;  // mpi | inproc | "" (mpi under an MPI launcher, else inproc)
+  int ranks = 1;          // inproc only
+  int routers = 1;
+  std::string placement = "linear";
+  int64_t microbatch_tokens = 0;
+  int64_t deadline_ms = 30000;
+  int64_t startup_timeout_s = 600;
+  int threads = 0;
+  std::string isa;
+  BatcherOptions batching;
+  ServingConfig serving;
+  RebalanceConfig rebalance;
+  std::string log_level = "info";
+};
+
+Result<ServeConfig> ParseServeConfig(const std::string& yaml_text, const std::string& source,
+                                     const std::string& base_dir);
+Result<ServeConfig> LoadServeConfig(const std::string& path);
+
+}  // namespace moerun

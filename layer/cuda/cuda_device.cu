@@ -1,0 +1,27 @@
+#include <cuda_runtime.h>
+
+#include "layer/cuda/cuda_device.h"
+
+namespace moerun {
+
+CudaProbe ProbeCuda() {
+  CudaProbe p;
+  p.built = true;
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    p.error = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + " (" +
+              cudaGetErrorString(err) + ")";
+    cudaGetLastError();  // clear the sticky error
+    return p;
+  }
+  if (count == 0) p.error = "no CUDA device";
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    p.devices.push_back(CudaDeviceInfo{i, prop.name, prop.major, prop.minor, prop.totalGlobalMem});
+  }
+  return p;
+}
+
+}  // namespace moerun

@@ -1,0 +1,85 @@
+// One MoE layer on one CUDA GPU: gate (fp32) -> top-k -> group rows by expert -> grouped expert
+// FFN -> weighted combine in the fixed k order. Plain C++ interface: no CUDA type appears here, so
+// callers build whether or not this build has CUDA (without it, Create returns Unsupported).
+//
+// Two kinds of math for the expert FFN:
+//   kExact       fp32 on CUDA cores, one fused multiply-add chain per output in k order, weights
+//                widened exactly from their type: the same contract as the CPU kernels, so the
+//                output is bitwise the CPU backend's (the reference-fixture path).
+//   kTensorCore  bf16 or f16 inputs and weights on tensor cores (mma 16x16x16), fp32 accumulation;
+//                the hidden activations are rounded to the input type. Within 1e-2 of the CPU.
+// Both are batch-invariant (deterministic mode is the only mode): every output element is reduced
+// in the same order whatever the batch (no split-K, no atomics on outputs, tile shapes fixed), so
+// outputs are bitwise equal across batchings, ranks and placements on the same GPU type.
+//
+// Memory: weights are uploaded once; every per-batch buffer comes from one device arena sized for
+// `max_tokens` at Create (nothing is allocated per batch). The gate, routing and grouping stay on
+// the device (no host round trip inside a forward), so a whole forward can be captured as a CUDA
+// graph; one graph per token-count bucket (powers of two up to `graph_max_tokens`) is captured on
+// first use and replayed with the batch's real token count read from device memory.
+// Thread-safety: one call at a time per instance (it owns one stream).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "model/layer_weights.h"
+#include "model/preset.h"
+
+namespace moerun {
+
+enum class CudaMath { kExact, kTensorCore };
+const char* CudaMathName(CudaMath m);
+
+struct CudaLayerOptions {
+  int device = 0;  // CUDA device ordinal (see launch/local_device.h)
+  CudaMath math = CudaMath::kTensorCore;
+  DType mma_type = DType::kBF16;   // kTensorCore: kBF16 or kF16
+  int64_t max_tokens = 8192;       // the arena's size; Forward rejects larger batches
+  int64_t graph_max_tokens = 256;  // 0: no CUDA graphs
+};
+
+// Device-side timings of repeated forwards of one batch (CUDA events around each).
+struct CudaTimes {
+  std::vector<double> ms;  // one per repetition
+  double median_ms = 0, min_ms = 0;
+};
+
+class CudaMoeLayer {
+ public:
+  // Copies the layer's weights (any CPU packing and type) to the device. Every expert must be
+  // loaded. kTensorCore converts f32 weights to `mma_type`.
+  static Result<std::unique_ptr<CudaMoeLayer>> Upload(const MoeLayerWeights& w,
+                                                      const CudaLayerOptions& opts);
+  // A preset's layer generated on the device: the same values as BuildPresetLayer(spec, opts)
+  // without building it on the host (full-size models: DeepSeek-V3's 256 experts are 22 GB).
+  static Result<std::unique_ptr<CudaMoeLayer>> FromPreset(const ModelSpec& spec,
+                                                          const PresetOptions& preset,
+                                                          const CudaLayerOptions& opts);
+  virtual ~CudaMoeLayer() = default;
+
+  // x [tokens][hidden] -> out [tokens][hidden], host memory, synchronous.
+  virtual Status Forward(const float* x, int64_t tokens, float* out) = 0;
+  // The routing of the last forward (copied back on demand): [tokens * k] each.
+  virtual Status LastRouting(std::vector<int32_t>* ids, std::vector<float>* weights) = 0;
+
+  // Benchmarks: uploads x once, then times `reps` device-only forwards (no copies), after
+  // `warmup` untimed ones.
+  virtual Result<CudaTimes> Time(const float* x, int64_t tokens, int warmup, int reps) = 0;
+
+  // Expert ranks: the grouped FFN alone, on rows already grouped by the dispatch plan.
+  // rows [total][hidden] (host), group_expert[g] the local expert index (-1: shared expert),
+  // group_rows[g] its row count; y [total][hidden] (host).
+  virtual Status RunExperts(const float* rows, const std::vector<int32_t>& group_expert,
+                            const std::vector<int64_t>& group_rows, float* y) = 0;
+
+  virtual const ModelSpec& spec() const = 0;
+  virtual std::string Describe() const = 0;  // "H200 (sm_90), tensor-core bf16, 3.2 GB weights"
+  virtual size_t weight_bytes() const = 0;   // on the device
+  virtual int64_t graphs_captured() const = 0;
+};
+
+}  // namespace moerun

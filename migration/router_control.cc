@@ -1,0 +1,667 @@
+#include "migration/router_control.h"
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include <fmt/ranges.h>
+
+#include "base/log.h"
+
+namespace moerun {
+namespace {
+
+using nlohmann::json;
+
+double Since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Logical experts of `rank` in a layer placement.
+std::set<int> ExpertsOn(const LayerPlacement& lp, int rank) {
+  std::set<int> out;
+  for (int s : lp.rank_slots[static_cast<size_t>(rank)]) {
+    out.insert(lp.slots[static_cast<size_t>(s)].expert);
+  }
+  return out;
+}
+
+std::vector<int> Minus(const std::set<int>& a, const std::set<int>& b) {
+  std::vector<int> out;
+  for (int x : a) {
+    if (b.count(x) == 0) out.push_back(x);
+  }
+  return out;
+}
+
+}  // namespace
+
+struct RouterControlReply {
+  bool final = true;
+  bool ok = true;
+  std::string error;
+  int64_t bytes = 0;
+  int64_t freed = 0;  // release: bytes freed (switch: by the releases of that router)
+  uint64_t rows = 0, canary_rows = 0;
+};
+
+RouterControl::RouterControl(Transport* transport, std::shared_ptr<const Placement> placement,
+                             std::map<int, RouterLayer*> layers, size_t header_bytes,
+                             std::chrono::milliseconds deadline)
+    : t_(transport),
+      layers_(std::move(layers)),
+      header_bytes_(header_bytes),
+      deadline_(deadline),
+      placement_(std::move(placement)) {
+  const int n = t_->size();
+  in_headers_.resize(static_cast<size_t>(n));
+  in_reqs_.resize(static_cast<size_t>(n));
+}
+
+RouterControl::~RouterControl() {
+  for (Request& r : in_reqs_) {
+    if (r.valid()) (void)t_->Cancel(r);
+  }
+  // Replies and switch messages are small (sent eagerly); wait a little for them, then withdraw.
+  outgoing_.Drain(t_, DeadlineIn(std::chrono::milliseconds(2000)));
+}
+
+std::shared_ptr<const Placement> RouterControl::placement() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return placement_;
+}
+
+Status RouterControl::SendToExpert(int rank, const std::string& op, ReplyFn on_reply) {
+  const uint32_t id = next_id_++;
+  json j = json::parse(op);
+  j["id"] = id;
+  std::string body = j.dump();
+  std::vector<char> header(header_bytes_, 0);
+  EpHeaderFixed h;
+  h.kind = static_cast<uint32_t>(EpKind::kControl);
+  h.layer = j.value("layer", -1);
+  h.seq = id;
+  h.rows = static_cast<int64_t>(body.size());
+  std::memcpy(header.data(), &h, sizeof h);
+  MOERUN_RETURN_IF_ERROR(
+      outgoing_.Send(t_, rank, kTagHeader, kTagRows, std::move(header), std::move(body)));
+  pending_[id] = PendingOp{std::move(on_reply), rank, std::chrono::steady_clock::now()};
+  return Status::Ok();
+}
+
+Status RouterControl::SendToRouter(int rank, const std::string& body) {
+  return outgoing_.Send(t_, rank, kTagControl, kTagControlBody, ControlHeaderFor(body), body);
+}
+
+Status RouterControl::PollReceives() {
+  const int me = t_->rank();
+  for (int p = 0; p < t_->size(); ++p) {
+    if (p == me) continue;
+    Request& r = in_reqs_[static_cast<size_t>(p)];
+    EpControlHeader& h = in_headers_[static_cast<size_t>(p)];
+    if (!r.valid()) {
+      MOERUN_ASSIGN_OR_RETURN(r, t_->Irecv(p, kTagControl, &h, sizeof h));
+    }
+    MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(r));
+    if (!done) continue;
+    r = Request{};
+    if (h.magic != kEpMagic || h.bytes == 0 || h.bytes > kMaxControlBytes) {
+      return Status::Corrupt("router " + std::to_string(me) + ": bad control message from rank " +
+                             std::to_string(p));
+    }
+    std::string body(static_cast<size_t>(h.bytes), '\0');
+    MOERUN_RETURN_IF_ERROR(
+        t_->Recv(p, kTagControlBody, body.data(), body.size(), DeadlineIn(deadline_)));
+    MOERUN_ASSIGN_OR_RETURN(r, t_->Irecv(p, kTagControl, &h, sizeof h));
+    MOERUN_RETURN_IF_ERROR(OnMessage(p, body));
+  }
+  return outgoing_.Poll(t_);
+}
+
+Status RouterControl::OnMessage(int from, const std::string& body) {
+  try {
+    return HandleMessage(from, body);
+  } catch (const json::exception& e) {  // a field of the wrong type
+    return Status::Corrupt("router " + std::to_string(t_->rank()) +
+                           ": malformed control message from rank " + std::to_string(from) + ": " +
+                           e.what());
+  }
+}
+
+Status RouterControl::HandleMessage(int from, const std::string& body) {
+  const int me = t_->rank();
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("id") || !j["id"].is_number_unsigned()) {
+    return Status::Corrupt("router " + std::to_string(me) +
+                           ": malformed control message from rank " + std::to_string(from));
+  }
+  const uint64_t id = j["id"].get<uint64_t>();
+  if (j.contains("op")) {  // router 0 to this router
+    if (j["op"] != "switch" || from != 0) {
+      return Status::Corrupt("router " + std::to_string(me) + ": unexpected control request");
+    }
+    // Answered once this router's releases are answered: router 0's "done" means freed.
+    const int layer = j.value("layer", -1);
+    struct Pending {
+      int awaiting = 0;
+      int64_t freed = 0;
+      std::string error;
+    };
+    auto p = std::make_shared<Pending>();
+    auto answer = [this, id, p] {
+      json reply{{"id", id}, {"final", true}, {"ok", p->error.empty()}, {"freed_bytes", p->freed}};
+      if (!p->error.empty()) reply["error"] = p->error;
+      return SendToRouter(0, reply.dump());
+    };
+    auto next = Placement::FromJson(j.value("placement", std::string()), "router 0's placement");
+    Result<int> sent = next.status();
+    if (next.ok()) {
+      sent = Switch(layer, std::make_shared<const Placement>(std::move(*next)), false,
+                    [me, layer, p, answer](int rank, const RouterControlReply& r) {
+                      if (!r.final) return;
+                      p->freed += r.freed;
+                      if (!r.ok && p->error.empty()) {
+                        p->error = "rank " + std::to_string(rank) + ": " + r.error;
+                        spdlog::error("router {}: layer {}: release: {}", me, layer, p->error);
+                      }
+                      if (--p->awaiting == 0) (void)answer();
+                    });
+    }
+    if (!sent.ok()) {
+      spdlog::error("router {}: switching layer {} failed: {}", me, layer,
+                    sent.status().ToString());
+      p->error = sent.status().ToString();
+      return answer();
+    }
+    p->awaiting = *sent;
+    if (*sent == 0) return answer();
+    return Status::Ok();
+  }
+  const auto it = pending_.find(id);
+  if (it == pending_.end()) return Status::Ok();  // a late answer to something abandoned
+  RouterControlReply r;
+  r.final = j.value("final", true);
+  r.ok = j.value("ok", false);
+  r.error = j.value("error", std::string());
+  r.bytes = j.value("bytes", int64_t{0});
+  r.freed = j.value("freed_bytes", int64_t{0});
+  r.rows = j.value("rows", uint64_t{0});
+  r.canary_rows = j.value("canary_rows", uint64_t{0});
+  if (it->second.rank != from) return Status::Ok();  // not the rank it was sent to
+  it->second.last = std::chrono::steady_clock::now();
+  ReplyFn fn = it->second.fn;
+  if (r.final) pending_.erase(it);
+  if (fn) fn(from, r);
+  return Status::Ok();
+}
+
+Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> next,
+                                  bool tell_routers, ReplyFn done) {
+  const int me = t_->rank();
+  std::shared_ptr<const Placement> old = placement_;
+  for (auto& [l, ep] : layers_) {
+    if (l == layer) MOERUN_RETURN_IF_ERROR(ep->SetPlacement(next));
+  }
+  placement_ = next;
+  if (on_switch_) on_switch_(next);
+  int sent = 0;
+  const LayerPlacement* before = old->Layer(layer);
+  const LayerPlacement* after = next->Layer(layer);
+  if (before != nullptr && after != nullptr) {
+    for (int d = next->num_routers(); d < next->num_ranks(); ++d) {
+      const std::vector<int> gone = Minus(ExpertsOn(*before, d), ExpertsOn(*after, d));
+      if (gone.empty()) continue;
+      ReplyFn fn = done;
+      if (!fn) {
+        fn = [me, d, layer](int, const RouterControlReply& r) {
+          if (!r.ok)
+            spdlog::error("router {}: rank {} layer {}: release: {}", me, d, layer, r.error);
+        };
+      }
+      MOERUN_RETURN_IF_ERROR(SendToExpert(
+          d, json{{"op", "release"}, {"layer", layer}, {"experts", gone}}.dump(), std::move(fn)));
+      ++sent;
+    }
+  }
+  if (tell_routers) {
+    for (int r = 1; r < next->num_routers(); ++r) {
+      const uint32_t id = next_id_++;
+      pending_[id] = PendingOp{done, r, std::chrono::steady_clock::now()};
+      MOERUN_RETURN_IF_ERROR(SendToRouter(
+          r, json{{"id", id}, {"op", "switch"}, {"layer", layer}, {"placement", next->ToJson()}}
+                 .dump()));
+      ++sent;
+    }
+  }
+  spdlog::info("router {}: layer {} now uses placement v{}", me, layer, next->version());
+  return sent;
+}
+
+void RouterControl::ExpireSilent() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (now - it->second.last < deadline_) {
+      ++it;
+      continue;
+    }
+    RouterControlReply r;
+    r.ok = false;
+    r.error = "no answer for " +
+              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(deadline_).count()) +
+              " s";
+    const int rank = it->second.rank;
+    ReplyFn fn = std::move(it->second.fn);
+    it = pending_.erase(it);
+    spdlog::warn("router {}: rank {} did not answer a control message: {}", t_->rank(), rank,
+                 r.error);
+    if (fn) fn(rank, r);
+  }
+}
+
+Status RouterControl::Poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOERUN_RETURN_IF_ERROR(PollReceives());
+  ExpireSilent();
+  if (t_->rank() != 0) return Status::Ok();
+  MOERUN_RETURN_IF_ERROR(StepUpdates());
+  return StepMigration();
+}
+
+void RouterControl::Fail(const std::string& why) {
+  migration_->view.state = "failed";
+  migration_->view.error = why;
+  migration_->view.elapsed_s = Since(migration_->started);
+  spdlog::error("migration {} failed: {}", migration_->view.id, why);
+}
+
+Status RouterControl::StartLayer(LayerStep& step) {
+  Migration* m = migration_.get();
+  const int layer = step.view.layer;
+  step.started = std::chrono::steady_clock::now();
+  step.view.state = "loading";
+  std::map<int, std::string> files;
+  for (const auto& [key, file] : promoted_) {
+    if (key.first == layer) files[key.second] = file;
+  }
+  json jfiles = json::object();
+  for (const auto& [e, f] : files) jfiles[std::to_string(e)] = f;
+  for (const auto& [d, add] : step.add) {
+    if (add.empty()) continue;
+    ++step.awaiting;
+    const size_t index = static_cast<size_t>(&step - m->steps.data());
+    MOERUN_RETURN_IF_ERROR(SendToExpert(d,
+                                        json{{"op", "load"},
+                                             {"layer", layer},
+                                             {"experts", add},
+                                             {"files", jfiles},
+                                             {"throttle_bytes_s", m->view.throttle_bytes_s}}
+                                            .dump(),
+                                        [this, m, index](int rank, const RouterControlReply& r) {
+                                          if (migration_.get() != m) return;
+                                          LayerStep& s = m->steps[index];
+                                          if (r.ok || !r.final) s.loaded[rank] = r.bytes;
+                                          if (!r.final) return;
+                                          if (!r.ok && s.error.empty())
+                                            s.error =
+                                                "rank " + std::to_string(rank) + ": " + r.error;
+                                          --s.awaiting;
+                                        }));
+  }
+  spdlog::info("migration {}: layer {}: loading {} expert cop{} on {} rank(s)", m->view.id, layer,
+               step.view.experts_to_load, step.view.experts_to_load == 1 ? "y" : "ies",
+               step.awaiting);
+  return Status::Ok();
+}
+
+Status RouterControl::StepMigration() {
+  if (!migration_ || migration_->view.state != "running") return Status::Ok();
+  Migration& m = *migration_;
+  while (m.current < m.steps.size()) {
+    LayerStep& s = m.steps[m.current];
+    const size_t index = m.current;
+    if (s.view.state == "unchanged") {
+      ++m.current;
+      continue;
+    }
+    if (s.view.state == "pending") MOERUN_RETURN_IF_ERROR(StartLayer(s));
+    if (s.view.state == "loading") {
+      if (s.awaiting > 0) return Status::Ok();
+      if (!s.error.empty()) {
+        // Nobody sends rows to the copies this layer added: free them on every rank.
+        for (const auto& [d, add] : s.add) {
+          if (add.empty()) continue;
+          MOERUN_RETURN_IF_ERROR(SendToExpert(d,
+                                              json{{"op", "release"},
+                                                   {"layer", s.view.layer},
+                                                   {"experts", add},
+                                                   {"all_routers", true}}
+                                                  .dump(),
+                                              nullptr));
+        }
+        s.view.state = "failed";
+        s.view.seconds = Since(s.started);
+        Fail("layer " + std::to_string(s.view.layer) + ": " + s.error);
+        return Status::Ok();
+      }
+      MOERUN_ASSIGN_OR_RETURN(Placement next, placement_->WithLayer(s.view.layer, *m.target,
+                                                                    placement_->version() + 1));
+      s.view.state = "switching";
+      Migration* mp = &m;
+      MOERUN_ASSIGN_OR_RETURN(
+          s.awaiting, Switch(s.view.layer, std::make_shared<const Placement>(std::move(next)), true,
+                             [this, mp, index](int rank, const RouterControlReply& r) {
+                               if (migration_.get() != mp || !r.final) return;
+                               LayerStep& st = mp->steps[index];
+                               st.view.bytes_freed += r.freed;
+                               if (!r.ok && st.error.empty()) {
+                                 st.error = "rank " + std::to_string(rank) + ": " + r.error;
+                               }
+                               --st.awaiting;
+                             }));
+    }
+    if (s.view.state == "switching") {
+      if (s.awaiting > 0) return Status::Ok();
+      s.view.seconds = Since(s.started);
+      if (!s.error.empty()) {
+        s.view.state = "failed";
+        Fail("layer " + std::to_string(s.view.layer) + " (switched): " + s.error);
+        return Status::Ok();
+      }
+      s.view.state = "done";
+      spdlog::info("migration {}: layer {} done in {:.2f} s ({:.1f} MiB loaded)", m.view.id,
+                   s.view.layer, s.view.seconds, [&] {
+                     int64_t b = 0;
+                     for (const auto& [d, n] : s.loaded) b += n;
+                     return static_cast<double>(b) / (1 << 20);
+                   }());
+      ++m.current;
+    }
+  }
+  m.view.state = "done";
+  m.view.elapsed_s = Since(m.started);
+  spdlog::info("migration {} done: placement v{} in {:.2f} s", m.view.id, placement_->version(),
+               m.view.elapsed_s);
+  return Status::Ok();
+}
+
+Result<MigrationView> RouterControl::Apply(const Placement& target,
+                                           const MigrationOptions& options) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (migration_ && migration_->view.state == "running") {
+    return Status::Unavailable("migration " + std::to_string(migration_->view.id) +
+                               " is still running (moectl placement progress)");
+  }
+  for (const auto& [key, u] : updates_) {
+    if (u.view.state == "loading" || u.view.state == "canary") {
+      return Status::Unavailable("layer " + std::to_string(key.first) + " expert " +
+                                 std::to_string(key.second) +
+                                 " has an update in progress: promote or roll it back first");
+    }
+  }
+  const Placement& cur = *placement_;
+  if (target.num_ranks() != cur.num_ranks() || target.num_routers() != cur.num_routers() ||
+      target.num_experts() != cur.num_experts()) {
+    return Status::InvalidArgument("the placement is for " + std::to_string(target.num_ranks()) +
+                                   " ranks, " + std::to_string(target.num_routers()) +
+                                   " router(s), " + std::to_string(target.num_experts()) +
+                                   " experts; this job has " + std::to_string(cur.num_ranks()) +
+                                   ", " + std::to_string(cur.num_routers()) + ", " +
+                                   std::to_string(cur.num_experts()));
+  }
+  const size_t capacity = (header_bytes_ - sizeof(EpHeaderFixed)) / sizeof(EpEntry);
+  auto m = std::make_unique<Migration>();
+  m->target = std::make_shared<const Placement>(target);
+  m->started = std::chrono::steady_clock::now();
+  m->view.id = ++migrations_;
+  m->view.state = "running";
+  m->view.trigger = options.trigger;
+  m->view.note = options.note;
+  m->view.throttle_bytes_s = options.throttle_bytes_s;
+  m->view.from_version = cur.version();
+  uint64_t changed = 0;
+  for (const auto& [layer, ep] : layers_) {
+    const LayerPlacement* nw = target.Layer(layer);
+    const LayerPlacement* old = cur.Layer(layer);
+    if (nw == nullptr) {
+      return Status::InvalidArgument("the placement has no entry for layer " +
+                                     std::to_string(layer) + " (nor a \"*\" entry)");
+    }
+    if (static_cast<size_t>(nw->MaxSlotsPerRank()) > capacity) {
+      return Status::InvalidArgument("layer " + std::to_string(layer) + ": the placement puts " +
+                                     std::to_string(nw->MaxSlotsPerRank()) +
+                                     " slots on a rank; this job's headers hold " +
+                                     std::to_string(capacity) + " (apply it with a restart)");
+    }
+    LayerStep step;
+    step.view.layer = layer;
+    step.view.state = "pending";
+    if (old != nullptr && Placement::SameSlots(*old, *nw)) {
+      step.view.state = "unchanged";
+    } else {
+      ++changed;
+      for (int d = cur.num_routers(); d < cur.num_ranks(); ++d) {
+        const std::set<int> was = old ? ExpertsOn(*old, d) : std::set<int>();
+        const std::set<int> will = ExpertsOn(*nw, d);
+        step.add[d] = Minus(will, was);
+        step.remove[d] = Minus(was, will);
+        step.view.experts_to_load += static_cast<int>(step.add[d].size());
+        step.view.experts_to_free += static_cast<int>(step.remove[d].size());
+      }
+      step.view.bytes_to_move = step.view.experts_to_load * options.expert_bytes;
+      m->view.bytes_to_move += step.view.bytes_to_move;
+    }
+    m->steps.push_back(std::move(step));
+  }
+  m->view.to_version = cur.version() + changed;
+  if (changed == 0) {
+    m->view.state = "done";
+    m->view.note = "every layer already has this placement";
+  } else {
+    spdlog::info(
+        "migration {} ({}): v{} -> v{}, {} layer(s), {} expert copies to load ({:.1f} MiB)",
+        m->view.id, options.trigger, m->view.from_version, m->view.to_version, changed,
+        [&] {
+          int n = 0;
+          for (const auto& s : m->steps) n += s.view.experts_to_load;
+          return n;
+        }(),
+        static_cast<double>(m->view.bytes_to_move) / (1 << 20));
+  }
+  migration_ = std::move(m);
+  MigrationView v = migration_->view;
+  for (const auto& s : migration_->steps) v.layers.push_back(s.view);
+  return v;
+}
+
+MigrationView RouterControl::Progress() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!migration_) return MigrationView{};
+  MigrationView v = migration_->view;
+  v.bytes_loaded = 0;
+  for (const auto& s : migration_->steps) {
+    MigrationLayerView lv = s.view;
+    for (const auto& [d, n] : s.loaded) lv.bytes_loaded += n;
+    if (s.view.state == "loading" || s.view.state == "switching") lv.seconds = Since(s.started);
+    v.bytes_loaded += lv.bytes_loaded;
+    v.bytes_freed += lv.bytes_freed;
+    v.layers.push_back(lv);
+  }
+  if (v.state == "running") v.elapsed_s = Since(migration_->started);
+  return v;
+}
+
+bool RouterControl::busy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (migration_ && migration_->view.state == "running") return true;
+  for (const auto& [key, u] : updates_) {
+    if (u.view.state == "loading" || u.view.state == "canary") return true;
+  }
+  return false;
+}
+
+Result<ExpertUpdateView> RouterControl::Update(int layer, int expert, const std::string& file,
+                                               double canary) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layers_.count(layer) == 0) {
+    return Status::InvalidArgument("layer " + std::to_string(layer) + " is not served");
+  }
+  if (expert < 0 || expert >= placement_->num_experts()) {
+    return Status::InvalidArgument("no expert " + std::to_string(expert) + " (the model has " +
+                                   std::to_string(placement_->num_experts()) + ")");
+  }
+  if (!(canary >= 0.0 && canary <= 1.0)) {
+    return Status::InvalidArgument("the canary share must be within 0..100 %");
+  }
+  if (file.empty()) return Status::InvalidArgument("no weights file given");
+  if (migration_ && migration_->view.state == "running") {
+    return Status::Unavailable("a migration is running: update experts once it is done");
+  }
+  const auto key = std::make_pair(layer, expert);
+  const auto it = updates_.find(key);
+  if (it != updates_.end() &&
+      (it->second.view.state == "loading" || it->second.view.state == "canary")) {
+    return Status::Unavailable("layer " + std::to_string(layer) + " expert " +
+                               std::to_string(expert) +
+                               " already has an update: promote or roll it back first");
+  }
+  UpdateState st;
+  st.view.layer = layer;
+  st.view.expert = expert;
+  st.view.file = file;
+  st.view.canary = canary;
+  st.view.state = "loading";
+  const LayerPlacement* lp = placement_->Layer(layer);
+  std::set<int> ranks;
+  for (int s : lp->replicas[static_cast<size_t>(expert)]) {
+    ranks.insert(lp->slots[static_cast<size_t>(s)].rank);
+  }
+  st.view.ranks.assign(ranks.begin(), ranks.end());
+  updates_[key] = st;
+  actions_.push_back({"update", key});
+  spdlog::info("layer {} expert {}: new weights from {} on rank(s) {}, canary {:.2f}%", layer,
+               expert, file, fmt::join(st.view.ranks, ","), canary * 100);
+  return st.view;
+}
+
+Result<ExpertUpdateView> RouterControl::Act(const std::string& action, int layer, int expert) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = updates_.find({layer, expert});
+  if (it == updates_.end()) {
+    return Status::NotFound("layer " + std::to_string(layer) + " expert " + std::to_string(expert) +
+                            " has no update");
+  }
+  UpdateState& u = it->second;
+  if (action != "promote" && action != "rollback") {
+    return Status::InvalidArgument("unknown action '" + action + "'");
+  }
+  if (u.view.state != "canary" || !u.pending_action.empty()) {
+    return Status::Unavailable(
+        "the update of layer " + std::to_string(layer) + " expert " + std::to_string(expert) +
+        " is " + (u.pending_action.empty() ? u.view.state : u.pending_action + "ing") +
+        ", not in canary");
+  }
+  u.pending_action = action;
+  actions_.push_back({action, {layer, expert}});
+  return u.view;
+}
+
+std::vector<ExpertUpdateView> RouterControl::Updates() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ExpertUpdateView> out;
+  for (const auto& [key, u] : updates_) out.push_back(u.view);
+  return out;
+}
+
+Status RouterControl::StepUpdates() {
+  while (!actions_.empty()) {
+    const std::string action = actions_.front().first;
+    const std::pair<int, int> key = actions_.front().second;
+    actions_.pop_front();
+    UpdateState& u = updates_.at(key);
+    const int layer = key.first, expert = key.second;
+    u.awaiting = static_cast<int>(u.view.ranks.size());
+    u.view.error.clear();
+    json op{{"op", action}, {"layer", layer}, {"expert", expert}};
+    if (action == "update") {
+      op["file"] = u.view.file;
+      op["canary"] = u.view.canary;
+    }
+    for (int d : u.view.ranks) {
+      MOERUN_RETURN_IF_ERROR(
+          SendToExpert(d, op.dump(), [this, key, action](int rank, const RouterControlReply& r) {
+            if (!r.final) return;
+            UpdateState& st = updates_.at(key);
+            if (!r.ok && st.view.error.empty()) {
+              st.view.error = "rank " + std::to_string(rank) + ": " + r.error;
+            }
+            if (r.ok && action != "update") st.counts[rank] = {r.rows, r.canary_rows};
+            if (--st.awaiting > 0) return;
+            if (action != "update") {
+              st.view.rows = st.view.canary_rows = 0;
+              for (const auto& [from, c] : st.counts) {
+                st.view.rows += c.first;
+                st.view.canary_rows += c.second;
+              }
+            }
+            st.pending_action.clear();
+            if (action == "update") {
+              if (st.view.error.empty()) {
+                st.view.state = "canary";
+                st.last_query = std::chrono::steady_clock::now();
+                spdlog::info("layer {} expert {}: canary of {:.2f}% on", key.first, key.second,
+                             st.view.canary * 100);
+              } else {
+                st.view.state = "failed";
+                spdlog::error("layer {} expert {}: update failed: {}", key.first, key.second,
+                              st.view.error);
+                for (int d2 : st.view.ranks) {  // those that did load drop their copy
+                  (void)SendToExpert(
+                      d2,
+                      json{{"op", "rollback"}, {"layer", key.first}, {"expert", key.second}}.dump(),
+                      nullptr);
+                }
+              }
+            } else if (action == "promote") {
+              st.view.state = st.view.error.empty() ? "promoted" : "failed";
+              if (st.view.error.empty()) promoted_[key] = st.view.file;
+              spdlog::info("layer {} expert {}: {}", key.first, key.second, st.view.state);
+            } else {
+              st.view.state = st.view.error.empty() ? "rolled back" : "failed";
+              spdlog::info("layer {} expert {}: {}", key.first, key.second, st.view.state);
+            }
+          }));
+    }
+    (void)layer;
+    (void)expert;
+  }
+  // Canary counts, once a second.
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [key, u] : updates_) {
+    if (u.view.state != "canary" || u.querying > 0 || !u.pending_action.empty() ||
+        now - u.last_query < std::chrono::seconds(1)) {
+      continue;
+    }
+    u.last_query = now;
+    u.querying = static_cast<int>(u.view.ranks.size());
+    const auto k = key;
+    for (int d : u.view.ranks) {
+      MOERUN_RETURN_IF_ERROR(SendToExpert(
+          d, json{{"op", "query"}, {"layer", key.first}, {"expert", key.second}}.dump(),
+          [this, k](int rank, const RouterControlReply& r) {
+            if (!r.final) return;
+            UpdateState& st = updates_.at(k);
+            if (r.ok) st.counts[rank] = {r.rows, r.canary_rows};
+            if (--st.querying > 0 || !st.pending_action.empty()) return;
+            st.view.rows = st.view.canary_rows = 0;
+            for (const auto& [from, c] : st.counts) {
+              st.view.rows += c.first;
+              st.view.canary_rows += c.second;
+            }
+          }));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace moerun

@@ -1,0 +1,360 @@
+#include "ranks/expert_rank.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "base/log.h"
+
+#include <unistd.h>
+#include "base/metrics.h"
+#include "ep/registered_buffer.h"
+
+namespace moerun {
+
+ExpertRank::ExpertRank(Transport* transport, const Placement& placement,
+                       std::map<int, std::shared_ptr<MoeLayerWeights>> layers,
+                       const CpuKernels& kernels, ThreadPool* pool, ExpertRankOptions options)
+    : t_(transport),
+      layers_(std::move(layers)),
+      kernels_(kernels),
+      opts_(options),
+      ffn_(kernels, pool) {
+  std::vector<int> ids;
+  const size_t routers = static_cast<size_t>(placement.num_routers());
+  for (const auto& [layer, w] : layers_) {
+    ids.push_back(layer);
+    auto& users = users_[layer];
+    users.assign(w->experts.size(), std::vector<bool>(routers, false));
+    for (size_t e = 0; e < w->experts.size(); ++e) {
+      if (!w->experts[e].w13.empty()) users[e].assign(routers, true);
+    }
+  }
+  header_bytes_ = HeaderBytes(placement, ids);
+  routers_.resize(routers);
+  for (auto& r : routers_) {
+    r.header = AlignedBuffer(header_bytes_);
+    r.ahead = AlignedBuffer(header_bytes_);
+  }
+  entries_.reserve(Placement::kMaxSlotsPerRank);
+}
+
+size_t ExpertRank::held_bytes() const {
+  size_t n = 0;
+  for (const auto& [l, w] : layers_) n += w->ExpertBytes();
+  for (const auto& [k, v] : variants_) n += v.weights.bytes();
+  return n;
+}
+
+ExpertRank::~ExpertRank() {
+  cancel_.store(true);
+  if (result_.valid()) result_.wait();
+  outgoing_.Drain(t_, SteadyClock::now());
+  for (auto& r : routers_) {
+    if (r.rows_req.valid()) (void)t_->Cancel(r.rows_req);
+    if (r.header_req.valid()) (void)t_->Cancel(r.header_req);
+    for (AlignedBuffer& b : r.out) Unregister(t_, b);
+    for (AlignedBuffer& b : r.in) Unregister(t_, b);
+  }
+}
+
+Status ExpertRank::Serve() {
+  const int me = t_->rank();
+  for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
+    RouterState& rs = routers_[static_cast<size_t>(r)];
+    MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                            t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+  }
+  int alive = static_cast<int>(routers_.size());
+  uint64_t idle = 0;
+  while (alive > 0) {
+    MOERUN_RETURN_IF_ERROR(PollControl());
+    bool progressed = false;
+    for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
+      RouterState& rs = routers_[static_cast<size_t>(r)];
+      // A header taken ahead comes first (its successor's receive is already posted).
+      const char* hdr = rs.header.as<char>();
+      if (rs.have_ahead) {
+        rs.have_ahead = false;
+        hdr = rs.ahead.as<char>();
+      } else {
+        if (!rs.header_req.valid()) continue;
+        MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
+        if (!done) continue;
+        rs.header_req = Request{};
+      }
+      progressed = true;
+      EpHeaderFixed h;
+      std::memcpy(&h, hdr, sizeof h);
+      if (h.magic != kEpMagic) {
+        return Status::Corrupt("rank " + std::to_string(me) + ": bad header from router " +
+                               std::to_string(r));
+      }
+      if (h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
+        rs.done = true;
+        --alive;
+        continue;
+      }
+      if (h.kind == static_cast<uint32_t>(EpKind::kPing)) {
+        if (!rs.header_req.valid()) {
+          MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                  t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+        }
+        MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
+        continue;
+      }
+      if (h.kind == static_cast<uint32_t>(EpKind::kControl)) {
+        if (!rs.header_req.valid()) {
+          MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                  t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+        }
+        MOERUN_RETURN_IF_ERROR(Control(r, h));
+        continue;
+      }
+      if (h.kind != static_cast<uint32_t>(EpKind::kDispatch)) {
+        return Status::Corrupt("rank " + std::to_string(me) + ": header of unknown kind " +
+                               std::to_string(h.kind) + " from router " + std::to_string(r));
+      }
+      if (!SlotsFit(h)) {
+        return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
+                               std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
+      }
+      const EpEntry* entries = HeaderEntries(hdr);
+      entries_.assign(entries, entries + h.slots);
+      // The next header may land while this microbatch is computed.
+      if (!rs.header_req.valid()) {
+        MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                                t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+      }
+      MOERUN_RETURN_IF_ERROR(Handle(r, h, entries_.data()));
+    }
+    if (progressed) {
+      idle = 0;
+    } else if (++idle > static_cast<uint64_t>(t_->idle_spins())) {
+      if (idle > static_cast<uint64_t>(t_->idle_spins()) + 18000) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {
+        sched_yield();
+      }
+    }
+  }
+  // Control replies are small; one the routers no longer wait for (they have all stopped) is
+  // withdrawn after a short wait.
+  outgoing_.Drain(t_, DeadlineIn(std::chrono::milliseconds(2000)));
+  for (auto& rs : routers_) {
+    if (rs.pong_req.valid()) {
+      MOERUN_RETURN_IF_ERROR(t_->Wait(rs.pong_req, DeadlineIn(opts_.deadline), "pong send"));
+      rs.pong_req = Request{};
+    }
+    for (Request& q : rs.out_req) {
+      if (q.valid()) MOERUN_RETURN_IF_ERROR(t_->Wait(q, DeadlineIn(opts_.deadline), "result send"));
+      q = Request{};
+    }
+  }
+  return Status::Ok();
+}
+
+Status ExpertRank::Pong(int router, uint32_t seq) {
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  if (rs.pong_req.valid()) {
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rs.pong_req, DeadlineIn(opts_.deadline), "pong send"));
+    rs.pong_req = Request{};
+  }
+  rs.pong.seq = seq;
+  rs.pong.microbatches = served_;
+  rs.pong.rows = rows_served_;
+  rs.pong.resident_bytes = static_cast<uint64_t>(ProcessResidentBytes());
+  rs.pong.pid = static_cast<uint64_t>(::getpid());
+  ::gethostname(rs.pong.host, sizeof rs.pong.host - 1);
+  MOERUN_ASSIGN_OR_RETURN(rs.pong_req, t_->Isend(router, kTagPong, &rs.pong, sizeof rs.pong));
+  return Status::Ok();
+}
+
+bool ExpertRank::SlotsFit(const EpHeaderFixed& h) const {
+  return h.slots >= 0 && h.slots <= Placement::kMaxSlotsPerRank &&
+         sizeof(EpHeaderFixed) + sizeof(EpEntry) * static_cast<size_t>(h.slots) <= header_bytes_;
+}
+
+Result<int64_t> ExpertRank::RowsOf(const EpHeaderFixed& h, const EpEntry* entries) const {
+  const int me = t_->rank();
+  const auto lw = layers_.find(h.layer);
+  if (lw == layers_.end()) {
+    return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
+                                   std::to_string(h.layer));
+  }
+  const MoeLayerWeights& w = *lw->second;
+  if (h.hidden != w.spec.hidden || h.rows < 0) {
+    return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
+                           std::to_string(h.layer) + " does not match the layer's shape");
+  }
+  int64_t rows = 0;
+  for (int i = 0; i < h.slots; ++i) {
+    if (entries[i].rows < 0) return Status::Corrupt("negative row count in a header");
+    if (entries[i].expert < 0 || entries[i].expert >= static_cast<int32_t>(w.experts.size())) {
+      return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
+                             std::to_string(h.layer) + " names expert " +
+                             std::to_string(entries[i].expert) + " of " +
+                             std::to_string(w.experts.size()));
+    }
+    rows += entries[i].rows;
+  }
+  if (rows != h.rows) return Status::Corrupt("header row counts do not add up");
+  return rows;
+}
+
+Status ExpertRank::LookAhead(int router) {
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  if (rs.have_ahead || !rs.header_req.valid()) return Status::Ok();
+  MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
+  if (!done) return Status::Ok();
+  rs.header_req = Request{};
+  std::memcpy(rs.ahead.data(), rs.header.data(), header_bytes_);
+  rs.have_ahead = true;
+  EpHeaderFixed h;
+  std::memcpy(&h, rs.ahead.data(), sizeof h);
+  if (h.magic != kEpMagic || h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
+    return Status::Ok();  // the main loop reports or ends; nothing follows a shutdown
+  }
+  MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                          t_->Irecv(router, kTagHeader, rs.header.data(), header_bytes_));
+  if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || !SlotsFit(h)) return Status::Ok();
+  Result<int64_t> rows = RowsOf(h, HeaderEntries(rs.ahead.data()));
+  if (!rows.ok()) return Status::Ok();  // reported when the main loop handles it
+  const size_t bytes = static_cast<size_t>(*rows * h.hidden) * sizeof(float);
+  const int k = rs.next_in;
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.in[k], bytes));
+  MOERUN_ASSIGN_OR_RETURN(rs.rows_req, t_->Irecv(router, kTagRows, rs.in[k].data(), bytes));
+  rs.pre = k;
+  rs.pre_bytes = bytes;
+  return Status::Ok();
+}
+
+Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* entries) {
+  const int me = t_->rank();
+  MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, entries));  // checks layer and experts
+  const MoeLayerWeights& w = *layers_.at(h.layer);
+  const int64_t hidden = w.spec.hidden;
+
+  // Receive the rows (the router puts them into a registered buffer), unless LookAhead has
+  // already posted that receive; then take the next header while these rows are computed.
+  RouterState& rin = routers_[static_cast<size_t>(router)];
+  const size_t bytes = static_cast<size_t>(rows * hidden) * sizeof(float);
+  int k = rin.pre;
+  if (k >= 0) {
+    if (rin.pre_bytes != bytes) return Status::Internal("prefetched rows of another size");
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rin.rows_req, DeadlineIn(opts_.deadline), "rows"));
+    rin.rows_req = Request{};
+    rin.pre = -1;
+  } else {
+    k = rin.next_in;
+    MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rin.in[k], bytes));
+    MOERUN_RETURN_IF_ERROR(
+        t_->Recv(router, kTagRows, rin.in[k].data(), bytes, DeadlineIn(opts_.deadline)));
+  }
+  rin.next_in = k ^ 1;
+  const AlignedBuffer& in = rin.in[k];
+  MOERUN_RETURN_IF_ERROR(LookAhead(router));
+
+  // One grouped pass over every local expert.
+  groups_.clear();
+  group_expert_.clear();
+  group_rows_.clear();
+  int64_t first = 0;
+  const ActParams act = w.spec.RoutedAct(w.layer);
+  for (int i = 0; i < h.slots; ++i) {
+    const int expert = entries[i].expert;
+    const int32_t n = entries[i].rows;
+    const ExpertWeights& ew = w.experts[static_cast<size_t>(expert)];
+    if (n > 0 && ew.w13.empty()) {
+      return Status::Internal("rank " + std::to_string(me) + " got rows for expert " +
+                              std::to_string(expert) + " of layer " + std::to_string(h.layer) +
+                              ", which it does not hold");
+    }
+    groups_.push_back(ExpertGroup{&ew, act, first, n});
+    if (n > 0) {
+      group_expert_.push_back(expert);
+      group_rows_.push_back(n);
+    }
+    if (rows_observer_ && n > 0) rows_observer_(h.layer, expert, n);
+    first += n;
+  }
+  if (static_cast<int64_t>(rows_.size()) < rows) {
+    const size_t old = rows_.size();
+    rows_.resize(static_cast<size_t>(rows));
+    std::iota(rows_.begin() + static_cast<std::ptrdiff_t>(old), rows_.end(),
+              static_cast<int32_t>(old));
+  }
+  // Outputs go to one of two send buffers (the previous send from the other may be in flight),
+  // straight from the kernels when rows need no padding.
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  const int slot = rs.next_out;
+  rs.next_out ^= 1;
+  if (rs.out_req[slot].valid()) {
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rs.out_req[slot], DeadlineIn(opts_.deadline), "result send"));
+    rs.out_req[slot] = Request{};
+  }
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.out[slot], bytes));
+  float* out = rs.out[slot].as<float>();
+  const int64_t ldy = ffn_.PaddedHidden(hidden);
+  if (compute_) {
+    MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
+  } else if (ldy == hidden) {
+    ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), out, ldy);
+  } else {
+    y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));
+    const float* y = y_.as<float>();
+    ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), y_.as<float>(), ldy);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
+    }
+  }
+  if (!variants_.empty()) RunCanaries(h, entries, in.as<float>(), out);
+  MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
+  ++served_;
+  rows_served_ += static_cast<uint64_t>(rows);
+  return Status::Ok();
+}
+
+void ExpertRank::RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in,
+                             float* out) {
+  const MoeLayerWeights& w = *layers_.at(h.layer);
+  const int64_t hidden = w.spec.hidden;
+  const ActParams act = w.spec.RoutedAct(w.layer);
+  int64_t first = 0;
+  for (int i = 0; i < h.slots; ++i) {
+    const int64_t n = entries[i].rows;
+    const auto v = variants_.find({h.layer, entries[i].expert});
+    if (v == variants_.end() || n == 0) {
+      first += n;
+      continue;
+    }
+    // Row j of the expert's stream goes to the new weights when floor((j + 1) * share) passes
+    // floor(j * share): after any number of rows the canary count is the share, rounded down.
+    Variant& var = v->second;
+    canary_rows_.clear();
+    for (int64_t r = 0; r < n; ++r) {
+      const uint64_t j = var.rows++;
+      const auto before = static_cast<uint64_t>(static_cast<double>(j) * var.share);
+      const auto after = static_cast<uint64_t>(static_cast<double>(j + 1) * var.share);
+      if (after > before) canary_rows_.push_back(static_cast<int32_t>(first + r));
+    }
+    first += n;
+    if (canary_rows_.empty()) continue;
+    var.canary_rows += canary_rows_.size();
+    const auto m = static_cast<int64_t>(canary_rows_.size());
+    const int64_t ldy = ffn_.PaddedHidden(hidden);
+    canary_y_.Reserve(static_cast<size_t>(m * ldy) * sizeof(float));
+    const ExpertGroup g{&var.weights, act, 0, m};
+    ffn_.Run(std::span<const ExpertGroup>(&g, 1), in, hidden, canary_rows_.data(),
+             canary_y_.as<float>(), ldy);
+    for (int64_t r = 0; r < m; ++r) {
+      std::memcpy(out + static_cast<int64_t>(canary_rows_[static_cast<size_t>(r)]) * hidden,
+                  canary_y_.as<float>() + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
+    }
+  }
+}
+
+}  // namespace moerun

@@ -1,0 +1,175 @@
+#include "serving/batcher.h"
+
+#include <cstring>
+
+namespace moerun {
+
+Batcher::Batcher(BatcherOptions options, int64_t hidden)
+    : opts_(options),
+      hidden_(hidden),
+      ring_(static_cast<size_t>(std::max(1, options.max_queue_requests))) {
+  batch_.reserve(ring_.size());
+  expired_.reserve(ring_.size());
+}
+
+Status Batcher::Submit(const BatchRequest& r) {
+  if (r.tokens <= 0 || r.x == nullptr || r.out == nullptr || r.done == nullptr) {
+    return Status::InvalidArgument("batcher: a request needs tokens, input, output and a callback");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Unavailable("the router is shutting down");
+    if (count_ == ring_.size() || queued_tokens_ + r.tokens > opts_.max_queue_tokens) {
+      ++stats_.refused;
+      return Status::ResourceExhausted("the router's queue is full (" +
+                                       std::to_string(queued_tokens_) + " tokens queued)");
+    }
+    ring_[(head_ + count_) % ring_.size()] = Slot{r, Clock::now()};
+    ++count_;
+    queued_tokens_ += r.tokens;
+  }
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+void Batcher::DropExpired(Clock::time_point now) {
+  // Compacts the ring, keeping FIFO order of the live requests.
+  size_t kept = 0;
+  for (size_t i = 0; i < count_; ++i) {
+    Slot& s = ring_[(head_ + i) % ring_.size()];
+    if (s.req.deadline <= now) {
+      expired_.push_back(s);
+      queued_tokens_ -= s.req.tokens;
+    } else {
+      if (kept != i) ring_[(head_ + kept) % ring_.size()] = s;
+      ++kept;
+    }
+  }
+  count_ = kept;
+}
+
+bool Batcher::TakeBatch(std::vector<Slot>* batch, bool flush) {
+  batch->clear();
+  const auto now = Clock::now();
+  DropExpired(now);
+  if (count_ == 0) return false;
+  const Slot& first = ring_[head_];
+  // Tokens of the head's layer that can go together, in FIFO order.
+  int64_t tokens = 0;
+  size_t n = 0;
+  for (; n < count_; ++n) {
+    const Slot& s = ring_[(head_ + n) % ring_.size()];
+    if (s.req.layer != first.req.layer) break;
+    if (n > 0 && tokens + s.req.tokens > opts_.max_batch_tokens) break;
+    tokens += s.req.tokens;
+  }
+  const bool full = tokens >= opts_.max_batch_tokens || n < count_;
+  const bool waited = now - first.enqueued >= std::chrono::microseconds(opts_.max_wait_us);
+  if (!full && !waited && !flush) return false;
+  for (size_t i = 0; i < n; ++i) {
+    batch->push_back(ring_[head_]);
+    head_ = (head_ + 1) % ring_.size();
+    --count_;
+    queued_tokens_ -= batch->back().req.tokens;
+  }
+  return true;
+}
+
+void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionRef<void()> idle,
+                  std::chrono::milliseconds poll) {
+  auto answer_expired = [&] {
+    for (const Slot& s : expired_) {
+      BatchInfo info;
+      info.queue_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s.enqueued).count();
+      s.req.done(s.req.ctx,
+                 Status::DeadlineExceeded("the deadline passed after " +
+                                          std::to_string(info.queue_us) + " us in the queue"),
+                 info);
+    }
+    expired_.clear();
+  };
+  for (;;) {
+    bool have = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_requested()) stopping_ = true;
+      have = TakeBatch(&batch_, stopping_);
+      stats_.expired += expired_.size();
+      if (!have && stopping_ && count_ == 0 && expired_.empty()) return;
+      if (!have && expired_.empty()) {
+        auto until = Clock::now() + poll;
+        if (count_ > 0) {
+          until =
+              std::min(until, ring_[head_].enqueued + std::chrono::microseconds(opts_.max_wait_us));
+        }
+        cv_.wait_until(lock, until);
+      }
+    }
+    answer_expired();
+    if (!have) {
+      idle();
+      continue;
+    }
+    // Gather, run, scatter.
+    const auto started = Clock::now();
+    int64_t tokens = 0;
+    auto deadline = Clock::time_point::min();
+    for (const Slot& s : batch_) {
+      tokens += s.req.tokens;
+      deadline = std::max(deadline, s.req.deadline);
+    }
+    const size_t bytes = static_cast<size_t>(tokens * hidden_) * sizeof(float);
+    in_.Reserve(bytes);
+    out_.Reserve(bytes);
+    float* in = in_.as<float>();
+    int64_t off = 0;
+    for (const Slot& s : batch_) {
+      std::memcpy(in + off * hidden_, s.req.x,
+                  static_cast<size_t>(s.req.tokens * hidden_) * sizeof(float));
+      off += s.req.tokens;
+    }
+    const Status st = forward(batch_.front().req.layer, in, tokens, out_.as<float>(), deadline);
+    const auto finished = Clock::now();
+    BatchInfo info;
+    info.batch_tokens = tokens;
+    info.compute_us =
+        std::chrono::duration_cast<std::chrono::microseconds>(finished - started).count();
+    off = 0;
+    for (const Slot& s : batch_) {
+      if (st.ok()) {
+        std::memcpy(s.req.out, out_.as<float>() + off * hidden_,
+                    static_cast<size_t>(s.req.tokens * hidden_) * sizeof(float));
+      }
+      off += s.req.tokens;
+      info.queue_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(started - s.enqueued).count();
+      s.req.done(s.req.ctx, st, info);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.batches;
+      stats_.requests += batch_.size();
+      stats_.tokens += static_cast<uint64_t>(tokens);
+    }
+    idle();
+  }
+}
+
+void Batcher::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+}
+
+BatcherStats Batcher::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  BatcherStats s = stats_;
+  s.queued_requests = count_;
+  s.queued_tokens = queued_tokens_;
+  return s;
+}
+
+}  // namespace moerun
