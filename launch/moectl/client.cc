@@ -1,0 +1,110 @@
+#include "launch/moectl/client.h"
+
+#include <cstdlib>
+#include <thread>
+#include <utility>
+
+#include "base/clock.h"
+#include "serving/control_endpoint.h"
+
+namespace moerun::moectl {
+
+namespace {
+
+constexpr auto kPollInterval = std::chrono::milliseconds(500);
+
+}  // namespace
+
+void AddConnectionOptions(CLI::App& app, Session& s) {
+  app.add_option("--target", s.target, "Router 0's control endpoint HOST:PORT")
+      ->default_val(s.target);
+  app.add_option("--token-file", s.token_file, "File holding the control token")
+      ->envname("MOERUN_TOKEN_FILE");
+  app.add_option("--timeout-ms", s.timeout_ms, "Give up on one request after this long")
+      ->default_val(10000);
+}
+
+int Fail(const std::string& message, int code) {
+  std::fprintf(stderr, "moectl: %s\n", message.c_str());
+  return code;
+}
+
+ControlClient::ControlClient(std::string target, std::string token, int timeout_ms)
+    : target_(std::move(target)), token_(std::move(token)), timeout_ms_(timeout_ms) {}
+
+int ControlClient::Call(const v1::ControlRequest& req, v1::ControlResponse* resp, bool retry) {
+  Status s = Exchange(req, resp, retry);
+  if (!s.ok()) return Fail(target_ + ": " + s.ToString());
+  if (resp->code() != v1::OK) {
+    return Fail(target_ + " refused: " + ErrorCodeKind(resp->code()) + ": " + resp->message());
+  }
+  return 0;
+}
+
+Status ControlClient::Exchange(v1::ControlRequest req, v1::ControlResponse* resp, bool retry) {
+  if (!token_.empty()) req.set_token(token_);
+  Status s = CallOnce(req, resp);
+  if (!s.ok() && retry) {
+    conn_.reset();
+    s = CallOnce(req, resp);
+  }
+  if (!s.ok()) conn_.reset();
+  return s;
+}
+
+Status ControlClient::CallOnce(const v1::ControlRequest& req, v1::ControlResponse* resp) {
+  const auto deadline = DeadlineIn(std::chrono::milliseconds(timeout_ms_));
+  if (!conn_) {
+    ClientOptions co;
+    co.connect_timeout = std::chrono::milliseconds(timeout_ms_);
+    auto conn = ServeConnection::Connect(target_, co);
+    if (!conn.ok()) return conn.status();
+    conn_ = std::move(conn).value();
+  }
+  MOERUN_RETURN_IF_ERROR(conn_->Send(req, deadline));
+  return conn_->Receive(resp, deadline);
+}
+
+std::unique_ptr<ControlClient> MakeClient(const Session& s) {
+  std::string token;
+  if (!s.token_file.empty()) {
+    auto t = ReadTokenFile(s.token_file);
+    if (!t.ok()) {
+      Fail(t.status().ToString(), 2);
+      return nullptr;
+    }
+    token = std::move(t).value();
+  }
+  return std::make_unique<ControlClient>(s.target, token, s.timeout_ms);
+}
+
+int Send(const Session& s, const v1::ControlRequest& req, v1::ControlResponse* resp, bool retry) {
+  std::unique_ptr<ControlClient> client = MakeClient(s);
+  if (!client) return 2;
+  return client->Call(req, resp, retry);
+}
+
+Waiter::Waiter(bool json)
+    : started_(std::chrono::steady_clock::now()), out_(json ? stderr : stdout) {}
+
+void Waiter::Pause() const { std::this_thread::sleep_for(kPollInterval); }
+
+double Waiter::Seconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+}
+
+void Waiter::Line(const std::string& line) const {
+  std::fprintf(out_, "%s\n", line.c_str());
+  std::fflush(out_);
+}
+
+const CLI::Validator kNonNegative(
+    [](std::string& text) -> std::string {
+      char* end = nullptr;
+      const double v = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || !(v >= 0)) return "must be a number >= 0, not " + text;
+      return {};
+    },
+    "NUMBER >= 0");
+
+}  // namespace moerun::moectl

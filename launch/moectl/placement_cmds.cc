@@ -1,0 +1,353 @@
+// moectl placement plan (a dry run on the job's load, or offline on a load matrix), and the
+// commands that migrate the job online (placement apply FILE | apply --plan | import FILE,
+// rebalance) or follow its migration (placement progress), with --wait.
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "launch/moectl/client.h"
+#include "launch/moectl/commands.h"
+#include "launch/moectl/print.h"
+#include "launch/rank_services.h"
+#include "router/placement.h"
+#include "router/placement_plan.h"
+
+namespace moerun::moectl {
+
+namespace {
+
+// The planner's options of placement plan, apply --plan and rebalance.
+struct PlannerFlags {
+  int redundant = 0;  // --redundant
+  std::string policy = "default";
+  int groups = 0, nodes = 0;
+};
+
+struct PlanFlags {  // placement plan
+  PlannerFlags planner;
+  std::string out;  // --out FILE
+  bool json = false;
+  std::string loads_path, placement_path;  // --loads, --placement: offline
+  int ranks = 0, routers = 1;
+  int64_t expert_bytes = 0;
+};
+
+struct MigrateFlags {      // placement apply/import/progress, rebalance
+  std::string file;        // apply FILE, import FILE
+  bool from_plan = false;  // apply --plan; always for rebalance
+  PlannerFlags planner;
+  double min_gain = 0, throttle_mib_s = 0;
+  bool wait = false, json = false;
+};
+
+void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
+  pr->set_redundant(f.redundant);
+  pr->set_policy(f.policy);
+  pr->set_groups(f.groups);
+  pr->set_nodes(f.nodes);
+}
+
+// --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
+Result<std::map<int, std::vector<double>>> ReadLoads(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound(path + ": cannot open");
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(path + ": not JSON: " + e.what());
+  }
+  std::map<int, std::vector<double>> loads;
+  auto row = [&](const nlohmann::json& v, int layer) -> Status {
+    if (!v.is_array()) return Status::InvalidArgument(path + ": layer loads must be arrays");
+    for (const auto& x : v) {
+      if (!x.is_number()) return Status::InvalidArgument(path + ": loads must be numbers");
+      loads[layer].push_back(x.get<double>());
+    }
+    return Status::Ok();
+  };
+  if (j.is_array()) {
+    for (size_t i = 0; i < j.size(); ++i) MOERUN_RETURN_IF_ERROR(row(j[i], static_cast<int>(i)));
+  } else if (j.is_object() && j.contains("layers") && j["layers"].is_object()) {
+    for (const auto& [k, v] : j["layers"].items()) {
+      int layer = -1;
+      try {
+        layer = std::stoi(k);
+      } catch (const std::exception&) {
+      }
+      if (layer < 0) return Status::InvalidArgument(path + ": layer '" + k + "' is not a number");
+      MOERUN_RETURN_IF_ERROR(row(v, layer));
+    }
+  } else {
+    return Status::InvalidArgument(path + ": expected {\"layers\": {\"0\": [...]}} or [[...]]");
+  }
+  if (loads.empty()) return Status::InvalidArgument(path + ": no loads");
+  return loads;
+}
+
+// The whole of a file the user named ("placement apply FILE"): a clear error if it is missing,
+// a folder or unreadable.
+Result<std::string> ReadUserFile(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    return Status::NotFound(fmt::format("{} {}: no such file", what, path));
+  }
+  if (std::filesystem::is_directory(path, ec)) {
+    return Status::InvalidArgument(fmt::format("{} {} is a folder, not a file", what, path));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return Status::IoError(fmt::format("{} {}: cannot open: {}", what, path, std::strerror(errno)));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::IoError(fmt::format("{} {}: cannot read", what, path));
+  return text.str();
+}
+
+// The plan printed (or its JSON), and its placement written to --out FILE.
+int FinishPlan(const v1::PlanResponse& p, const PlanFlags& f) {
+  if (f.json) {
+    std::printf("%s\n", Json(p).c_str());
+  } else {
+    PrintPlan(p);
+  }
+  if (!f.out.empty()) {
+    if (p.placement_json().empty()) return Fail("no placement to write: " + p.note());
+    std::ofstream out(f.out);
+    out << p.placement_json() << "\n";
+    out.close();
+    if (!out) return Fail("cannot write " + f.out);
+    std::fprintf(stderr, "moectl: planned placement written to %s\n", f.out.c_str());
+  }
+  return 0;
+}
+
+// placement plan --loads FILE: no job involved (and no token read).
+int PlanOffline(const PlanFlags& f) {
+  auto loads = ReadLoads(f.loads_path);
+  if (!loads.ok()) return Fail(loads.status().ToString(), 2);
+  const int experts = static_cast<int>(loads->begin()->second.size());
+  auto current = !f.placement_path.empty() ? Placement::FromFile(f.placement_path)
+                 : f.ranks > 0             ? Placement::Linear(experts, f.ranks, f.routers)
+                                           : Result<Placement>(Status::InvalidArgument(
+                                                 "--loads needs --placement FILE or --ranks N"));
+  if (!current.ok()) return Fail(current.status().ToString(), 2);
+  PlanOptions o;
+  o.redundant = f.planner.redundant;
+  auto pol = ParsePlannerPolicy(f.planner.policy);
+  if (!pol.ok()) return Fail(pol.status().ToString(), 2);
+  o.policy = *pol;
+  o.groups = f.planner.groups > 0 ? f.planner.groups : 1;
+  o.nodes = f.planner.nodes > 0 ? f.planner.nodes : 1;
+  auto rep = MakePlan(*loads, *current, f.expert_bytes, o);
+  if (!rep.ok()) return Fail(rep.status().ToString(), 2);
+  return FinishPlan(PlanToProto(*rep), f);
+}
+
+int RunPlan(const Session& s, const PlanFlags& f) {
+  if (!f.loads_path.empty()) return PlanOffline(f);
+  v1::ControlRequest req;
+  SetPlanRequest(f.planner, req.mutable_plan());
+  v1::ControlResponse resp;
+  if (int rc = Send(s, req, &resp, /*retry=*/true); rc != 0) return rc;
+  return FinishPlan(resp.plan(), f);
+}
+
+void AddPlanCommand(CLI::App& placement, Session& s) {
+  auto f = std::make_shared<PlanFlags>();  // lives as long as the callback
+  CLI::App* plan = placement.add_subcommand(
+      "plan", "Dry run: the planner's placement for the measured load (or --loads FILE)");
+  plan->add_option("--redundant", f->planner.redundant, "Redundant expert slots per layer")
+      ->default_val(0);
+  plan->add_option("--policy", f->planner.policy, "default, eplb-hierarchical or eplb-global")
+      ->default_val("default");
+  plan->add_option("--groups", f->planner.groups,
+                   "Expert groups (default: the model's gate groups)");
+  plan->add_option("--nodes", f->planner.nodes, "Nodes the expert ranks span (default 1)");
+  plan->add_option("--out", f->out, "Write the planned placement JSON to FILE");
+  plan->add_flag("--json", f->json, "Print JSON");
+  plan->add_option("--loads", f->loads_path, "Plan offline from this load matrix (JSON)");
+  plan->add_option("--placement", f->placement_path, "Offline: the current placement JSON");
+  plan->add_option("--ranks", f->ranks, "Offline, without --placement: ranks (linear placement)");
+  plan->add_option("--routers", f->routers, "Offline, with --ranks: router ranks")->default_val(1);
+  plan->add_option("--expert-bytes", f->expert_bytes, "Offline: bytes of one expert's weights");
+  plan->callback([&s, f] { s.rc = RunPlan(s, *f); });
+}
+
+// What --wait compares between polls (the elapsed time always changes: not part of it).
+std::string MigrationKey(const v1::MigrationStatus& m) {
+  std::string key = fmt::format("{}/{}/{}/{}", m.id(), m.state(), m.bytes_loaded(), m.error());
+  for (const auto& l : m.layers()) {
+    key += fmt::format("/{}:{}:{}", l.layer(), l.state(), l.bytes_loaded());
+  }
+  return key;
+}
+
+// --wait: polls until *m is no longer running, printing a line when something changes.
+int WaitForMigration(ControlClient& client, const Waiter& w, v1::MigrationStatus* m) {
+  std::string key = MigrationKey(*m);
+  v1::ControlRequest poll;
+  poll.mutable_progress();
+  while (m->state() == "running") {
+    w.Pause();
+    v1::ControlResponse pr;
+    if (int rc = client.Call(poll, &pr, /*retry=*/true); rc != 0) {
+      std::fprintf(stderr,
+                   "moectl: lost track of migration %llu: see moectl placement "
+                   "progress\n",
+                   static_cast<unsigned long long>(m->id()));
+      return rc;
+    }
+    if (pr.migration().id() != m->id()) {
+      return Fail(fmt::format(
+          "migration {} is no longer the router's (now migration {}, {}): its outcome is "
+          "unknown here",
+          m->id(), pr.migration().id(), pr.migration().state()));
+    }
+    *m = pr.migration();
+    if (std::string k = MigrationKey(*m); k != key) {
+      key = std::move(k);
+      w.Line(MigrationProgressLine(*m, w.Seconds()));
+    }
+  }
+  return 0;
+}
+
+// Sends `req` (an apply, or a progress request), then follows the migration with --wait and
+// prints it: 1 if it failed.
+int FollowMigration(const Session& s, const MigrateFlags& f, const v1::ControlRequest& req,
+                    bool retry) {
+  std::unique_ptr<ControlClient> client = MakeClient(s);
+  if (!client) return 2;
+  v1::ControlResponse resp;
+  if (int rc = client->Call(req, &resp, retry); rc != 0) return rc;
+  const Waiter waiter(f.json);
+  v1::MigrationStatus m = resp.migration();
+  if (f.wait && m.state() == "running") {
+    if (!f.json) PrintMigration(m);
+    if (int rc = WaitForMigration(*client, waiter, &m); rc != 0) return rc;
+  }
+  if (f.json) {
+    std::printf("%s\n", Json(m).c_str());
+  } else {
+    PrintMigration(m);
+  }
+  return m.state() == "failed" ? 1 : 0;
+}
+
+// placement apply FILE | apply --plan | import FILE, rebalance. FILE is read (and for import,
+// checked and summed up) here before anything is sent.
+int RunApply(const Session& s, const MigrateFlags& f, bool import) {
+  v1::ControlRequest req;
+  v1::ApplyRequest* ar = req.mutable_apply();
+  if (f.from_plan) {
+    ar->set_from_plan(true);
+    SetPlanRequest(f.planner, ar->mutable_plan());
+    ar->set_min_gain(f.min_gain);
+  } else {
+    auto text = ReadUserFile(f.file, "placement");
+    if (!text.ok()) return Fail(text.status().message());
+    if (import) {
+      auto p = Placement::FromJson(*text, f.file);
+      if (!p.ok()) return Fail("placement import: " + p.status().ToString());
+      PrintPlacementSummary(f.json ? stderr : stdout, f.file, *p, *text);
+    }
+    ar->set_placement_json(*text);
+  }
+  ar->set_throttle_mib_s(f.throttle_mib_s);
+  return FollowMigration(s, f, req, /*retry=*/false);  // a change: sent once
+}
+
+int RunProgress(const Session& s, const MigrateFlags& f) {
+  v1::ControlRequest req;
+  req.mutable_progress();
+  return FollowMigration(s, f, req, /*retry=*/true);
+}
+
+// --redundant --policy --groups --nodes --min-gain of apply --plan and rebalance.
+std::vector<CLI::Option*> AddPlannerOptions(CLI::App* sub, MigrateFlags& f) {
+  return std::vector<CLI::Option*>{
+      sub->add_option("--redundant", f.planner.redundant, "Redundant expert slots per layer")
+          ->check(kNonNegative),
+      sub->add_option("--policy", f.planner.policy, "default, eplb-hierarchical or eplb-global"),
+      sub->add_option("--groups", f.planner.groups,
+                      "Expert groups (default: the model's gate groups)")
+          ->check(kNonNegative),
+      sub->add_option("--nodes", f.planner.nodes, "Nodes the expert ranks span (default 1)")
+          ->check(kNonNegative),
+      sub->add_option("--min-gain", f.min_gain,
+                      "Apply only if the predicted mean balancedness gains this much "
+                      "(else: skipped)")};
+}
+
+void AddMigrationOptions(CLI::App* sub, MigrateFlags& f) {
+  sub->add_option("--throttle-mib-s", f.throttle_mib_s,
+                  "Loading bandwidth per expert rank, MiB/s (default: the job's config)")
+      ->check(kNonNegative);
+  sub->add_flag("--wait", f.wait, "Wait until the migration is done or failed, showing progress");
+  sub->add_flag("--json", f.json, "Print the (final) answer as JSON");
+}
+
+void AddApplyCommand(CLI::App& placement, Session& s) {
+  auto f = std::make_shared<MigrateFlags>();  // lives as long as the callback
+  CLI::App* apply = placement.add_subcommand(
+      "apply", "Migrate the job online to the placement in FILE, or to the planner's (--plan)");
+  CLI::Option* file_opt = apply->add_option("FILE", f->file, "A moerun-placement-v1 JSON file");
+  CLI::Option* plan_opt =
+      apply->add_flag("--plan", f->from_plan, "Plan on the measured load and apply the plan");
+  file_opt->excludes(plan_opt);
+  for (CLI::Option* o : AddPlannerOptions(apply, *f)) o->needs(plan_opt);
+  AddMigrationOptions(apply, *f);
+  apply->callback([&s, f, file_opt] {
+    if (file_opt->count() == 0 && !f->from_plan) {
+      s.rc = Fail("placement apply: give a placement FILE or --plan (see --help)", 2);
+      return;
+    }
+    s.rc = RunApply(s, *f, /*import=*/false);
+  });
+}
+
+}  // namespace
+
+void AddPlacementCommands(CLI::App& app, CLI::App& placement, Session& s) {
+  AddPlanCommand(placement, s);
+  AddApplyCommand(placement, s);
+
+  auto import_flags = std::make_shared<MigrateFlags>();
+  CLI::App* import_cmd = placement.add_subcommand(
+      "import", "Check the placement in FILE here, then apply it (as apply FILE)");
+  import_cmd->add_option("FILE", import_flags->file, "A moerun-placement-v1 JSON file")->required();
+  AddMigrationOptions(import_cmd, *import_flags);
+  import_cmd->callback([&s, import_flags] { s.rc = RunApply(s, *import_flags, /*import=*/true); });
+
+  auto progress_flags = std::make_shared<MigrateFlags>();
+  CLI::App* progress =
+      placement.add_subcommand("progress", "The running (or last) migration, layer by layer");
+  progress->add_flag("--wait", progress_flags->wait,
+                     "Wait until it is no longer running, showing progress");
+  progress->add_flag("--json", progress_flags->json, "Print the (final) answer as JSON");
+  progress->callback([&s, progress_flags] { s.rc = RunProgress(s, *progress_flags); });
+
+  auto rebalance_flags = std::make_shared<MigrateFlags>();
+  rebalance_flags->from_plan = true;  // rebalance = placement apply --plan
+  CLI::App* rebalance = app.add_subcommand(
+      "rebalance", "Plan on the measured load and migrate to the plan (= placement apply --plan)");
+  AddPlannerOptions(rebalance, *rebalance_flags);
+  AddMigrationOptions(rebalance, *rebalance_flags);
+  rebalance->callback(
+      [&s, rebalance_flags] { s.rc = RunApply(s, *rebalance_flags, /*import=*/false); });
+}
+
+}  // namespace moerun::moectl
