@@ -83,6 +83,11 @@ class [[nodiscard]] Result {
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
+  // The error with `context` prepended (Status::WithContext); a value passes through.
+  Result WithContext(const std::string& context) && {
+    if (ok()) return std::move(*this);
+    return status().WithContext(context);
+  }
 
  private:
   std::variant<T, Status> v_;

@@ -1,6 +1,6 @@
 #include "bench/layer_bench.h"
-#include "layer/moe_layer.h"
 #include "base/exit_code.h"
+#include "layer/moe_layer.h"
 
 #include <cmath>
 #include <cstdio>

@@ -1,6 +1,6 @@
 #include "bench/serve_bench.h"
-#include "layer/moe_layer.h"
 #include "base/exit_code.h"
+#include "layer/moe_layer.h"
 
 #include <algorithm>
 #include <atomic>

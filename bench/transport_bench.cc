@@ -216,11 +216,11 @@ Result<double> TimeLayer(JobLaunch& job, const TransportBenchFlags& f, int64_t t
   for (auto& v : x) v = d(rng);
   std::vector<float> out(x.size());
   std::vector<double> ms;
-  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
-    if (rank != 0) return Status::Ok();
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    if (router.rank() != 0) return Status::Ok();
     for (int it = -1; it < std::max(3, f.iters / 4); ++it) {
       const auto t0 = Clock::now();
-      MOERUN_RETURN_IF_ERROR(layers.at(0)->Forward(x.data(), tokens, out.data()));
+      MOERUN_RETURN_IF_ERROR(router.layer(0)->Forward(x.data(), tokens, out.data()));
       if (it >= 0)
         ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }

@@ -212,4 +212,9 @@ std::vector<PeerView> PeerHealth::Snapshot() const {
   return view_;
 }
 
+void PeerHealth::CopyView(std::vector<PeerView>* out) const {
+  std::lock_guard<std::mutex> lock(view_mu_);
+  *out = view_;
+}
+
 }  // namespace moerun

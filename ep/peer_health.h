@@ -67,6 +67,8 @@ class PeerHealth {
 
   bool all_answering() const { return all_answering_.load(std::memory_order_relaxed); }
   std::vector<PeerView> Snapshot() const;
+  // The same into *out, reusing its memory (no allocation once it has held a view).
+  void CopyView(std::vector<PeerView>* out) const;
 
  private:
   struct State {

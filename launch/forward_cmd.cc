@@ -1,6 +1,6 @@
 #include "launch/forward_cmd.h"
-#include "layer/moe_layer.h"
 #include "base/exit_code.h"
+#include "layer/moe_layer.h"
 
 #include <chrono>
 #include <cmath>
@@ -211,8 +211,9 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.source.experts = f.layer.experts;
   opts.threads = f.layer.threads;
   opts.isa = isa;
+  ExpertSetup expert_setup;
   if (f.dev.device == "cuda") {
-    opts.hooks.expert_device = [&f](int rank, const LoadedLayers& l) {
+    expert_setup = [&f](int rank, const LoadedLayers& l) {
       return CudaExpertCompute(f.dev, rank, l);
     };
   }
@@ -226,9 +227,9 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.layers = {*layer};
 
   int rc = 0;
-  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
-    if (rank != 0) return Status::Ok();
-    RouterLayer& ep = *layers.at(*layer);
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    if (router.rank() != 0) return Status::Ok();
+    RouterLayer& ep = *router.layer(*layer);
     MOERUN_ASSIGN_OR_RETURN(std::vector<float> x, ReadMatrix(io->input, ep.weights().spec.hidden));
     std::vector<float> out(x.size());
     const auto t0 = std::chrono::steady_clock::now();
@@ -244,7 +245,7 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
     rc = Finish(f, *io, ep.weights(), out, how, ms);
     return Status::Ok();
   };
-  const Status s = job.Run(opts, work);
+  const Status s = job.Run(opts, work, expert_setup);
   if (!s.ok()) {
     const int code = FailWith(s);
     job.Abort(code);

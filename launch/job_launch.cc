@@ -83,8 +83,13 @@ void JobLaunch::Fill(JobOptions* o) const {
   o->startup_timeout = std::chrono::milliseconds(flags_.startup_timeout_s * 1000);
 }
 
-Status JobLaunch::Run(const JobOptions& options, const RouterWork& work) {
-  if (mpi_) return RunRank(mpi_.get(), options, work);
+Status JobLaunch::Run(const JobOptions& options, const RouterWork& work,
+                      const ExpertSetup& expert_setup) {
+  return Run([&](Transport* t) { return RunRank(t, options, work, expert_setup); });
+}
+
+Status JobLaunch::Run(const RankMain& rank_main) {
+  if (mpi_) return rank_main(mpi_.get());
   // inproc: rank 0 here, the others on threads; each gets its own endpoint and log tag.
   std::mutex mu;
   Status first;
@@ -97,7 +102,7 @@ Status JobLaunch::Run(const JobOptions& options, const RouterWork& work) {
     threads.emplace_back([&, r] {
       SetThreadLogTag(r, r < flags_.routers ? "router" : "expert");
       auto endpoint = fabric_->Endpoint(r);
-      const Status s = RunRank(endpoint.get(), options, work);
+      const Status s = rank_main(endpoint.get());
       if (!s.ok()) {
         spdlog::error("{}", s.ToString());
         record(s);
@@ -106,7 +111,7 @@ Status JobLaunch::Run(const JobOptions& options, const RouterWork& work) {
   }
   SetThreadLogTag(0, "router");
   auto endpoint = fabric_->Endpoint(0);
-  const Status s0 = RunRank(endpoint.get(), options, work);
+  const Status s0 = rank_main(endpoint.get());
   if (!s0.ok()) {
     // Ranks still waiting on this one would wait forever: end the job as mpirun would.
     spdlog::error("{}", s0.ToString());

@@ -2,6 +2,7 @@
 // (transport mpi: this process is one rank) or as threads of this process (transport inproc).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -9,6 +10,7 @@
 
 #include "ranks/rank_job.h"
 #include "transport/inproc.h"
+#include "transport/transport.h"
 
 namespace moerun {
 
@@ -35,8 +37,14 @@ class JobLaunch {
   int rank() const { return rank_; }  // this process's rank (0 for inproc)
   int size() const { return size_; }
   bool is_router() const { return rank_ < flags_.routers; }
-  // Runs every rank this process holds to the end; the first error (a rank names itself in it).
-  Status Run(const JobOptions& options, const RouterWork& work);
+  // Runs `rank_main` for every rank this process holds (on its transport endpoint), to the end;
+  // the first error (a rank names itself in it). A failing rank 0 of an inproc job ends the
+  // process (the others would wait for it forever), as mpirun ends the job.
+  using RankMain = std::function<Status(Transport* transport)>;
+  Status Run(const RankMain& rank_main);
+  // RunRank on every rank this process holds.
+  Status Run(const JobOptions& options, const RouterWork& work,
+             const ExpertSetup& expert_setup = nullptr);
   // Ends the whole job (MPI_Abort under mpirun) after a fatal error.
   [[noreturn]] void Abort(int exit_code);
   // This process's endpoint when each rank is a process (mpi or ucx; null for inproc).

@@ -9,6 +9,7 @@
 #include "base/log.h"
 #include "ep/router_layer.h"
 #include "ranks/expert_rank.h"
+#include "ranks/router_rank.h"
 #include "router/placement_plan.h"
 
 namespace moerun {
@@ -179,6 +180,10 @@ void RankServices::Attach(RouterLayer* layer) {
   });
 }
 
+void RankServices::Attach(RouterRank& router) {
+  for (const auto& [number, layer] : router.layers()) Attach(layer);
+}
+
 void RankServices::Attach(ExpertRank* host) {
   auto* by_expert = &by_expert_;
   host->set_rows_observer([by_expert](int layer, int expert, int64_t rows) {
@@ -203,7 +208,8 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     int n = 0;
     // What arrived since the last refresh goes into the sliding window too.
     const size_t routers = static_cast<size_t>(Current()->num_routers());
-    std::vector<uint64_t> rank_delta(now.size() > routers ? now.size() - routers : 0, 0);
+    std::vector<uint64_t>& rank_delta = rank_delta_;
+    rank_delta.assign(now.size() > routers ? now.size() - routers : 0, 0);
     for (size_t r = 0; r < now.size() && r < seen.size(); ++r) {
       if (counters[r] == nullptr) continue;
       if (now[r] > seen[r]) {
@@ -219,7 +225,8 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
         most == 0 ? 1.0 : static_cast<double>(total) / n / static_cast<double>(most));
     auto& expert_seen = expert_seen_[layer];
     const auto& experts = by_expert_[layer];
-    std::vector<uint64_t> expert_delta(experts.size(), 0);
+    std::vector<uint64_t>& expert_delta = expert_delta_;
+    expert_delta.assign(experts.size(), 0);
     for (size_t e = 0; e < experts.size() && e < expert_seen.size(); ++e) {
       const uint64_t v = experts[e]->value();
       expert_delta[e] = v - expert_seen[e];
@@ -239,13 +246,13 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     window_assignments_[layer]->Set(static_cast<double>(window_total));
   }
   if (health != nullptr) {
-    std::vector<PeerView> peers = health->Snapshot();
-    for (const PeerView& p : peers) {
+    health->CopyView(&peers_scratch_);
+    for (const PeerView& p : peers_scratch_) {
       if (Gauge* g = answering_by_rank_[static_cast<size_t>(p.rank)]) g->Set(p.answering ? 1 : 0);
     }
     answering_ = health->all_answering();
     std::lock_guard<std::mutex> lock(mu_);
-    peers_ = std::move(peers);
+    peers_ = peers_scratch_;  // element-wise: no allocation once the sizes are reached
   }
 }
 
@@ -363,6 +370,14 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
   r.set_placement_json(rep.placement_json);
   r.set_note(rep.note);
   return r;
+}
+
+uint64_t RankServices::WindowAssignments() const {
+  const auto t = LoadWindow::Clock::now();
+  uint64_t n = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [layer, w] : windows_) n += w.Total(t);
+  return n;
 }
 
 Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanRequest& request) const {

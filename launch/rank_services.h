@@ -16,6 +16,7 @@
 
 #include "base/metrics.h"
 #include "ep/peer_health.h"
+#include "migration/placement_control.h"
 #include "model/model_spec.h"
 #include "moerun/v1/control.pb.h"
 #include "router/load_window.h"
@@ -28,12 +29,13 @@
 namespace moerun {
 
 class RouterLayer;
+class RouterRank;
 class ExpertRank;
 
 // A planner report as moectl receives it.
 moerun::v1::PlanResponse PlanToProto(const PlanReport& report);
 
-class RankServices {
+class RankServices : public PlanSource {
  public:
   // Registers the rank's metrics and starts its HTTP endpoint at metrics_listen + rank.
   static Result<std::unique_ptr<RankServices>> Start(
@@ -50,6 +52,8 @@ class RankServices {
 
   // Routers: wires a layer's observers to this rank's counters.
   void Attach(RouterLayer* layer);
+  // Routers: every layer of the rank.
+  void Attach(RouterRank& router);
   // Expert ranks: counts the rows the host computes.
   void Attach(ExpertRank* host);
   // Routers: called from the router thread between batches and when idle.
@@ -59,14 +63,15 @@ class RankServices {
   // The placement in use (routers: switched by migrations).
   std::shared_ptr<const Placement> Current() const;
   void SetPlacement(std::shared_ptr<const Placement> placement);
-  int64_t expert_bytes() const { return expert_bytes_.load(); }
+  int64_t expert_bytes() const override { return expert_bytes_.load(); }
 
   // moectl's answers (router 0).
   moerun::v1::StatusResponse Status() const;
   moerun::v1::PlacementResponse PlacementInfo() const;
   moerun::v1::StatsResponse Stats() const;
   // A planner dry run on the window's loads (since the start when the window is empty).
-  Result<moerun::v1::PlanResponse> Plan(const moerun::v1::PlanRequest& request) const;
+  Result<moerun::v1::PlanResponse> Plan(const moerun::v1::PlanRequest& request) const override;
+  uint64_t WindowAssignments() const override;
 
  private:
   RankServices() = default;
@@ -102,6 +107,9 @@ class RankServices {
   std::vector<Gauge*> answering_by_rank_;
   mutable std::mutex mu_;
   std::vector<PeerView> peers_;  // under mu_
+  // Refresh's scratch (router thread), so that a refresh allocates nothing.
+  std::vector<uint64_t> rank_delta_, expert_delta_;
+  std::vector<PeerView> peers_scratch_;
   std::vector<RouterLayer*> ep_layers_;
 };
 

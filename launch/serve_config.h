@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "migration/placement_control.h"
 #include "serving/batcher.h"
 
 namespace moerun {
@@ -29,17 +30,6 @@ struct ServingConfig {
   int64_t probe_deadline_ms = 2000;
   int64_t drain_timeout_s = 30;
   int64_t load_window_s = 60;  // sliding window of the load statistics (moectl status, planner)
-};
-
-// Online migrations (moectl placement apply / rebalance) and the automatic mode.
-struct RebalanceConfig {
-  double throttle_mib_s = 0;  // loading bandwidth per expert rank (0: unlimited)
-  bool automatic = false;     // plan on the window's loads every interval and apply when worth it
-  int64_t interval_s = 300;
-  double min_gain = 0.05;  // predicted balancedness gain (mean over layers) needed to apply
-  int redundant = 0;       // redundant expert slots per layer the planner may add
-  std::string policy = "default";
-  int64_t min_assignments = 1000;  // assignments the window must hold before a plan is made
 };
 
 struct ServeConfig {

@@ -1,7 +1,7 @@
 // One MoE layer on this process's CPU: gate -> top-k -> grouped expert FFN -> combine, over the
 // weights a checkpoint or a preset yields (model/layer_weights.h). Forward is batch-invariant: a
 // token's output bits do not depend on the other tokens in the batch, their order, or the thread
-// count (see DESIGN.md). Buffers grow to the largest batch seen and are reused. Forward is not
+// count (see docs/DESIGN.md). Buffers grow to the largest batch seen and are reused. Forward is not
 // reentrant: one call at a time per MoeLayer.
 #pragma once
 

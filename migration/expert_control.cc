@@ -1,8 +1,11 @@
-// ExpertRank's control messages: load and free experts, expert weight updates with a canary.
+#include "migration/expert_control.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "base/log.h"
-#include "ranks/expert_rank.h"
 
 namespace moerun {
 namespace {
@@ -24,29 +27,92 @@ std::vector<int> IntList(const json& j, const char* key) {
 
 }  // namespace
 
-Status ExpertRank::Reply(int router, const std::string& body) {
+ExpertControl::ExpertControl(Transport* transport, int routers,
+                             std::map<int, std::shared_ptr<MoeLayerWeights>> layers,
+                             std::chrono::milliseconds deadline)
+    : t_(transport), deadline_(deadline), layers_(std::move(layers)) {
+  const size_t n = static_cast<size_t>(routers);
+  for (const auto& [layer, w] : layers_) {
+    auto& users = users_[layer];
+    users.assign(w->experts.size(), std::vector<bool>(n, false));
+    for (size_t e = 0; e < w->experts.size(); ++e) {
+      if (!w->experts[e].w13.empty()) users[e].assign(n, true);
+    }
+  }
+}
+
+ExpertControl::~ExpertControl() {
+  cancel_.store(true);
+  if (result_.valid()) result_.wait();
+  outgoing_.Drain(t_, SteadyClock::now());
+}
+
+void ExpertControl::set_loaders(ExpertLoader load, ExpertFileLoader load_file) {
+  loader_ = std::move(load);
+  file_loader_ = std::move(load_file);
+}
+
+const MoeLayerWeights* ExpertControl::layer(int layer) const {
+  const auto it = layers_.find(layer);
+  return it == layers_.end() ? nullptr : it->second.get();
+}
+
+std::vector<int> ExpertControl::layer_ids() const {
+  std::vector<int> ids;
+  for (const auto& [layer, w] : layers_) ids.push_back(layer);
+  return ids;
+}
+
+void ExpertControl::Drain(Deadline deadline) { outgoing_.Drain(t_, deadline); }
+
+size_t ExpertControl::held_bytes() const {
+  size_t n = 0;
+  for (const auto& [l, w] : layers_) n += w->ExpertBytes();
+  for (const auto& [k, v] : variants_) n += v.weights.bytes();
+  return n;
+}
+
+const ExpertWeights* ExpertControl::CanaryRows(int layer, int expert, int64_t first, int64_t n,
+                                               std::vector<int32_t>* rows) {
+  const auto v = variants_.find({layer, expert});
+  if (v == variants_.end()) return nullptr;
+  // Row j of the expert's stream goes to the new weights when floor((j + 1) * share) passes
+  // floor(j * share): after any number of rows the canary count is the share, rounded down.
+  Variant& var = v->second;
+  const size_t before_rows = rows->size();
+  for (int64_t r = 0; r < n; ++r) {
+    const uint64_t j = var.rows++;
+    const auto before = static_cast<uint64_t>(static_cast<double>(j) * var.share);
+    const auto after = static_cast<uint64_t>(static_cast<double>(j + 1) * var.share);
+    if (after > before) rows->push_back(static_cast<int32_t>(first + r));
+  }
+  var.canary_rows += rows->size() - before_rows;
+  return &var.weights;
+}
+
+Status ExpertControl::Reply(int router, const std::string& body) {
   return outgoing_.Send(t_, router, kTagControl, kTagControlBody, ControlHeaderFor(body), body);
 }
 
-Status ExpertRank::Control(int router, const EpHeaderFixed& h) {
+Status ExpertControl::OnMessage(int router, const EpHeaderFixed& h) {
   const int me = t_->rank();
   if (h.rows <= 0 || static_cast<uint64_t>(h.rows) > kMaxControlBytes) {
     return Status::Corrupt("rank " + std::to_string(me) + ": control message of " +
                            std::to_string(h.rows) + " bytes from router " + std::to_string(router));
   }
-  control_in_.resize(static_cast<size_t>(h.rows));
-  MOERUN_RETURN_IF_ERROR(t_->Recv(router, kTagRows, control_in_.data(), control_in_.size(),
-                                  DeadlineIn(opts_.deadline)));
+  body_.resize(static_cast<size_t>(h.rows));
+  MOERUN_RETURN_IF_ERROR(
+      t_->Recv(router, kTagRows, body_.data(), body_.size(), DeadlineIn(deadline_)));
   try {
-    return HandleControl(router, h.seq);
+    return Handle(router, h.seq);
   } catch (const nlohmann::json::exception& e) {  // a field of the wrong type
     return Reply(router, ErrorReply(h.seq, std::string("malformed control message: ") + e.what()));
   }
 }
 
-Status ExpertRank::HandleControl(int router, uint64_t id) {
+Status ExpertControl::Handle(int router, uint64_t id) {
   const int me = t_->rank();
-  const json j = json::parse(control_in_.begin(), control_in_.end(), nullptr, false);
+  const json j = json::parse(body_.begin(), body_.end(), nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("op") || !j["op"].is_string() ||
       !j.contains("layer") || !j["layer"].is_number_integer()) {
     return Reply(router, ErrorReply(id, "malformed control message"));
@@ -95,7 +161,7 @@ Status ExpertRank::HandleControl(int router, uint64_t id) {
   if (op != "load" && op != "update") {
     return Reply(router, ErrorReply(id, "unknown control operation '" + op + "'"));
   }
-  if (compute_) {
+  if (device_copy_) {
     return Reply(router, ErrorReply(id, "rank " + std::to_string(me) +
                                             " computes on a device whose copy of the experts is "
                                             "made at start: loading experts while serving needs "
@@ -145,8 +211,8 @@ Status ExpertRank::HandleControl(int router, uint64_t id) {
   return Status::Ok();
 }
 
-std::string ExpertRank::Release(uint64_t id, int router, int layer, const std::vector<int>& experts,
-                                bool all_routers) {
+std::string ExpertControl::Release(uint64_t id, int router, int layer,
+                                   const std::vector<int>& experts, bool all_routers) {
   MoeLayerWeights& w = *layers_.at(layer);
   auto& users = users_.at(layer);
   json freed = json::array();
@@ -174,7 +240,7 @@ std::string ExpertRank::Release(uint64_t id, int router, int layer, const std::v
       .dump();
 }
 
-Status ExpertRank::StartNextJob() {
+Status ExpertControl::StartNextJob() {
   // Experts this rank already holds need no load: they are only marked used again.
   while (!queued_.empty()) {
     Job job = std::move(queued_.front());
@@ -244,7 +310,7 @@ Status ExpertRank::StartNextJob() {
   return Status::Ok();
 }
 
-Status ExpertRank::PollControl() {
+Status ExpertControl::Poll() {
   MOERUN_RETURN_IF_ERROR(outgoing_.Poll(t_));
   if (!running_) return Status::Ok();
   const auto now = std::chrono::steady_clock::now();
@@ -263,7 +329,7 @@ Status ExpertRank::PollControl() {
   return StartNextJob();
 }
 
-Status ExpertRank::Finish(Job& job, Loaded loaded) {
+Status ExpertControl::Finish(Job& job, Loaded loaded) {
   const int me = t_->rank();
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - job.started).count();

@@ -48,9 +48,9 @@ moerun::v1::ExpertVariant UpdateToProto(const ExpertUpdateView& v) {
   return e;
 }
 
-PlacementControl::PlacementControl(RankServices* services, RouterControl* control,
+PlacementControl::PlacementControl(const PlanSource* plans, RouterControl* control,
                                    RebalanceConfig config)
-    : rs_(services),
+    : plans_(plans),
       control_(control),
       config_(std::move(config)),
       next_auto_(std::chrono::steady_clock::now() + std::chrono::seconds(config_.interval_s)) {}
@@ -58,7 +58,7 @@ PlacementControl::PlacementControl(RankServices* services, RouterControl* contro
 Result<moerun::v1::MigrationStatus> PlacementControl::ApplyPlan(
     const moerun::v1::PlanRequest& request, double min_gain, double throttle_mib_s,
     const std::string& trigger) {
-  MOERUN_ASSIGN_OR_RETURN(moerun::v1::PlanResponse plan, rs_->Plan(request));
+  MOERUN_ASSIGN_OR_RETURN(moerun::v1::PlanResponse plan, plans_->Plan(request));
   double gain = 0;
   for (const auto& l : plan.layers()) gain += l.balancedness_after() - l.balancedness_before();
   if (plan.layers_size() > 0) gain /= plan.layers_size();
@@ -76,7 +76,7 @@ Result<moerun::v1::MigrationStatus> PlacementControl::ApplyPlan(
   MOERUN_ASSIGN_OR_RETURN(Placement target, Placement::FromJson(plan.placement_json(), "the plan"));
   MigrationOptions o;
   o.throttle_bytes_s = throttle_mib_s * (1 << 20);
-  o.expert_bytes = rs_->expert_bytes();
+  o.expert_bytes = plans_->expert_bytes();
   o.trigger = trigger;
   o.note = fmt::format("{} plan, predicted balancedness gain {:.3f}",
                        plan.policy().empty() ? "default" : plan.policy(), gain);
@@ -100,7 +100,7 @@ Result<moerun::v1::MigrationStatus> PlacementControl::Apply(const moerun::v1::Ap
                           Placement::FromJson(r.placement_json(), "the placement given"));
   MigrationOptions o;
   o.throttle_bytes_s = throttle * (1 << 20);
-  o.expert_bytes = rs_->expert_bytes();
+  o.expert_bytes = plans_->expert_bytes();
   o.trigger = "moectl";
   MOERUN_ASSIGN_OR_RETURN(MigrationView v, control_->Apply(target, o));
   return MigrationToProto(v);
@@ -148,10 +148,7 @@ void PlacementControl::Tick() {
   if (now < next_auto_) return;
   next_auto_ = now + std::chrono::seconds(config_.interval_s);
   if (control_->busy()) return;
-  uint64_t window = 0;
-  const moerun::v1::StatusResponse status = rs_->Status();
-  for (const auto& l : status.layers()) window += l.window_assignments();
-  if (window < static_cast<uint64_t>(config_.min_assignments)) return;
+  if (plans_->WindowAssignments() < static_cast<uint64_t>(config_.min_assignments)) return;
   moerun::v1::PlanRequest req;
   req.set_redundant(config_.redundant);
   req.set_policy(config_.policy);

@@ -4,21 +4,46 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <mutex>
+#include <string>
 
-#include "launch/rank_services.h"
-#include "launch/serve_config.h"
+#include "base/status.h"
 #include "migration/router_control.h"
 #include "moerun/v1/control.pb.h"
 
 namespace moerun {
+
+// Online migrations (moectl placement apply / rebalance) and the automatic mode.
+struct RebalanceConfig {
+  double throttle_mib_s = 0;  // loading bandwidth per expert rank (0: unlimited)
+  bool automatic = false;     // plan on the window's loads every interval and apply when worth it
+  int64_t interval_s = 300;
+  double min_gain = 0.05;  // predicted balancedness gain (mean over layers) needed to apply
+  int redundant = 0;       // redundant expert slots per layer the planner may add
+  std::string policy = "default";
+  int64_t min_assignments = 1000;  // assignments the window must hold before a plan is made
+};
+
+// Where router 0's plans come from: the loads its router measured (the serving rank's window,
+// or the totals since the start). Any thread.
+class PlanSource {
+ public:
+  virtual ~PlanSource() = default;
+  // A planner dry run on the measured loads.
+  virtual Result<moerun::v1::PlanResponse> Plan(const moerun::v1::PlanRequest& request) const = 0;
+  // Assignments the window holds now, over every layer (the automatic mode waits for enough).
+  virtual uint64_t WindowAssignments() const = 0;
+  // One expert's weights (for the bytes a migration moves).
+  virtual int64_t expert_bytes() const = 0;
+};
 
 moerun::v1::MigrationStatus MigrationToProto(const MigrationView& v);
 moerun::v1::ExpertVariant UpdateToProto(const ExpertUpdateView& v);
 
 class PlacementControl {
  public:
-  PlacementControl(RankServices* services, RouterControl* control, RebalanceConfig config);
+  PlacementControl(const PlanSource* plans, RouterControl* control, RebalanceConfig config);
 
   // Any thread (the control endpoint's).
   Result<moerun::v1::MigrationStatus> Apply(const moerun::v1::ApplyRequest& request);
@@ -33,7 +58,7 @@ class PlacementControl {
                                                 double min_gain, double throttle_mib_s,
                                                 const std::string& trigger);
 
-  RankServices* rs_;
+  const PlanSource* plans_;
   RouterControl* control_;
   RebalanceConfig config_;
   std::chrono::steady_clock::time_point next_auto_;

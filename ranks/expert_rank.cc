@@ -19,22 +19,12 @@ ExpertRank::ExpertRank(Transport* transport, const Placement& placement,
                        std::map<int, std::shared_ptr<MoeLayerWeights>> layers,
                        const CpuKernels& kernels, ThreadPool* pool, ExpertRankOptions options)
     : t_(transport),
-      layers_(std::move(layers)),
       kernels_(kernels),
       opts_(options),
-      ffn_(kernels, pool) {
-  std::vector<int> ids;
-  const size_t routers = static_cast<size_t>(placement.num_routers());
-  for (const auto& [layer, w] : layers_) {
-    ids.push_back(layer);
-    auto& users = users_[layer];
-    users.assign(w->experts.size(), std::vector<bool>(routers, false));
-    for (size_t e = 0; e < w->experts.size(); ++e) {
-      if (!w->experts[e].w13.empty()) users[e].assign(routers, true);
-    }
-  }
-  header_bytes_ = HeaderBytes(placement, ids);
-  routers_.resize(routers);
+      ffn_(kernels, pool),
+      control_(transport, placement.num_routers(), std::move(layers), options.deadline) {
+  header_bytes_ = HeaderBytes(placement, control_.layer_ids());
+  routers_.resize(static_cast<size_t>(placement.num_routers()));
   for (auto& r : routers_) {
     r.header = AlignedBuffer(header_bytes_);
     r.ahead = AlignedBuffer(header_bytes_);
@@ -42,17 +32,12 @@ ExpertRank::ExpertRank(Transport* transport, const Placement& placement,
   entries_.reserve(Placement::kMaxSlotsPerRank);
 }
 
-size_t ExpertRank::held_bytes() const {
-  size_t n = 0;
-  for (const auto& [l, w] : layers_) n += w->ExpertBytes();
-  for (const auto& [k, v] : variants_) n += v.weights.bytes();
-  return n;
+void ExpertRank::set_compute(ExpertCompute f) {
+  compute_ = std::move(f);
+  control_.set_device_copy(compute_ != nullptr);
 }
 
 ExpertRank::~ExpertRank() {
-  cancel_.store(true);
-  if (result_.valid()) result_.wait();
-  outgoing_.Drain(t_, SteadyClock::now());
   for (auto& r : routers_) {
     if (r.rows_req.valid()) (void)t_->Cancel(r.rows_req);
     if (r.header_req.valid()) (void)t_->Cancel(r.header_req);
@@ -71,7 +56,7 @@ Status ExpertRank::Serve() {
   int alive = static_cast<int>(routers_.size());
   uint64_t idle = 0;
   while (alive > 0) {
-    MOERUN_RETURN_IF_ERROR(PollControl());
+    MOERUN_RETURN_IF_ERROR(control_.Poll());
     bool progressed = false;
     for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
       RouterState& rs = routers_[static_cast<size_t>(r)];
@@ -111,7 +96,7 @@ Status ExpertRank::Serve() {
           MOERUN_ASSIGN_OR_RETURN(rs.header_req,
                                   t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
         }
-        MOERUN_RETURN_IF_ERROR(Control(r, h));
+        MOERUN_RETURN_IF_ERROR(control_.OnMessage(r, h));
         continue;
       }
       if (h.kind != static_cast<uint32_t>(EpKind::kDispatch)) {
@@ -143,7 +128,7 @@ Status ExpertRank::Serve() {
   }
   // Control replies are small; one the routers no longer wait for (they have all stopped) is
   // withdrawn after a short wait.
-  outgoing_.Drain(t_, DeadlineIn(std::chrono::milliseconds(2000)));
+  control_.Drain(DeadlineIn(std::chrono::milliseconds(2000)));
   for (auto& rs : routers_) {
     if (rs.pong_req.valid()) {
       MOERUN_RETURN_IF_ERROR(t_->Wait(rs.pong_req, DeadlineIn(opts_.deadline), "pong send"));
@@ -180,12 +165,12 @@ bool ExpertRank::SlotsFit(const EpHeaderFixed& h) const {
 
 Result<int64_t> ExpertRank::RowsOf(const EpHeaderFixed& h, const EpEntry* entries) const {
   const int me = t_->rank();
-  const auto lw = layers_.find(h.layer);
-  if (lw == layers_.end()) {
+  const MoeLayerWeights* lw = control_.layer(h.layer);
+  if (lw == nullptr) {
     return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
                                    std::to_string(h.layer));
   }
-  const MoeLayerWeights& w = *lw->second;
+  const MoeLayerWeights& w = *lw;
   if (h.hidden != w.spec.hidden || h.rows < 0) {
     return Status::Corrupt("rank " + std::to_string(me) + ": header for layer " +
                            std::to_string(h.layer) + " does not match the layer's shape");
@@ -235,7 +220,7 @@ Status ExpertRank::LookAhead(int router) {
 Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* entries) {
   const int me = t_->rank();
   MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, entries));  // checks layer and experts
-  const MoeLayerWeights& w = *layers_.at(h.layer);
+  const MoeLayerWeights& w = *control_.layer(h.layer);
   const int64_t hidden = w.spec.hidden;
 
   // Receive the rows (the router puts them into a registered buffer), unless LookAhead has
@@ -311,7 +296,7 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }
   }
-  if (!variants_.empty()) RunCanaries(h, entries, in.as<float>(), out);
+  if (control_.has_updates()) RunCanaries(h, entries, in.as<float>(), out);
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
   ++served_;
   rows_served_ += static_cast<uint64_t>(rows);
@@ -320,34 +305,21 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
 
 void ExpertRank::RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in,
                              float* out) {
-  const MoeLayerWeights& w = *layers_.at(h.layer);
+  const MoeLayerWeights& w = *control_.layer(h.layer);
   const int64_t hidden = w.spec.hidden;
   const ActParams act = w.spec.RoutedAct(w.layer);
   int64_t first = 0;
   for (int i = 0; i < h.slots; ++i) {
     const int64_t n = entries[i].rows;
-    const auto v = variants_.find({h.layer, entries[i].expert});
-    if (v == variants_.end() || n == 0) {
-      first += n;
-      continue;
-    }
-    // Row j of the expert's stream goes to the new weights when floor((j + 1) * share) passes
-    // floor(j * share): after any number of rows the canary count is the share, rounded down.
-    Variant& var = v->second;
     canary_rows_.clear();
-    for (int64_t r = 0; r < n; ++r) {
-      const uint64_t j = var.rows++;
-      const auto before = static_cast<uint64_t>(static_cast<double>(j) * var.share);
-      const auto after = static_cast<uint64_t>(static_cast<double>(j + 1) * var.share);
-      if (after > before) canary_rows_.push_back(static_cast<int32_t>(first + r));
-    }
+    const ExpertWeights* updated =
+        n > 0 ? control_.CanaryRows(h.layer, entries[i].expert, first, n, &canary_rows_) : nullptr;
     first += n;
     if (canary_rows_.empty()) continue;
-    var.canary_rows += canary_rows_.size();
     const auto m = static_cast<int64_t>(canary_rows_.size());
     const int64_t ldy = ffn_.PaddedHidden(hidden);
     canary_y_.Reserve(static_cast<size_t>(m * ldy) * sizeof(float));
-    const ExpertGroup g{&var.weights, act, 0, m};
+    const ExpertGroup g{updated, act, 0, m};
     ffn_.Run(std::span<const ExpertGroup>(&g, 1), in, hidden, canary_rows_.data(),
              canary_y_.as<float>(), ldy);
     for (int64_t r = 0; r < m; ++r) {

@@ -1,68 +1,42 @@
-// One rank of an expert-parallel job: its role, the weights it needs, and its work.
+// One rank of an expert-parallel job, from start to end, in the order it happens:
+//   RankJob::Prepare   the model spec, the placement and this rank's role (nothing loaded yet:
+//                      a serving rank starts its health endpoint here, so that it answers while
+//                      the weights load);
+//   Load               the weights this rank needs (routers: the router's tensors; expert ranks:
+//                      the experts the placement gives them), with progress in the log;
+//   WaitReady          every rank has loaded (a barrier with the job's startup timeout);
+//   MakeRouter / MakeExpert   the rank as an object: a RouterRank, handed batches by its caller,
+//                      or an ExpertRank, whose Serve runs until every router has stopped.
+// Ranks [0, routers) are routers, the others expert ranks. RunRank does all of it for callers
+// that only need the router's layers (`moerun forward`, benchmarks, tests).
 //
-// Ranks [0, routers) are routers: they load the router's tensors (gate, biases, shared expert)
-// and run RouterLayer; the others load only the experts the placement gives them and run
-// ExpertRank. Every rank loads, then all meet at a barrier (the job is ready), then every router
-// runs `work`; when it returns, that router tells the expert ranks it is done (they stop once
-// every router has).
+// An error from any wait names the rank that did not answer; the caller ends the job
+// (Transport::Abort) so that no rank is left waiting. Threads: one RankJob per rank, used by the
+// rank's thread. The job owns the rank's thread pool and weights: it outlives the rank objects
+// it makes.
 #pragma once
 
 #include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "base/status.h"
-#include "ep/peer_health.h"
+#include "base/thread_pool.h"
 #include "ep/router_layer.h"
+#include "experts/cpu/isa.h"
 #include "experts/cpu/kernels.h"
+#include "model/layer_weights.h"
 #include "model/model_spec.h"
+#include "model/weight_source.h"
 #include "ranks/expert_rank.h"
+#include "ranks/router_rank.h"
 #include "router/placement.h"
 #include "transport/transport.h"
 
 namespace moerun {
-
-// Where a layer's weights come from.
-struct WeightSource {
-  std::string model;              // checkpoint folder, or
-  std::string preset;             // preset name, or
-  std::optional<ModelSpec> spec;  // any shape, with seeded weights as presets make them
-  uint64_t seed = 1;
-  int experts = 0;
-  double gate_skew = 0.0;  // presets: Zipf exponent of the routing (model/preset.h)
-  DType dtype = DType::kF32;
-};
-
-class ExpertRank;
-class RouterControl;
-using LoadedLayers = std::map<int, std::shared_ptr<const MoeLayerWeights>>;
-
-// What a long-running job (serve) hooks into a rank's life; all optional.
-struct JobHooks {
-  // Every rank (its number first), once the placement is made, before loading; an error ends
-  // the rank's part of the job.
-  std::function<Status(int, Transport*, const Placement&, const ModelSpec&)> placement;
-  // Every rank whose placement hook ran, when its part ends (the transport is still valid).
-  std::function<void(int)> done;
-  // Every rank, once every rank has loaded its weights.
-  std::function<void(int)> ready;
-  // Expert ranks, before serving.
-  std::function<void(int, ExpertRank&)> expert_host;
-  // Expert ranks, once loaded: where their experts run when not on the CPU (--device cuda);
-  // an error ends the rank's part of the job.
-  std::function<Result<ExpertCompute>(int rank, const LoadedLayers&)> expert_device;
-  // Routers: with health options, a PeerHealth probes the expert ranks and takes over the
-  // transfers of missed deadlines (see ep/peer_health.h); it is handed over before work.
-  std::optional<PeerHealthOptions> health;
-  std::function<void(int, PeerHealth*)> router_health;
-  // Routers: their RouterControl (migrations, expert updates) once made, before work; null when
-  // work has returned.
-  std::function<void(int, RouterControl*)> router_control;
-};
 
 struct JobOptions {
   WeightSource source;
@@ -73,17 +47,56 @@ struct JobOptions {
   std::chrono::milliseconds startup_timeout{600000};
   int threads = 0;  // per rank; 0: cores / ranks on this host
   Isa isa = Isa::kScalar;
-  JobHooks hooks;
+  RouterRankOptions router;  // what a router rank has besides its layers
 };
 
-// The model spec a source describes (experts scaled as the preset says).
-Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note = nullptr);
+// The weights an expert rank loaded, by layer number (what a device copy is made from).
+using LoadedLayers = std::map<int, std::shared_ptr<const MoeLayerWeights>>;
 
-// What each router rank does once the job is ready; it gets its rank and the layers by number.
-using RouterWork = std::function<Status(int rank, std::map<int, RouterLayer*>& layers)>;
+class RankJob {
+ public:
+  static Result<std::unique_ptr<RankJob>> Prepare(Transport* transport, const JobOptions& options);
 
-// Runs this rank's part of the job to the end. An error from any wait names the rank that did not
-// answer; the caller ends the job (Transport::Abort) so that no rank is left waiting.
-Status RunRank(Transport* transport, const JobOptions& options, const RouterWork& work);
+  Transport* transport() const { return t_; }
+  int rank() const { return t_->rank(); }
+  bool is_router() const { return rank() < opts_.routers; }
+  const char* role() const { return is_router() ? "router" : "expert"; }
+  const ModelSpec& spec() const { return spec_; }
+  const Placement& placement() const { return *placement_; }
+  const JobOptions& options() const { return opts_; }
+
+  Status Load();
+  Status WaitReady();
+  // Once loaded: the weights by layer number.
+  LoadedLayers loaded() const;
+
+  // Routers, once ready.
+  Result<std::unique_ptr<RouterRank>> MakeRouter();
+  // Expert ranks, once ready; `compute` (optional) runs the grouped FFN on a device instead.
+  Result<std::unique_ptr<ExpertRank>> MakeExpert(ExpertCompute compute = nullptr);
+
+ private:
+  RankJob() = default;
+
+  Transport* t_ = nullptr;
+  JobOptions opts_;
+  ModelSpec spec_;
+  std::shared_ptr<const Placement> placement_;
+  size_t header_bytes_ = 0;
+  int threads_ = 1;
+  std::unique_ptr<ThreadPool> pool_;
+  const CpuKernels* kernels_ = nullptr;
+  std::map<int, std::shared_ptr<MoeLayerWeights>> weights_;
+};
+
+// What each router rank does once the job is ready.
+using RouterWork = std::function<Status(RouterRank& router)>;
+// What an expert rank computes on, given what it loaded (null: its CPU).
+using ExpertSetup = std::function<Result<ExpertCompute>(int rank, const LoadedLayers& layers)>;
+
+// Runs this rank's part of the job to the end: routers run `work` and then Finish; expert ranks
+// serve until every router has finished.
+Status RunRank(Transport* transport, const JobOptions& options, const RouterWork& work,
+               const ExpertSetup& expert_setup = nullptr);
 
 }  // namespace moerun

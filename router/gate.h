@@ -1,6 +1,6 @@
 // Gate functions: from one token's router logits to its top-k experts and their weights.
 //
-// The families differ (see DESIGN.md, "Semantics"):
+// The families differ (docs/reference-semantics.md has their reference code):
 //   kSoftmaxTopK  softmax over all experts -> top-k -> optionally renormalise       Mixtral, Qwen
 //   kSigmoidTopK  sigmoid -> choose top-k by (score + selection bias), optionally within the best
 //                 `topk_group` of `n_group` groups (a group's score: sum of its best two) ->

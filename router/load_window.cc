@@ -58,13 +58,20 @@ std::vector<uint64_t> LoadWindow::RankLoad(Clock::time_point now) const {
 
 uint64_t LoadWindow::Total(Clock::time_point now) const {
   uint64_t t = 0;
-  for (uint64_t v : ExpertLoad(now)) t += v;
+  for (const Bucket& b : ring_) {
+    if (!Live(b, now)) continue;
+    for (uint64_t v : b.experts) t += v;
+  }
   return t;
 }
 
 double LoadWindow::Balancedness(Clock::time_point now) const {
-  const std::vector<uint64_t> r = RankLoad(now);
-  return MeanOverMax(r);
+  rank_sum_.assign(ring_.front().ranks.size(), 0);
+  for (const Bucket& b : ring_) {
+    if (!Live(b, now)) continue;
+    for (size_t i = 0; i < rank_sum_.size(); ++i) rank_sum_[i] += b.ranks[i];
+  }
+  return MeanOverMax(rank_sum_);
 }
 
 double MeanOverMax(std::span<const uint64_t> loads) {

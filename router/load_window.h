@@ -27,6 +27,7 @@ class LoadWindow {
 
   std::vector<uint64_t> ExpertLoad(Clock::time_point now) const;
   std::vector<uint64_t> RankLoad(Clock::time_point now) const;
+  // These two allocate nothing (the serving loop refreshes its gauges with them).
   uint64_t Total(Clock::time_point now) const;
   double Balancedness(Clock::time_point now) const;
   std::chrono::milliseconds window() const { return window_; }
@@ -44,6 +45,7 @@ class LoadWindow {
   std::chrono::milliseconds window_, bucket_;
   Clock::time_point origin_;
   std::vector<Bucket> ring_;
+  mutable std::vector<uint64_t> rank_sum_;  // Balancedness's scratch
 };
 
 // mean / max of the loads (1 when all are zero or there are none).

@@ -5,7 +5,8 @@
 #   2. address + undefined-behaviour sanitizer build; the unit tests
 #   3. libFuzzer (clang) on the safetensors header parser and the serving frame decoder, for
 #      MOERUN_FUZZ_SECONDS each (default 60)
-#   4. clang-format check of every C++ file
+#   4. clang-format check of every C++ file, and the house rules (scripts/check_layers.py: which
+#      folder may include which, CMake links, the folder graph; docs/DESIGN.md)
 # scripts/full.sh runs the longer matrix (long fuzzing, thread sanitizer, benchmarks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,9 @@ step() { printf '\n==== %s ====\n' "$*"; }
 
 step "dependencies"
 scripts/install-deps.sh --test
+
+step "house rules: includes between folders, CMake links, folder graph (docs/DESIGN.md)"
+python3 scripts/check_layers.py
 
 step "release build + all tests"
 # Where nvcc is installed the CUDA backend must build (ON, not AUTO): it is never skipped silently.

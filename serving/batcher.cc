@@ -3,6 +3,36 @@
 #include <cstring>
 
 namespace moerun {
+namespace {
+
+// n values of `type` (F32 or BF16) -> F32.
+void DecodeRows(const void* src, DType type, size_t n, float* dst) {
+  if (type == DType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  const auto* s = static_cast<const char*>(src);
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t v;
+    std::memcpy(&v, s + 2 * i, 2);
+    dst[i] = Bf16ToF32(v);
+  }
+}
+
+// n F32 values -> `type` (F32, or BF16 rounded to nearest even).
+void EncodeRows(const float* src, size_t n, DType type, void* dst) {
+  if (type == DType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  auto* d = static_cast<char*>(dst);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t v = F32ToBf16(src[i]);
+    std::memcpy(d + 2 * i, &v, 2);
+  }
+}
+
+}  // namespace
 
 Batcher::Batcher(BatcherOptions options, int64_t hidden)
     : opts_(options),
@@ -10,11 +40,20 @@ Batcher::Batcher(BatcherOptions options, int64_t hidden)
       ring_(static_cast<size_t>(std::max(1, options.max_queue_requests))) {
   batch_.reserve(ring_.size());
   expired_.reserve(ring_.size());
+  // A full batch fits from the start (a single larger request grows them once).
+  const size_t full =
+      static_cast<size_t>(std::max<int64_t>(1, options.max_batch_tokens) * hidden) * sizeof(float);
+  in_.Reserve(full);
+  out_.Reserve(full);
 }
 
 Status Batcher::Submit(const BatchRequest& r) {
   if (r.tokens <= 0 || r.x == nullptr || r.out == nullptr || r.done == nullptr) {
     return Status::InvalidArgument("batcher: a request needs tokens, input, output and a callback");
+  }
+  const auto row_type = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
+  if (!row_type(r.x_type) || !row_type(r.out_type)) {
+    return Status::InvalidArgument("batcher: rows must be F32 or BF16");
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -125,8 +164,8 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     float* in = in_.as<float>();
     int64_t off = 0;
     for (const Slot& s : batch_) {
-      std::memcpy(in + off * hidden_, s.req.x,
-                  static_cast<size_t>(s.req.tokens * hidden_) * sizeof(float));
+      DecodeRows(s.req.x, s.req.x_type, static_cast<size_t>(s.req.tokens * hidden_),
+                 in + off * hidden_);
       off += s.req.tokens;
     }
     const Status st = forward(batch_.front().req.layer, in, tokens, out_.as<float>(), deadline);
@@ -138,8 +177,8 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     off = 0;
     for (const Slot& s : batch_) {
       if (st.ok()) {
-        std::memcpy(s.req.out, out_.as<float>() + off * hidden_,
-                    static_cast<size_t>(s.req.tokens * hidden_) * sizeof(float));
+        EncodeRows(out_.as<float>() + off * hidden_, static_cast<size_t>(s.req.tokens * hidden_),
+                   s.req.out_type, s.req.out);
       }
       off += s.req.tokens;
       info.queue_us =

@@ -3,9 +3,13 @@
 // router's thread runs each batch and hands every request its rows of the output.
 //
 // Submit is thread-safe and allocates nothing: the request names the caller's input and output
-// buffers (valid until its callback) and a plain callback. The queue is bounded (max_queue_tokens
-// and a fixed number of requests): a full queue refuses with kResourceExhausted instead of
-// growing. Run belongs to one thread; Stop makes it finish what is queued and return.
+// buffers (valid until its callback) and a plain callback. The input may be F32 or BF16 (a
+// serving frame's data, in place) and the output likewise: gathering a batch decodes each
+// request's rows once into the batcher's F32 batch, and handing the results back encodes them
+// once into each request's output; those are the only copies of the hidden states. The queue is
+// bounded (max_queue_tokens and a fixed number of requests): a full queue refuses with
+// kResourceExhausted instead of growing. Run belongs to one thread; Stop makes it finish what is
+// queued and return.
 #pragma once
 
 #include <chrono>
@@ -15,6 +19,7 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
+#include "base/dtype.h"
 #include "base/function_ref.h"
 #include "base/status.h"
 
@@ -36,8 +41,8 @@ struct BatchInfo {
 
 struct BatchRequest {
   int layer = 0;
-  const float* x = nullptr;  // [tokens][hidden]
-  float* out = nullptr;      // [tokens][hidden]
+  const void* x = nullptr;  // [tokens][hidden] of x_type
+  void* out = nullptr;      // [tokens][hidden] of out_type
   int64_t tokens = 0;
   void (*done)(void* ctx, const Status& status, const BatchInfo& info) = nullptr;
   void* ctx = nullptr;
@@ -45,6 +50,8 @@ struct BatchRequest {
   // a batch's forward gets the latest deadline of its requests (so that one impatient request
   // does not fail the others; the caller answers each by its own deadline).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  DType x_type = DType::kF32;    // kF32 or kBF16
+  DType out_type = DType::kF32;  // kF32 or kBF16
 };
 
 struct BatcherStats {

@@ -94,8 +94,8 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   }
   ControlEndpoint* raw = ep.get();
   FramedHandlers h;
-  h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, std::string body, BudgetLease) {
-    raw->OnFrame(c, body);
+  h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, PooledBuffer body, BudgetLease) {
+    raw->OnFrame(c, std::string_view(body.data(), body.size()));
   };
   h.error_frame = ErrorFrame;
   FramedServerOptions o = options;
@@ -105,9 +105,9 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
 }
 
 void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
-                              const std::string& body) {
+                              std::string_view body) {
   ControlRequest req;
-  if (!req.ParseFromString(body)) {
+  if (!req.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
     requests_[4]->Inc();
     return conn->Send(ErrorFrame(moerun::v1::MALFORMED_FRAME,
                                  "the frame is not a valid moerun.v1.ControlRequest"));

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "base/metrics.h"
 #include "moerun/v1/control.pb.h"
@@ -49,7 +50,7 @@ class ControlEndpoint {
   void Stop() { server_->Stop(); }
 
  private:
-  void OnFrame(const std::shared_ptr<FramedConnection>& conn, const std::string& body);
+  void OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string_view body);
 
   std::string token_;
   ControlProvider provider_;

@@ -41,6 +41,9 @@ struct FramedServer::Impl {
   std::atomic<int64_t> budget{0};
   std::atomic<int> open{0};
   std::atomic<bool> stopped{false};
+  BufferPool buffers;                        // before io: buffers held by handlers go back here
+  std::deque<HandlerMemory> handler_memory;  // before io: operations it holds may use it
+  std::mutex handler_memory_mu;
   asio::io_context io{1};
   tcp::acceptor acceptor{io};
   std::thread thread;
@@ -71,9 +74,18 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   void Send(std::string frame) override {
     if (!open_) return;
-    queued_ += frame.size();
-    writes_.push_back(std::move(frame));
-    if (writes_.size() == 1) WriteNext();
+    OutFrame f;
+    f.text = std::move(frame);
+    f.size = f.text.size();
+    Queue(std::move(f));
+  }
+  void Send(PooledBuffer buffer, size_t offset, size_t size) override {
+    if (!open_) return;
+    OutFrame f;
+    f.buffer = std::move(buffer);
+    f.offset = offset;
+    f.size = size;
+    Queue(std::move(f));
   }
   void Pause() override { paused_ = true; }
   void Resume() override {
@@ -93,7 +105,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   }
   void CloseAfterWrites() override {
     closing_ = true;
-    if (writes_.empty()) Close();
+    if (writes_count_ == 0) Close();
   }
   bool open() const override { return open_; }
   uint64_t id() const override { return id_; }
@@ -143,14 +155,15 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   void ReadHeaderMore() {
     auto self = shared_from_this();
-    socket_.async_read_some(asio::buffer(header_ + have_, kFrameHeaderBytes - have_),
-                            [this, self](const boost::system::error_code& ec, size_t n) {
-                              if (!ReadOk(ec)) return;
-                              if (have_ == 0 && n > 0) ArmFrameTimer();
-                              have_ += n;
-                              if (have_ < kFrameHeaderBytes) return ReadHeaderMore();
-                              OnHeader(GetFrameLength(header_));
-                            });
+    socket_.async_read_some(
+        asio::buffer(header_ + have_, kFrameHeaderBytes - have_),
+        WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
+          if (!ReadOk(ec)) return;
+          if (have_ == 0 && n > 0) ArmFrameTimer();
+          have_ += n;
+          if (have_ < kFrameHeaderBytes) return ReadHeaderMore();
+          OnHeader(GetFrameLength(header_));
+        }));
   }
 
   void StopFrameTimer() {
@@ -162,7 +175,8 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     const uint64_t gen = ++frame_gen_;
     timer_.expires_after(srv_->opts.frame_timeout);
     auto self = shared_from_this();
-    timer_.async_wait([this, self, gen](const boost::system::error_code& ec) {
+    timer_.async_wait(WithMemory(&timer_mem_, [this, self,
+                                               gen](const boost::system::error_code& ec) {
       // A handler already queued when its frame completed must not close the connection.
       if (ec || !open_ || !reading_ || gen != frame_gen_) return;
       spdlog::warn("{}: connection {} did not complete a frame within {} ms; closing",
@@ -174,7 +188,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
       Send(srv_->handlers.error_frame(
           ErrorCode::FRAME_TIMEOUT, "frame not completed within " +
                                         std::to_string(srv_->opts.frame_timeout.count()) + " ms"));
-    });
+    }));
   }
 
   void OnHeader(uint32_t len) {
@@ -186,26 +200,23 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
                         std::to_string(srv_->opts.max_frame_bytes),
                     true);
     }
-    BudgetLease lease;
     const int64_t left = srv_->budget.fetch_sub(len);
     if (left < static_cast<int64_t>(len)) {
       srv_->budget.fetch_add(len);
       return Discard(len);
     }
-    lease = BudgetLease(&srv_->budget, len);
-    body_.assign(len, '\0');
+    body_lease_ = BudgetLease(&srv_->budget, len);
+    body_ = srv_->buffers.Take(len);
     auto self = shared_from_this();
-    auto held = std::make_shared<BudgetLease>(std::move(lease));
-    asio::async_read(socket_, asio::buffer(body_.data(), body_.size()),
-                     [this, self, held](const boost::system::error_code& ec, size_t) {
-                       if (!ReadOk(ec)) return;
-                       StopFrameTimer();
-                       reading_ = false;
-                       std::string body = std::move(body_);
-                       body_ = std::string();
-                       srv_->handlers.on_frame(self, std::move(body), std::move(*held));
-                       MaybeRead();
-                     });
+    asio::async_read(
+        socket_, asio::buffer(body_.data(), body_.size()),
+        WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t) {
+          if (!ReadOk(ec)) return;
+          StopFrameTimer();
+          reading_ = false;
+          srv_->handlers.on_frame(self, std::move(body_), std::move(body_lease_));
+          MaybeRead();
+        }));
   }
 
   // Over the byte budget: read the body into scratch space, drop it, say OVERLOADED.
@@ -218,35 +229,67 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     }
     auto self = shared_from_this();
     const size_t n = std::min<size_t>(left, sizeof scratch_);
-    asio::async_read(socket_, asio::buffer(scratch_, n),
-                     [this, self, left](const boost::system::error_code& ec, size_t got) {
-                       if (!ReadOk(ec)) return;
-                       Discard(left - static_cast<uint32_t>(got));
-                     });
+    asio::async_read(
+        socket_, asio::buffer(scratch_, n),
+        WithMemory(&read_mem_, [this, self, left](const boost::system::error_code& ec, size_t got) {
+          if (!ReadOk(ec)) return;
+          Discard(left - static_cast<uint32_t>(got));
+        }));
+  }
+
+  // A frame waiting to be written: a string, or bytes of a pooled buffer.
+  struct OutFrame {
+    std::string text;
+    PooledBuffer buffer;
+    size_t offset = 0, size = 0;
+    const char* data() const { return buffer.empty() ? text.data() : buffer.data() + offset; }
+  };
+
+  // The write queue is a ring that grows when full (no allocation once it is large enough).
+  void Queue(OutFrame f) {
+    if (writes_count_ == writes_.size()) {
+      std::vector<OutFrame> bigger(std::max<size_t>(8, writes_.size() * 2));
+      for (size_t i = 0; i < writes_count_; ++i) {
+        bigger[i] = std::move(writes_[(writes_head_ + i) % writes_.size()]);
+      }
+      writes_ = std::move(bigger);
+      writes_head_ = 0;
+    }
+    queued_ += f.size;
+    writes_[(writes_head_ + writes_count_) % writes_.size()] = std::move(f);
+    if (++writes_count_ == 1) WriteNext();
+  }
+  OutFrame& Front() { return writes_[writes_head_]; }
+  void PopFront() {
+    Front() = OutFrame{};
+    writes_head_ = (writes_head_ + 1) % writes_.size();
+    --writes_count_;
   }
 
   void WriteNext() {
     auto self = shared_from_this();
     const uint64_t gen = ++write_gen_;
     write_timer_.expires_after(srv_->opts.write_timeout);
-    write_timer_.async_wait([this, self, gen](const boost::system::error_code& ec) {
-      if (ec || !open_ || gen != write_gen_) return;
-      spdlog::warn("{}: connection {} did not read its answers for {} ms; closing", srv_->opts.name,
-                   id_, srv_->opts.write_timeout.count());
-      Close();
-    });
-    asio::async_write(socket_, asio::buffer(writes_.front()),
-                      [this, self](const boost::system::error_code& ec, size_t) {
-                        ++write_gen_;
-                        write_timer_.cancel();
-                        if (ec || !open_) return Close();
-                        const bool was_blocked = WriteBlocked();
-                        queued_ -= writes_.front().size();
-                        writes_.pop_front();
-                        if (was_blocked && !WriteBlocked()) MaybeRead();
-                        if (!writes_.empty()) return WriteNext();
-                        if (closing_) Close();
-                      });
+    write_timer_.async_wait(
+        WithMemory(&write_timer_mem_, [this, self, gen](const boost::system::error_code& ec) {
+          if (ec || !open_ || gen != write_gen_) return;
+          spdlog::warn("{}: connection {} did not read its answers for {} ms; closing",
+                       srv_->opts.name, id_, srv_->opts.write_timeout.count());
+          Close();
+        }));
+    asio::async_write(
+        socket_, asio::buffer(Front().data(), Front().size),
+        WithMemory(&write_mem_, [this, self](const boost::system::error_code& ec, size_t) {
+          ++write_gen_;
+          write_timer_.cancel();
+          if (ec || !open_) return Close();
+          const bool was_blocked = WriteBlocked();
+          queued_ -= Front().size;
+          PopFront();
+          if (was_blocked && !WriteBlocked()) MaybeRead();
+          if (writes_count_ > 0) return WriteNext();
+          if (closing_) Close();
+        }));
   }
 
   FramedServer::Impl* srv_;
@@ -255,10 +298,13 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   const uint64_t id_;
   uint8_t header_[kFrameHeaderBytes] = {};
   size_t have_ = 0;
-  std::string body_;
+  PooledBuffer body_;
+  BudgetLease body_lease_;
   char scratch_[16384];
-  std::deque<std::string> writes_;
+  std::vector<OutFrame> writes_;  // ring: writes_count_ frames from writes_head_
+  size_t writes_head_ = 0, writes_count_ = 0;
   size_t queued_ = 0;  // bytes in writes_
+  HandlerMemory read_mem_, write_mem_, timer_mem_, write_timer_mem_;
   uint64_t frame_gen_ = 0, write_gen_ = 0;
   bool open_ = true, reading_ = false, paused_ = false, closing_ = false, read_eof_ = false;
 };
@@ -349,6 +395,13 @@ int FramedServer::connections() const { return impl_->open.load(); }
 void FramedServer::Post(std::function<void()> f) {
   if (impl_->stopped.load()) return;
   asio::post(impl_->io, std::move(f));
+}
+
+BufferPool& FramedServer::buffers() { return impl_->buffers; }
+
+HandlerMemory* FramedServer::NewHandlerMemory() {
+  std::lock_guard<std::mutex> lock(impl_->handler_memory_mu);
+  return &impl_->handler_memory.emplace_back();
 }
 
 bool FramedServer::TryLease(int64_t bytes, BudgetLease* lease) {

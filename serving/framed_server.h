@@ -25,6 +25,8 @@
 
 #include "base/status.h"
 #include "moerun/v1/serving.pb.h"
+#include "serving/buffer_pool.h"
+#include "serving/handler_memory.h"
 #include "serving/host_port.h"
 
 namespace boost::asio {
@@ -68,6 +70,9 @@ class FramedConnection {
   virtual ~FramedConnection() = default;
   // Queues a whole frame (length prefix included) for writing. I/O thread only.
   virtual void Send(std::string frame) = 0;
+  // Queues the frame at bytes [offset, offset + size) of `buffer` (written in place there, e.g.
+  // an answer after its header); the buffer goes back to its pool once written. I/O thread only.
+  virtual void Send(PooledBuffer buffer, size_t offset, size_t size) = 0;
   // Stops / restarts reading new frames (a connection's in-flight limit). I/O thread only.
   virtual void Pause() = 0;
   virtual void Resume() = 0;
@@ -75,12 +80,19 @@ class FramedConnection {
   virtual void CloseAfterWrites() = 0;
   virtual bool open() const = 0;
   virtual uint64_t id() const = 0;
+
+  // The handler's bookkeeping of this connection (I/O thread only): requests it holds, and
+  // whether to close once they are answered.
+  int held = 0;
+  bool close_when_answered = false;
 };
 
 struct FramedHandlers {
-  // A whole frame's body arrived; `lease` holds its bytes in the budget (keep it as long as the
-  // body's data is held). The connection may be kept (shared_ptr) to answer later.
-  std::function<void(const std::shared_ptr<FramedConnection>&, std::string body, BudgetLease lease)>
+  // A whole frame's body arrived (in a buffer of the server's pool); `lease` holds its bytes in
+  // the budget (keep it as long as the body is held). The connection may be kept (shared_ptr) to
+  // answer later.
+  std::function<void(const std::shared_ptr<FramedConnection>&, PooledBuffer body,
+                     BudgetLease lease)>
       on_frame;
   // The protocol's error frame (length prefix included) for the server's own refusals.
   std::function<std::string(moerun::v1::ErrorCode code, const std::string& message)> error_frame;
@@ -105,6 +117,11 @@ class FramedServer {
   void Post(std::function<void()> f);
   // Takes `bytes` from the budget, if they fit.
   bool TryLease(int64_t bytes, BudgetLease* lease);
+  // The pool the frame bodies come from; handlers take their answers' buffers from it too.
+  BufferPool& buffers();
+  // Memory for a handler's own asynchronous operations on io() (serving/handler_memory.h),
+  // valid as long as the server: it outlives every operation the I/O context still holds.
+  HandlerMemory* NewHandlerMemory();
   // Stops accepting new connections (any thread).
   void StopAccepting();
   // Closes every connection and joins the I/O thread (any thread but the I/O thread);

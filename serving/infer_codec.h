@@ -1,17 +1,26 @@
-// Turning serving frames into work and answers: InferRequest bodies are parsed and checked
-// against what the server serves (layer, hidden size, dtype, byte count, token limit, finite
-// values) before any of it reaches the runtime; answers are encoded as whole frames.
+// Turning serving frames into work and answers, without copying the hidden states:
+//   - ParseInferRequest reads an InferRequest body's fields in place (the wire format, as
+//     Protobuf's parser reads it: any field order, unknown fields skipped, packed or unpacked
+//     shape) and checks them against what the server serves (layer, hidden size, dtype, byte
+//     count, token limit, finite values) before any of it reaches the runtime; `data` is left
+//     where it is, in the body, for the batcher to decode once into its batch;
+//   - an OK answer is written in place: the batcher writes the layer's output straight into the
+//     answer buffer at AnswerLayout::data_offset, and FinishAnswer writes the frame header and
+//     the other fields around it (the data field first, then the rest: Protobuf parsers accept
+//     fields in any order).
 //
 // NaN and Inf inputs are rejected (INVALID_ARGUMENT naming the first bad token and column): the
 // gate would turn them into an arbitrary expert choice, and the same rule holds in
-// `moerun forward`.
+// `moerun forward`. Thread-safety: pure functions.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "base/dtype.h"
 #include "base/status.h"
 #include "moerun/v1/serving.pb.h"
 #include "serving/batcher.h"
@@ -30,7 +39,7 @@ struct ParsedRequest {
   moerun::v1::DType dtype = moerun::v1::F32;
   int64_t tokens = 0;
   uint32_t deadline_ms = 0;
-  std::vector<float> x;  // tokens x hidden, widened to F32
+  std::string_view data;  // tokens x hidden finite values of dtype, inside the parsed body
 };
 
 struct RequestError {
@@ -43,10 +52,24 @@ struct RequestError {
 bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRequest* out,
                        RequestError* error);
 
+// The wire dtype as the batcher's row type (F32 or BF16; the request was checked).
+DType RowTypeOf(moerun::v1::DType dtype);
+
+// Where an OK answer's parts go in its buffer.
+struct AnswerLayout {
+  size_t data_offset = 0;  // the output values start here
+  size_t data_bytes = 0;
+  size_t capacity = 0;  // bytes the buffer needs
+};
+AnswerLayout LayoutAnswer(moerun::v1::DType dtype, int64_t tokens, int64_t hidden);
+// Writes the frame header before the data and the other fields after it; the frame is then
+// buffer[*offset, *offset + *size).
+void FinishAnswer(char* buffer, const AnswerLayout& layout, uint64_t id, moerun::v1::DType dtype,
+                  int64_t tokens, int64_t hidden, const BatchInfo& info, size_t* offset,
+                  size_t* size);
+
 // Whole frames (length prefix included).
 std::string EncodeInferError(uint64_t id, moerun::v1::ErrorCode code, const std::string& message);
-std::string EncodeInferAnswer(uint64_t id, moerun::v1::DType dtype, int64_t tokens, int64_t hidden,
-                              const float* out, const BatchInfo& info);
 
 // The wire error code for a runtime status.
 moerun::v1::ErrorCode ErrorCodeOf(const Status& s);

@@ -1,8 +1,10 @@
 #include "serving/serving_endpoint.h"
 
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 
 #include "base/log.h"
+#include "serving/handler_memory.h"
 #include "serving/serve_client.h"
 
 namespace moerun {
@@ -10,23 +12,76 @@ namespace moerun {
 using moerun::v1::ErrorCode;
 using Clock = std::chrono::steady_clock;
 
+// One request from its frame to its answer; slots are reused.
 struct ServingEndpoint::Pending {
   ServingEndpoint* ep = nullptr;
   std::shared_ptr<FramedConnection> conn;
+  PooledBuffer body;    // the request frame: its data is the batcher's input until gathered
+  PooledBuffer answer;  // the answer frame, its data written by the batcher
+  AnswerLayout layout;
   ParsedRequest req;
-  std::vector<float> out;
   BudgetLease lease, out_lease;
-  Clock::time_point received;
-  std::unique_ptr<boost::asio::steady_timer> timer;
+  Clock::time_point received, deadline;
+  std::chrono::milliseconds deadline_ms{0};
+  // From the batcher (router thread), read by the I/O thread after the hand-back.
+  Status status;
+  size_t frame_offset = 0, frame_size = 0;
   bool answered = false;
+  int heap_pos = -1;        // in the deadline heap, or -1
+  Pending* next = nullptr;  // the finished list
 };
 
-namespace {
-// What the batcher's callback carries: keeps the request alive until the batcher is done with it.
-struct Box {
-  std::shared_ptr<ServingEndpoint::Pending> p;
+// One timer for every deadline: a min-heap of the requests by deadline (I/O thread only).
+struct ServingEndpoint::Timers {
+  explicit Timers(boost::asio::io_context& io) : timer(io) {}
+  boost::asio::steady_timer timer;
+  HandlerMemory* timer_mem = nullptr;
+  HandlerMemory* wake_mem = nullptr;
+  std::vector<Pending*> heap;
+  Clock::time_point armed = Clock::time_point::max();
+
+  bool Before(size_t a, size_t b) const { return heap[a]->deadline < heap[b]->deadline; }
+  void Swap(size_t a, size_t b) {
+    std::swap(heap[a], heap[b]);
+    heap[a]->heap_pos = static_cast<int>(a);
+    heap[b]->heap_pos = static_cast<int>(b);
+  }
+  void Up(size_t i) {
+    while (i > 0 && Before(i, (i - 1) / 2)) {
+      Swap(i, (i - 1) / 2);
+      i = (i - 1) / 2;
+    }
+  }
+  void Down(size_t i) {
+    for (;;) {
+      size_t m = i;
+      for (size_t c = 2 * i + 1; c <= 2 * i + 2 && c < heap.size(); ++c) {
+        if (Before(c, m)) m = c;
+      }
+      if (m == i) return;
+      Swap(i, m);
+      i = m;
+    }
+  }
+  void Push(Pending* p) {
+    heap.push_back(p);
+    p->heap_pos = static_cast<int>(heap.size() - 1);
+    Up(heap.size() - 1);
+  }
+  void Erase(Pending* p) {
+    const size_t i = static_cast<size_t>(p->heap_pos);
+    const size_t last = heap.size() - 1;
+    if (i != last) Swap(i, last);
+    heap.pop_back();
+    p->heap_pos = -1;
+    if (i < heap.size()) {
+      Up(i);
+      Down(i);
+    }
+  }
 };
-}  // namespace
+
+ServingEndpoint::ServingEndpoint() = default;
 
 Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions options,
                                                                 ServedModel model, Batcher* batcher,
@@ -50,19 +105,25 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
   ep->connections_ = metrics->AddGauge("moerun_serving_connections", "Open serving connections");
   ServingEndpoint* raw = ep.get();
   FramedHandlers h;
-  h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, std::string body,
+  h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, PooledBuffer body,
                      BudgetLease lease) { raw->OnFrame(c, std::move(body), std::move(lease)); };
   h.error_frame = [raw](ErrorCode code, const std::string& message) {
     raw->by_code_[static_cast<int>(code) % 10]->Inc();
     return EncodeInferError(0, code, message);
   };
   h.on_connections = [raw](int n) { raw->connections_->Set(n); };
-  h.on_read_closed = [raw](const std::shared_ptr<FramedConnection>& c) {
+  h.on_read_closed = [](const std::shared_ptr<FramedConnection>& c) {
     // Answers still owed go out first; then the connection closes.
-    if (raw->per_conn_.count(c->id()) == 0) return c->CloseAfterWrites();
-    raw->half_closed_.insert(c->id());
+    if (c->held == 0) return c->CloseAfterWrites();
+    c->close_when_answered = true;
   };
   MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(options.framed, std::move(h)));
+  ep->timers_ = std::make_unique<Timers>(ep->server_->io());
+  ep->timers_->timer_mem = ep->server_->NewHandlerMemory();
+  ep->timers_->wake_mem = ep->server_->NewHandlerMemory();
+  ep->slots_.reserve(1024);
+  ep->free_.reserve(1024);
+  ep->timers_->heap.reserve(1024);
   return ep;
 }
 
@@ -80,112 +141,188 @@ void ServingEndpoint::Stop() {
   if (server_) server_->Stop();
 }
 
-void ServingEndpoint::Answer(Pending& p, std::string frame, ErrorCode code) {
+ServingEndpoint::Pending* ServingEndpoint::TakeSlot() {
+  if (free_.empty()) {
+    slots_.push_back(std::make_unique<Pending>());
+    slots_.back()->ep = this;
+    return slots_.back().get();
+  }
+  Pending* p = free_.back();
+  free_.pop_back();
+  return p;
+}
+
+void ServingEndpoint::FreeSlot(Pending* p) {
+  p->conn.reset();
+  p->body.Release();
+  p->answer.Release();
+  p->lease.Release();
+  p->out_lease.Release();
+  p->status = Status::Ok();
+  p->answered = false;
+  p->next = nullptr;
+  free_.push_back(p);
+}
+
+void ServingEndpoint::Refuse(FramedConnection& conn, uint64_t id, ErrorCode code,
+                             const std::string& message) {
+  conn.Send(EncodeInferError(id, code, message));
+  by_code_[static_cast<int>(code) % 10]->Inc();
+}
+
+void ServingEndpoint::Answer(Pending& p, ErrorCode code, const std::string& message) {
   if (p.answered) return;
   p.answered = true;
-  if (p.timer) p.timer->cancel();
-  p.conn->Send(std::move(frame));
+  if (code == moerun::v1::OK) {
+    p.conn->Send(std::move(p.answer), p.frame_offset, p.frame_size);
+    tokens_->Inc(static_cast<uint64_t>(p.req.tokens));
+  } else {
+    p.conn->Send(EncodeInferError(p.req.id, code, message));
+  }
   by_code_[static_cast<int>(code) % 10]->Inc();
-  if (code == moerun::v1::OK) tokens_->Inc(static_cast<uint64_t>(p.req.tokens));
   latency_->Observe(std::chrono::duration<double>(Clock::now() - p.received).count());
 }
 
 // The batcher gave the request back: its connection may read again (a request answered early by
 // its deadline still counted until then, so one client cannot fill the batcher's queue).
 void ServingEndpoint::Release(Pending& p) {
-  const uint64_t id = p.conn->id();
-  auto it = per_conn_.find(id);
-  if (it == per_conn_.end()) return;
-  const int left = --it->second;
-  if (left == 0) {
-    per_conn_.erase(it);
-    if (half_closed_.erase(id) > 0) return p.conn->CloseAfterWrites();
-  }
-  if (left < opts_.max_inflight_per_connection) p.conn->Resume();
+  FramedConnection& c = *p.conn;
+  const int left = --c.held;
+  if (left == 0 && c.close_when_answered) return c.CloseAfterWrites();
+  if (left < opts_.max_inflight_per_connection) c.Resume();
 }
 
-void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string body,
+void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, PooledBuffer body,
                               BudgetLease lease) {
-  auto p = std::make_shared<Pending>();
-  p->ep = this;
+  Pending* p = TakeSlot();
   p->conn = conn;
   p->received = Clock::now();
+  p->body = std::move(body);
   RequestError err;
-  const bool ok = ParseInferRequest(body, model_, &p->req, &err);
-  body = std::string();
-  lease.Release();  // the body is gone; the budget now covers the floats
-  auto refuse = [&](uint64_t id, ErrorCode code, const std::string& message) {
-    conn->Send(EncodeInferError(id, code, message));
-    by_code_[static_cast<int>(code) % 10]->Inc();
-  };
-  if (!ok) return refuse(err.id, err.code, err.message);
+  if (!ParseInferRequest(std::string_view(p->body.data(), p->body.size()), model_, &p->req, &err)) {
+    Refuse(*conn, err.id, err.code, err.message);
+    return FreeSlot(p);
+  }
   if (draining_.load()) {
-    return refuse(p->req.id, moerun::v1::UNAVAILABLE, "the server is draining (shutting down)");
+    Refuse(*conn, p->req.id, moerun::v1::UNAVAILABLE, "the server is draining (shutting down)");
+    return FreeSlot(p);
   }
-  const int64_t bytes = static_cast<int64_t>(p->req.x.size() * sizeof(float));
-  if (!server_->TryLease(bytes, &p->lease) || !server_->TryLease(bytes, &p->out_lease)) {
-    return refuse(p->req.id, moerun::v1::OVERLOADED,
-                  "the server holds too many request bytes; retry later");
+  // The body stays (the batcher decodes it in place); the answer needs its own bytes.
+  p->lease = std::move(lease);
+  p->layout = LayoutAnswer(p->req.dtype, p->req.tokens, model_.hidden);
+  if (!server_->TryLease(static_cast<int64_t>(p->layout.capacity), &p->out_lease)) {
+    Refuse(*conn, p->req.id, moerun::v1::OVERLOADED,
+           "the server holds too many request bytes; retry later");
+    return FreeSlot(p);
   }
-  p->out.resize(p->req.x.size());
-  auto deadline_ms = p->req.deadline_ms > 0 ? std::chrono::milliseconds(p->req.deadline_ms)
-                                            : opts_.default_deadline;
-  deadline_ms = std::min(deadline_ms, opts_.max_deadline);
-  const auto deadline = p->received + deadline_ms;
+  p->answer = server_->buffers().Take(p->layout.capacity);
+  p->deadline_ms = p->req.deadline_ms > 0 ? std::chrono::milliseconds(p->req.deadline_ms)
+                                          : opts_.default_deadline;
+  p->deadline_ms = std::min(p->deadline_ms, opts_.max_deadline);
+  p->deadline = p->received + p->deadline_ms;
 
   BatchRequest br;
   br.layer = p->req.layer;
-  br.x = p->req.x.data();
-  br.out = p->out.data();
+  br.x = p->req.data.data();
+  br.x_type = RowTypeOf(p->req.dtype);
+  br.out = p->answer.data() + p->layout.data_offset;
+  br.out_type = br.x_type;
   br.tokens = p->req.tokens;
-  br.deadline = deadline;
+  br.deadline = p->deadline;
   br.done = &ServingEndpoint::OnBatchDone;
-  auto* box = new Box{p};
-  br.ctx = box;
+  br.ctx = p;
   in_flight_.fetch_add(1);
   in_flight_gauge_->Set(static_cast<double>(in_flight_.load()));
   const Status s = batcher_->Submit(br);
   if (!s.ok()) {
-    delete box;
     in_flight_.fetch_sub(1);
     in_flight_gauge_->Set(static_cast<double>(in_flight_.load()));
-    return refuse(p->req.id, ErrorCodeOf(s), s.message());
+    Refuse(*conn, p->req.id, ErrorCodeOf(s), s.message());
+    return FreeSlot(p);
   }
-  if (++per_conn_[conn->id()] >= opts_.max_inflight_per_connection) conn->Pause();
+  if (++conn->held >= opts_.max_inflight_per_connection) conn->Pause();
   // The deadline holds even if the batch that carries this request is slow to come back.
-  p->timer = std::make_unique<boost::asio::steady_timer>(server_->io());
-  p->timer->expires_at(deadline);
-  p->timer->async_wait([this, p, deadline_ms](const boost::system::error_code& ec) {
-    if (ec) return;
-    Answer(*p,
-           EncodeInferError(p->req.id, moerun::v1::DEADLINE_EXCEEDED,
-                            "no answer within the request's deadline of " +
-                                std::to_string(deadline_ms.count()) +
-                                " ms (is an expert rank not answering? see /health/ready)"),
-           moerun::v1::DEADLINE_EXCEEDED);
-  });
+  Arm(p);
+}
+
+void ServingEndpoint::Arm(Pending* p) {
+  Timers& t = *timers_;
+  t.Push(p);
+  if (p->deadline >= t.armed) return;
+  t.armed = p->deadline;
+  t.timer.expires_at(t.armed);
+  t.timer.async_wait(WithMemory(t.timer_mem, [this](const boost::system::error_code& ec) {
+    if (!ec) OnDeadlines();
+  }));
+}
+
+void ServingEndpoint::OnDeadlines() {
+  Timers& t = *timers_;
+  t.armed = Clock::time_point::max();
+  const auto now = Clock::now();
+  while (!t.heap.empty() && t.heap.front()->deadline <= now) {
+    Pending* p = t.heap.front();
+    t.Erase(p);
+    Answer(*p, moerun::v1::DEADLINE_EXCEEDED,
+           "no answer within the request's deadline of " + std::to_string(p->deadline_ms.count()) +
+               " ms (is an expert rank not answering? see /health/ready)");
+  }
+  if (t.heap.empty()) return;
+  t.armed = t.heap.front()->deadline;
+  t.timer.expires_at(t.armed);
+  t.timer.async_wait(WithMemory(t.timer_mem, [this](const boost::system::error_code& ec) {
+    if (!ec) OnDeadlines();
+  }));
 }
 
 void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchInfo& info) {
-  // Runs on the router thread: hand the result to the I/O thread.
-  std::unique_ptr<Box> box(static_cast<Box*>(ctx));
-  std::shared_ptr<Pending> p = std::move(box->p);
+  // Runs on the router thread: finish the answer frame, then hand the request to the I/O thread.
+  auto* p = static_cast<Pending*>(ctx);
   ServingEndpoint* ep = p->ep;
-  std::string frame;
-  ErrorCode code = ErrorCodeOf(status);
+  p->status = status;
   if (status.ok()) {
-    frame =
-        EncodeInferAnswer(p->req.id, p->req.dtype, p->req.tokens,
-                          static_cast<int64_t>(p->out.size()) / p->req.tokens, p->out.data(), info);
-  } else {
-    frame = EncodeInferError(p->req.id, code, status.message());
+    FinishAnswer(p->answer.data(), p->layout, p->req.id, p->req.dtype, p->req.tokens,
+                 ep->model_.hidden, info, &p->frame_offset, &p->frame_size);
   }
   ep->in_flight_.fetch_sub(1);
   ep->in_flight_gauge_->Set(static_cast<double>(ep->in_flight_.load()));
-  ep->server_->Post([ep, p, frame = std::move(frame), code]() mutable {
-    ep->Answer(*p, std::move(frame), code);
-    ep->Release(*p);
-  });
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(ep->done_mu_);
+    p->next = ep->done_head_;
+    ep->done_head_ = p;
+    wake = !ep->wake_posted_;
+    ep->wake_posted_ = true;
+  }
+  if (wake) {
+    boost::asio::post(ep->server_->io(),
+                      WithMemory(ep->timers_->wake_mem, [ep] { ep->TakeFinished(); }));
+  }
+}
+
+void ServingEndpoint::TakeFinished() {
+  Pending* list = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    list = done_head_;
+    done_head_ = nullptr;
+    wake_posted_ = false;
+  }
+  Pending* fifo = nullptr;  // the list came newest first
+  while (list != nullptr) {
+    Pending* next = list->next;
+    list->next = fifo;
+    fifo = list;
+    list = next;
+  }
+  while (fifo != nullptr) {
+    Pending* p = fifo;
+    fifo = p->next;
+    if (p->heap_pos >= 0) timers_->Erase(p);
+    Answer(*p, ErrorCodeOf(p->status), p->status.message());
+    Release(*p);
+    FreeSlot(p);
+  }
 }
 
 }  // namespace moerun

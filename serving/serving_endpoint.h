@@ -5,14 +5,22 @@
 // request gets its answer or an error by its deadline: a timer answers DEADLINE_EXCEEDED if the
 // batch has not come back by then. The batcher's bounded queue answers OVERLOADED when full.
 //
+// The hidden states are copied once each way: the batcher decodes a request's data straight from
+// the frame it arrived in into its batch, and encodes the output straight into the answer frame,
+// after room for the frame header (written once the batch is done). Requests live in slots that
+// are reused, frames in pooled buffers, and one timer serves every deadline, so that at steady
+// state a request allocates nothing.
+//
 // BeginDrain: no new connections; new requests get UNAVAILABLE; those in flight finish.
+// Threads: the framed server's I/O thread runs everything but OnBatchDone (the router thread),
+// which hands finished requests back through a list and one wake-up of the I/O thread.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <memory>
-#include <unordered_map>
-#include <unordered_set>
+#include <mutex>
+#include <vector>
 
 #include "base/metrics.h"
 #include "serving/batcher.h"
@@ -42,12 +50,20 @@ class ServingEndpoint {
   void Stop();
 
   struct Pending;
+  struct Timers;
 
  private:
-  ServingEndpoint() = default;
-  void OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string body, BudgetLease lease);
-  void Answer(Pending& p, std::string frame, moerun::v1::ErrorCode code);
+  ServingEndpoint();
+  void OnFrame(const std::shared_ptr<FramedConnection>& conn, PooledBuffer body, BudgetLease lease);
+  void Refuse(FramedConnection& conn, uint64_t id, moerun::v1::ErrorCode code,
+              const std::string& message);
+  void Answer(Pending& p, moerun::v1::ErrorCode code, const std::string& message);
   void Release(Pending& p);
+  Pending* TakeSlot();
+  void FreeSlot(Pending* p);
+  void Arm(Pending* p);  // the request's deadline joins the timer's heap
+  void OnDeadlines();    // the timer fired: answer what is past its deadline
+  void TakeFinished();   // I/O thread: the requests the router thread handed back
   static void OnBatchDone(void* ctx, const Status& status, const BatchInfo& info);
 
   ServingOptions opts_;
@@ -56,8 +72,14 @@ class ServingEndpoint {
   std::unique_ptr<FramedServer> server_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
-  std::unordered_map<uint64_t, int> per_conn_;  // requests in the batcher, by connection
-  std::unordered_set<uint64_t> half_closed_;    // connections to close once per_conn_ is 0
+  // Request slots (I/O thread): every slot made so far, and the free ones.
+  std::vector<std::unique_ptr<Pending>> slots_;
+  std::vector<Pending*> free_;
+  std::unique_ptr<Timers> timers_;
+  // Requests the router thread has finished, waiting for the I/O thread (under done_mu_).
+  std::mutex done_mu_;
+  Pending* done_head_ = nullptr;
+  bool wake_posted_ = false;
   // Metrics.
   Counter* by_code_[10] = {};
   Counter* tokens_ = nullptr;

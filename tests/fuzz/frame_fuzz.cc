@@ -38,12 +38,24 @@ void ParseFrame(const std::string& body) {
   model.max_request_tokens = 64;
   moerun::ParsedRequest parsed;
   moerun::RequestError error;
-  if (moerun::ParseInferRequest(body, model, &parsed, &error)) {
+  const bool ok = moerun::ParseInferRequest(body, model, &parsed, &error);
+  if (ok) {
     Check(parsed.tokens >= 1 && parsed.tokens <= 64);
-    Check(parsed.x.size() == static_cast<size_t>(parsed.tokens * 4));
+    Check(parsed.data.size() ==
+          static_cast<size_t>(parsed.tokens * 4) * (parsed.dtype == moerun::v1::BF16 ? 2 : 4));
     Check(parsed.layer == 0 || parsed.layer == 3);
   } else {
     Check(!error.message.empty() && error.code != moerun::v1::OK);
+  }
+  // The in-place parser reads the wire format exactly as Protobuf's parser does.
+  moerun::v1::InferRequest pb;
+  const bool pb_ok = pb.ParseFromString(body);
+  Check(pb_ok == (ok || error.code != moerun::v1::MALFORMED_FRAME));
+  if (ok) {
+    Check(pb.id() == parsed.id && pb.dtype() == parsed.dtype && pb.shape_size() == 2 &&
+          pb.shape(0) == parsed.tokens && pb.data() == parsed.data &&
+          pb.deadline_ms() == parsed.deadline_ms);
+    Check(pb.has_layer() ? pb.layer() == parsed.layer : parsed.layer == 0);
   }
   moerun::v1::InferRequest req;
   if (req.ParseFromString(body)) {

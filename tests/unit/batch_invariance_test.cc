@@ -1,5 +1,5 @@
-// Batch invariance (DESIGN.md): a token's output is bitwise the same whether it is computed alone
-// or in a batch of any size and order, for every ISA variant.
+// Batch invariance (docs/DESIGN.md): a token's output is bitwise the same whether it is computed
+// alone or in a batch of any size and order, for every ISA variant.
 #include <gtest/gtest.h>
 
 #include <algorithm>

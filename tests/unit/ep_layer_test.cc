@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "ranks/rank_job.h"
+#include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"
 
@@ -49,7 +50,7 @@ std::string ReplicaPlacement(const TempDir& tmp, int experts, int ranks) {
 std::vector<float> Distributed(const std::string& fixture, const std::vector<float>& x,
                                int64_t tokens, int ranks, const std::string& placement,
                                int64_t microbatch, EpStats* stats = nullptr, int routers = 1,
-                               const std::function<void(JobOptions&)>& tweak = nullptr) {
+                               const ExpertSetup& expert_setup = nullptr) {
   JobOptions opts;
   opts.routers = routers;
   opts.source.model = FixtureDir(fixture);
@@ -59,24 +60,14 @@ std::vector<float> Distributed(const std::string& fixture, const std::vector<flo
   opts.ep.deadline = std::chrono::milliseconds(20000);
   opts.threads = 1;
   opts.isa = BestIsa();
-  if (tweak) tweak(opts);
   std::vector<float> out(x.size());
-  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) {
-    if (rank != 0) return Status::Ok();
-    const Status s = layers.at(0)->Forward(x.data(), tokens, out.data());
-    if (stats) *stats = layers.at(0)->stats();
+  const RouterWork work = [&](RouterRank& router) {
+    if (router.rank() != 0) return Status::Ok();
+    const Status s = router.layer(0)->Forward(x.data(), tokens, out.data());
+    if (stats) *stats = router.layer(0)->stats();
     return s;
   };
-  auto fabric = InprocFabric::Create(ranks);
-  std::vector<Status> results(static_cast<size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      auto t = fabric->Endpoint(r);
-      results[static_cast<size_t>(r)] = RunRank(t.get(), opts, work);
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Status> results = RunInprocJob(ranks, opts, work, expert_setup);
   for (int r = 0; r < ranks; ++r) {
     EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
         << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
@@ -125,38 +116,36 @@ TEST(EpLayerTest, ExpertDeviceHookGetsTheGroups) {
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir("gpt_oss") + "/golden.safetensors", "input", &tokens);
   std::atomic<int64_t> rows_seen{0}, calls{0};
-  const auto hook = [&](JobOptions& o) {
-    o.hooks.expert_device = [&](int, const LoadedLayers& layers) -> Result<ExpertCompute> {
-      return ExpertCompute([&, layers](int layer, const float* rows,
-                                       const std::vector<int32_t>& group_expert,
-                                       const std::vector<int64_t>& group_rows, float* y) {
-        const MoeLayerWeights& w = *layers.at(layer);
-        const CpuKernels& k = KernelsFor(BestIsa());
-        ThreadPool pool(1);
-        GroupedFfn ffn(k, &pool);
-        std::vector<ExpertGroup> groups;
-        int64_t first = 0;
-        for (size_t g = 0; g < group_expert.size(); ++g) {
-          EXPECT_GT(group_rows[g], 0);
-          EXPECT_FALSE(w.experts[static_cast<size_t>(group_expert[g])].w13.empty());
-          groups.push_back(ExpertGroup{&w.experts[static_cast<size_t>(group_expert[g])],
-                                       w.spec.RoutedAct(w.layer), first, group_rows[g]});
-          first += group_rows[g];
-        }
-        std::vector<int32_t> row_token(static_cast<size_t>(first));
-        for (int64_t r = 0; r < first; ++r)
-          row_token[static_cast<size_t>(r)] = static_cast<int32_t>(r);
-        const int64_t h = w.spec.hidden, ldy = ffn.PaddedHidden(h);
-        std::vector<float> tmp(static_cast<size_t>(first * ldy));
-        ffn.Run(groups, rows, h, row_token.data(), tmp.data(), ldy);
-        for (int64_t r = 0; r < first; ++r) {
-          std::memcpy(y + r * h, tmp.data() + r * ldy, static_cast<size_t>(h) * 4);
-        }
-        rows_seen += first;
-        ++calls;
-        return Status::Ok();
-      });
-    };
+  const ExpertSetup hook = [&](int, const LoadedLayers& layers) -> Result<ExpertCompute> {
+    return ExpertCompute([&, layers](int layer, const float* rows,
+                                     const std::vector<int32_t>& group_expert,
+                                     const std::vector<int64_t>& group_rows, float* y) {
+      const MoeLayerWeights& w = *layers.at(layer);
+      const CpuKernels& k = KernelsFor(BestIsa());
+      ThreadPool pool(1);
+      GroupedFfn ffn(k, &pool);
+      std::vector<ExpertGroup> groups;
+      int64_t first = 0;
+      for (size_t g = 0; g < group_expert.size(); ++g) {
+        EXPECT_GT(group_rows[g], 0);
+        EXPECT_FALSE(w.experts[static_cast<size_t>(group_expert[g])].w13.empty());
+        groups.push_back(ExpertGroup{&w.experts[static_cast<size_t>(group_expert[g])],
+                                     w.spec.RoutedAct(w.layer), first, group_rows[g]});
+        first += group_rows[g];
+      }
+      std::vector<int32_t> row_token(static_cast<size_t>(first));
+      for (int64_t r = 0; r < first; ++r)
+        row_token[static_cast<size_t>(r)] = static_cast<int32_t>(r);
+      const int64_t h = w.spec.hidden, ldy = ffn.PaddedHidden(h);
+      std::vector<float> tmp(static_cast<size_t>(first * ldy));
+      ffn.Run(groups, rows, h, row_token.data(), tmp.data(), ldy);
+      for (int64_t r = 0; r < first; ++r) {
+        std::memcpy(y + r * h, tmp.data() + r * ldy, static_cast<size_t>(h) * 4);
+      }
+      rows_seen += first;
+      ++calls;
+      return Status::Ok();
+    });
   };
   const auto got = Distributed("gpt_oss", x, tokens, 3, "round_robin", 5, nullptr, 1, hook);
   const auto want = SingleProcess("gpt_oss", x, tokens);
@@ -211,14 +200,13 @@ TEST(EpLayerTest, FrozenRankFailsFastThenRecovers) {
   opts.ep.deadline = std::chrono::milliseconds(20000);
   opts.threads = 1;
   opts.isa = BestIsa();
-  opts.hooks.health =
+  opts.router.health =
       PeerHealthOptions{std::chrono::milliseconds(20), std::chrono::milliseconds(100)};
-  PeerHealth* health = nullptr;
-  opts.hooks.router_health = [&](int, PeerHealth* h) { health = h; };
   auto fabric = InprocFabric::Create(3);
-  const RouterWork work = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
-    if (rank != 0) return Status::Ok();
-    RouterLayer* l = layers.at(0);
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    if (router.rank() != 0) return Status::Ok();
+    PeerHealth* health = router.health();
+    RouterLayer* l = router.layer(0);
     std::vector<float> out(x.size());
     EXPECT_TRUE(l->Forward(x.data(), tokens, out.data()).ok());
     EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
@@ -250,15 +238,7 @@ TEST(EpLayerTest, FrozenRankFailsFastThenRecovers) {
     EXPECT_EQ(peers.size(), 2u);
     return Status::Ok();
   };
-  std::vector<Status> results(3);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      auto t = fabric->Endpoint(r);
-      results[static_cast<size_t>(r)] = RunRank(t.get(), opts, work);
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Status> results = RunInprocJob(3, opts, work, nullptr, fabric);
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(results[static_cast<size_t>(r)].ok()) << r;
 }
 

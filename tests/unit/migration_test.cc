@@ -17,6 +17,7 @@
 #include "migration/router_control.h"
 #include "model/checkpoint.h"
 #include "ranks/rank_job.h"
+#include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"
 
@@ -56,41 +57,24 @@ void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ra
   opts.ep.deadline = std::chrono::milliseconds(20000);
   opts.threads = 1;
   opts.isa = BestIsa();
-  std::mutex mu;
-  std::map<int, RouterControl*> controls;
+  opts.router.control = true;
   std::atomic<bool> finished{false};
-  opts.hooks.router_control = [&](int rank, RouterControl* c) {
-    std::lock_guard<std::mutex> lock(mu);
-    controls[rank] = c;
-  };
-  const RouterWork rw = [&](int rank, std::map<int, RouterLayer*>& layers) -> Status {
-    RouterControl* c = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      c = controls[rank];
-    }
+  const RouterWork rw = [&](RouterRank& router) -> Status {
+    RouterControl* c = router.control();
     if (c == nullptr) return Status::Internal("no RouterControl");
-    if (rank == 0) {
+    if (router.rank() == 0) {
+      std::map<int, RouterLayer*> layers = router.layers();
       work(layers, c);
       finished = true;
       return Status::Ok();
     }
     while (!finished) {
-      MOERUN_RETURN_IF_ERROR(c->Poll());
+      MOERUN_RETURN_IF_ERROR(router.Poll());
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     return Status::Ok();
   };
-  auto fabric = InprocFabric::Create(ranks);
-  std::vector<Status> results(static_cast<size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      auto t = fabric->Endpoint(r);
-      results[static_cast<size_t>(r)] = RunRank(t.get(), opts, rw);
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Status> results = RunInprocJob(ranks, opts, rw);
   for (int r = 0; r < ranks; ++r) {
     EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
         << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();

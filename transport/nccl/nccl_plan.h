@@ -1,7 +1,7 @@
 // The host side of one grouped NCCL exchange, vendor-free (tested on any machine): which peers
 // get an ncclSend / ncclRecv of how many bytes, from the per-peer byte offsets of the send and
-// receive buffers. The router knows every size before anything moves (DESIGN.md), so both sides
-// of a pair take their sizes from the same plan; NCCL cannot check that they agree.
+// receive buffers. The router knows every size before anything moves (docs/DESIGN.md), so both
+// sides of a pair take their sizes from the same plan; NCCL cannot check that they agree.
 //
 // Offsets: `ranks + 1` non-decreasing, non-negative byte offsets; peer p's bytes are
 // [offset[p], offset[p + 1]). A peer with no bytes in a direction gets no call in it (NCCL would

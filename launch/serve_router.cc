@@ -1,0 +1,224 @@
+#include "launch/serve_router.h"
+
+#include <algorithm>
+#include <fstream>
+#include <memory>
+
+#include "base/log.h"
+#include "base/metrics.h"
+#include "migration/placement_control.h"
+#include "serving/batcher.h"
+#include "serving/control_endpoint.h"
+#include "serving/serving_endpoint.h"
+
+namespace moerun {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
+  const ServingConfig& sc = s.config.serving;
+  ServingOptions so;
+  so.framed.listen = WithPortOffset(s.listen, rank);
+  so.framed.name = "router " + std::to_string(rank) + " serving";
+  so.framed.max_frame_bytes = static_cast<uint32_t>(sc.max_frame_bytes);
+  so.framed.max_connections = sc.max_connections;
+  so.framed.frame_timeout = std::chrono::milliseconds(sc.frame_timeout_ms);
+  so.framed.max_buffered_bytes = sc.max_buffered_bytes;
+  so.max_inflight_per_connection = sc.max_inflight_per_connection;
+  so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
+  return so;
+}
+
+ServedModel ServedModelFor(const ServeSetup& s) {
+  ServedModel m;
+  m.layers = s.layers;
+  m.hidden = s.hidden;
+  // A request larger than the batcher's queue could never be queued: refuse it as invalid.
+  m.max_request_tokens =
+      std::min(s.config.serving.max_request_tokens, s.config.batching.max_queue_tokens);
+  return m;
+}
+
+// moectl's endpoint on router 0: the rank's views, and with a placement control its commands.
+Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankServices& rs,
+                                                      PlacementControl* pc) {
+  FramedServerOptions co;
+  co.listen = s.control_listen;
+  co.name = "control";
+  co.max_connections = 64;
+  ControlProvider provider;
+  RankServices* services = &rs;
+  provider.status = [services, pc] {
+    moerun::v1::StatusResponse st = services->Status();
+    if (pc != nullptr) *st.mutable_migration() = pc->Progress();
+    return st;
+  };
+  provider.placement = [services] { return services->PlacementInfo(); };
+  provider.stats = [services] { return services->Stats(); };
+  provider.plan = [services](const moerun::v1::PlanRequest& r) { return services->Plan(r); };
+  if (pc != nullptr) {
+    provider.apply = [pc](const moerun::v1::ApplyRequest& r) { return pc->Apply(r); };
+    provider.progress = [pc] { return pc->Progress(); };
+    provider.expert_update = [pc](const moerun::v1::ExpertUpdateRequest& r) {
+      return pc->Update(r);
+    };
+    provider.expert_action = [pc](const moerun::v1::ExpertActionRequest& r) {
+      return pc->Action(r);
+    };
+  }
+  return ControlEndpoint::Start(co, s.token, provider, &rs.metrics());
+}
+
+// One router rank's serving: its endpoints, its batcher and the loop between them.
+class RouterServer {
+ public:
+  RouterServer(RouterRank& router, RankServices& services, const ServeSetup& setup,
+               std::atomic<bool>& stop)
+      : router_(router),
+        rs_(services),
+        setup_(setup),
+        stop_(stop),
+        batcher_(setup.config.batching, setup.hidden) {}
+
+  Status Start();
+  Status Run();
+
+ private:
+  void StartPlacementControl();
+  Status Forward(int layer, const float* x, int64_t tokens, float* out, Deadline deadline);
+  bool StopRequested();  // SIGTERM: drain, then true
+  void Refresh();        // between batches and when idle
+
+  RouterRank& router_;
+  RankServices& rs_;
+  const ServeSetup& setup_;
+  std::atomic<bool>& stop_;
+  Batcher batcher_;
+  std::unique_ptr<ServingEndpoint> endpoint_;
+  std::unique_ptr<PlacementControl> placement_control_;  // router 0 (before control_: it uses it)
+  std::unique_ptr<ControlEndpoint> control_;
+  Status control_failed_;
+  bool draining_ = false;
+  std::chrono::steady_clock::time_point drain_until_{};
+  Counter* batches_ = nullptr;
+  Counter* batch_tokens_ = nullptr;
+  Gauge* version_ = nullptr;            // routers with a RouterControl
+  Gauge* migration_running_ = nullptr;  // router 0
+  Gauge* migration_bytes_ = nullptr;    // router 0
+};
+
+void RouterServer::StartPlacementControl() {
+  RouterControl* rc = router_.control();
+  if (rc == nullptr) return;
+  RankServices* rs = &rs_;
+  rc->set_on_switch([rs](std::shared_ptr<const Placement> p) { rs->SetPlacement(std::move(p)); });
+  version_ = rs_.metrics().AddGauge("moerun_placement_version",
+                                    "Version of the placement this router uses");
+  version_->Set(static_cast<double>(rc->placement()->version()));
+  if (router_.rank() != 0) return;
+  placement_control_ = std::make_unique<PlacementControl>(&rs_, rc, setup_.config.rebalance);
+  migration_running_ =
+      rs_.metrics().AddGauge("moerun_migration_running", "1 while a migration runs");
+  migration_bytes_ = rs_.metrics().AddGauge("moerun_migration_bytes_loaded",
+                                            "Bytes of expert weights the last migration loaded");
+}
+
+Status RouterServer::Start() {
+  const int rank = router_.rank();
+  rs_.Attach(router_);
+  StartPlacementControl();
+  MOERUN_ASSIGN_OR_RETURN(
+      endpoint_, ServingEndpoint::Start(ServingOptionsFor(setup_, rank), ServedModelFor(setup_),
+                                        &batcher_, &rs_.metrics()));
+  batches_ = rs_.metrics().AddCounter("moerun_batches_total", "Batches run");
+  batch_tokens_ =
+      rs_.metrics().AddCounter("moerun_batch_tokens_total", "Tokens of the batches run");
+  if (rank != 0) return Status::Ok();
+  if (setup_.token.empty()) {
+    spdlog::warn("no control token file (serving.token_file or --token-file): moectl is off");
+  } else {
+    MOERUN_ASSIGN_OR_RETURN(control_, StartControl(setup_, rs_, placement_control_.get()));
+  }
+  spdlog::info("serving {} layer(s) of {} on {} ranks at {}; ready in {:.2f} s; stop with SIGTERM",
+               router_.layers().size(), setup_.family, setup_.ranks,
+               FormatHostPort(WithPortOffset(setup_.listen, rank)), SecondsSince(setup_.started));
+  if (!setup_.ready_file.empty()) std::ofstream(setup_.ready_file) << "ready\n";
+  return Status::Ok();
+}
+
+Status RouterServer::Forward(int layer, const float* x, int64_t tokens, float* out,
+                             Deadline deadline) {
+  const Status s = router_.Forward(layer, x, tokens, out, deadline);
+  batches_->Inc();
+  batch_tokens_->Inc(static_cast<uint64_t>(tokens));
+  if (s.ok()) rs_.CountBatch();
+  return s;
+}
+
+bool RouterServer::StopRequested() {
+  if (!stop_.load()) return false;
+  if (!draining_) {
+    draining_ = true;
+    rs_.set_draining();
+    endpoint_->BeginDrain();
+    drain_until_ = std::chrono::steady_clock::now() +
+                   std::chrono::seconds(setup_.config.serving.drain_timeout_s);
+  }
+  if (endpoint_->in_flight() == 0) return true;
+  if (std::chrono::steady_clock::now() >= drain_until_) {
+    spdlog::warn("drain timeout: {} request(s) still in flight", endpoint_->in_flight());
+    return true;
+  }
+  return false;
+}
+
+void RouterServer::Refresh() {
+  if (control_failed_.ok()) {
+    control_failed_ = router_.Poll();
+    if (!control_failed_.ok()) {
+      spdlog::error("router {}: the control channel failed ({}): stopping", router_.rank(),
+                    control_failed_.ToString());
+      stop_.store(true);
+    }
+  } else if (router_.health() != nullptr) {
+    router_.health()->Poll();
+  }
+  if (placement_control_) {
+    placement_control_->Tick();
+    const MigrationView mv = router_.control()->Progress();
+    migration_running_->Set(mv.state == "running" ? 1.0 : 0.0);
+    migration_bytes_->Set(static_cast<double>(mv.bytes_loaded));
+  }
+  if (version_ != nullptr) {
+    version_->Set(static_cast<double>(router_.control()->placement()->version()));
+  }
+  const BatcherStats st = batcher_.stats();
+  rs_.Refresh(router_.health(), static_cast<int64_t>(st.queued_requests), st.queued_tokens);
+}
+
+Status RouterServer::Run() {
+  batcher_.Run([this](int layer, const float* x, int64_t tokens, float* out,
+                      Deadline deadline) { return Forward(layer, x, tokens, out, deadline); },
+               [this] { return StopRequested(); }, [this] { Refresh(); });
+  endpoint_->Stop();
+  if (control_) control_->Stop();
+  if (!control_failed_.ok()) return control_failed_;
+  const BatcherStats st = batcher_.stats();
+  spdlog::info("router {} stopping: {} batches, {} requests, {} tokens served, {} expired",
+               router_.rank(), st.batches, st.requests, st.tokens, st.expired);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ServeRouter(RouterRank& router, RankServices& services, const ServeSetup& setup,
+                   std::atomic<bool>& stop) {
+  RouterServer server(router, services, setup, stop);
+  MOERUN_RETURN_IF_ERROR(server.Start());
+  return server.Run();
+}
+
+}  // namespace moerun

@@ -1,0 +1,83 @@
+#include "model/weight_source.h"
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "base/log.h"
+#include "model/checkpoint.h"
+#include "model/layer_loader.h"
+#include "model/preset.h"
+
+namespace moerun {
+namespace {
+
+// Logs progress every 2 s; with a throttle, also reports the bytes done and sleeps so that the
+// load stays under its bandwidth (the loads it throttles run on one thread).
+std::function<void(int, int, size_t)> Progress(const std::string& what,
+                                               const LoadThrottle& throttle = {}) {
+  auto start = std::chrono::steady_clock::now();
+  auto last = std::make_shared<std::chrono::steady_clock::time_point>(start);
+  return [=](int done, int total, size_t bytes) {
+    if (throttle.bytes_done != nullptr) throttle.bytes_done->store(bytes);
+    if (throttle.bytes_per_s > 0) {
+      const auto due =
+          start +
+          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+              std::chrono::duration<double>(static_cast<double>(bytes) / throttle.bytes_per_s));
+      while (std::chrono::steady_clock::now() < due &&
+             (throttle.cancel == nullptr || !throttle.cancel->load())) {
+        std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+            due - std::chrono::steady_clock::now(), std::chrono::milliseconds(20)));
+      }
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (done != total && now - *last < std::chrono::seconds(2)) return;
+    *last = now;
+    spdlog::info("{}: {}/{} experts, {:.1f} MiB, {:.1f} s", what, done, total,
+                 static_cast<double>(bytes) / (1 << 20),
+                 std::chrono::duration<double>(now - start).count());
+  };
+}
+
+}  // namespace
+
+Result<std::shared_ptr<MoeLayerWeights>> LoadWeights(const WeightSource& src, const ModelSpec& spec,
+                                                     int layer, std::vector<bool> mask,
+                                                     const CpuKernels& kernels, int threads,
+                                                     const std::string& what,
+                                                     const LoadThrottle& throttle) {
+  if (!src.model.empty()) {
+    MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(src.model));
+    LoadOptions o;
+    o.layer = layer;
+    o.load_expert = std::move(mask);
+    o.threads = threads;
+    o.progress = Progress(what, throttle);
+    MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, LoadLayer(*ckpt, spec, kernels, o));
+    return std::make_shared<MoeLayerWeights>(std::move(w));
+  }
+  PresetOptions o;
+  o.seed = src.seed;
+  o.gate_skew = src.gate_skew;
+  o.dtype = src.dtype;
+  o.layer = layer;
+  o.load_expert = std::move(mask);
+  o.threads = threads;
+  o.progress = Progress(what, throttle);
+  MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, BuildPresetLayer(spec, kernels, o));
+  return std::make_shared<MoeLayerWeights>(std::move(w));
+}
+
+Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
+  if (!source.model.empty()) return LoadModelSpec(source.model);
+  if (source.spec) return *source.spec;
+  PresetOptions o;
+  o.seed = source.seed;
+  o.experts = source.experts;
+  o.dtype = source.dtype;
+  return PresetSpec(source.preset, o, note);
+}
+
+}  // namespace moerun
