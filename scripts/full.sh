@@ -19,13 +19,15 @@ jobs=$(nproc 2>/dev/null || echo 2)
 MOERUN_FUZZ_SECONDS=${MOERUN_FUZZ_SECONDS:-600} scripts/test.sh
 
 printf '\n==== address sanitizer: serving, HTTP and client tests ====\n'
-cmake --build build-asan -j "$jobs" --target moerun_serving_tests moerun_http_tests moerun_client_tests
+cmake --build build-asan -j "$jobs" --target moerun_serving_tests moerun_http_tests moerun_client_tests \
+  moerun_serving_alloc_tests
 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -L unit --timeout 1800 \
-  -R 'Serving|Http|Metrics|HostPort|Frame|ClientData|ServeConnection'
+  -R 'Serving|Http|Metrics|HostPort|Frame|ClientData|ServeConnection|InferCodec|Allocation'
 
 printf '\n==== thread sanitizer ====\n'
 cmake --preset tsan >/dev/null
-cmake --build build-tsan -j "$jobs" --target moerun_unit_tests
+cmake --build build-tsan -j "$jobs" --target moerun_unit_tests moerun_serving_tests \
+  moerun_serving_alloc_tests
 TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -L unit --timeout 1800
 
 for isa in scalar avx2 avx512; do

@@ -1,16 +1,32 @@
-// Test helper: every rank of an expert-parallel job as a thread of this process, over the inproc
-// transport, each running RunRank to the end; the statuses by rank.
+// Test helpers: a job on a golden fixture, and every rank of an expert-parallel job as a thread
+// of this process over the inproc transport, each running RunRank to the end.
 #pragma once
 
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "experts/cpu/isa.h"
 #include "ranks/rank_job.h"
+#include "tests/unit/test_util.h"
 #include "transport/inproc.h"
 
 namespace moerun::testing {
 
+// A job on a fixture's layer 0, one thread per rank, experts round robin.
+inline JobOptions FixtureJob(const std::string& fixture, int64_t microbatch_tokens) {
+  JobOptions opts;
+  opts.source.model = FixtureDir(fixture);
+  opts.layers = {0};
+  opts.placement = "round_robin";
+  opts.ep.microbatch_tokens = microbatch_tokens;
+  opts.threads = 1;
+  opts.isa = BestIsa();
+  return opts;
+}
+
+// The statuses by rank.
 inline std::vector<Status> RunInprocJob(int ranks, const JobOptions& options,
                                         const RouterWork& work,
                                         const ExpertSetup& expert_setup = nullptr,

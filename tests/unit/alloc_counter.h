@@ -1,0 +1,16 @@
+// Test helper: counts heap allocations (every operator new, on every thread) while counting is
+// on. A binary that links alloc_counter.cc has operator new replaced; threads that drive a test
+// (its clients) mark themselves NotCounted. MOERUN_ALLOC_TRACE=N prints the call stacks of the
+// first N counted allocations, to find them (symbolize with addr2line).
+#pragma once
+
+#include <cstdint>
+
+namespace moerun::testing {
+
+void StartCountingAllocations();     // resets the count
+uint64_t StopCountingAllocations();  // the count since the start
+// This thread's allocations are not counted (from now on, until it ends or says otherwise).
+void SetThreadNotCounted(bool not_counted);
+
+}  // namespace moerun::testing
