@@ -45,6 +45,8 @@ struct FramedServer::Impl {
   std::deque<HandlerMemory> handler_memory;  // before io: operations it holds may use it
   std::mutex handler_memory_mu;
   asio::io_context io{1};
+  // Keeps the I/O thread running while nothing is pending (a deferred accept); Stop ends it.
+  asio::executor_work_guard<asio::io_context::executor_type> keep_running{io.get_executor()};
   tcp::acceptor acceptor{io};
   std::thread thread;
   uint64_t next_id = 1;
@@ -371,7 +373,7 @@ Result<std::unique_ptr<FramedServer>> FramedServer::Start(const FramedServerOpti
   std::unique_ptr<FramedServer> s(new FramedServer(std::move(impl)));
   s->port_ = s->impl_->acceptor.local_endpoint().port();
   Impl* raw = s->impl_.get();
-  raw->Accept();
+  if (!options.defer_accept) raw->Accept();
   raw->thread = std::thread([raw] {
     for (;;) {
       try {
@@ -412,6 +414,11 @@ bool FramedServer::TryLease(int64_t bytes, BudgetLease* lease) {
   }
   *lease = BudgetLease(&impl_->budget, bytes);
   return true;
+}
+
+void FramedServer::StartAccepting() {
+  Impl* raw = impl_.get();
+  asio::post(raw->io, [raw] { raw->Accept(); });
 }
 
 void FramedServer::StopAccepting() {

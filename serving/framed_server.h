@@ -45,6 +45,9 @@ struct FramedServerOptions {
   // reading its answers).
   std::chrono::milliseconds write_timeout{30000};
   int64_t max_buffered_bytes = int64_t{1} << 30;
+  // Listen, but accept connections only once StartAccepting is called (a handler that must set
+  // itself up after Start, knowing the I/O context, sees no frame before it is ready).
+  bool defer_accept = false;
 };
 
 // Bytes taken from the server's budget, given back when the lease is destroyed.
@@ -122,6 +125,8 @@ class FramedServer {
   // Memory for a handler's own asynchronous operations on io() (serving/handler_memory.h),
   // valid as long as the server: it outlives every operation the I/O context still holds.
   HandlerMemory* NewHandlerMemory();
+  // With options.defer_accept: starts accepting connections (any thread, once).
+  void StartAccepting();
   // Stops accepting new connections (any thread).
   void StopAccepting();
   // Closes every connection and joins the I/O thread (any thread but the I/O thread);

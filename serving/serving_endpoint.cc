@@ -117,13 +117,16 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
     if (c->held == 0) return c->CloseAfterWrites();
     c->close_when_answered = true;
   };
-  MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(options.framed, std::move(h)));
+  ep->slots_.reserve(1024);
+  ep->free_.reserve(1024);
+  FramedServerOptions framed = options.framed;
+  framed.defer_accept = true;  // the timers first: they need the server's I/O context
+  MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(framed, std::move(h)));
   ep->timers_ = std::make_unique<Timers>(ep->server_->io());
   ep->timers_->timer_mem = ep->server_->NewHandlerMemory();
   ep->timers_->wake_mem = ep->server_->NewHandlerMemory();
-  ep->slots_.reserve(1024);
-  ep->free_.reserve(1024);
   ep->timers_->heap.reserve(1024);
+  ep->server_->StartAccepting();  // after this post, the I/O thread sees all of the above
   return ep;
 }
 

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <thread>
 
+#include "base/log.h"
 #include "launch/serve_router.h"
 #include "ranks/rank_job.h"
 #include "serving/serve_client.h"
@@ -44,7 +45,8 @@ uint16_t FreePort() {
 // with peer health and RouterControl, two expert ranks), fed by clients over TCP: after warm-up,
 // requests of 1..16 tokens in F32 and BF16 on two connections allocate nothing, on any thread.
 TEST(AllocationTest, ServingPathPerRequest) {
-  SetThreadNotCounted(true);  // this thread only starts and joins the clients
+  SetThreadNotCounted(true);                // this thread only starts and joins the clients
+  spdlog::info("serving allocation test");  // the logger exists before the ranks' threads log
   const std::string fixture = "deepseek_v3";
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir(fixture) + "/golden.safetensors", "input", &tokens);
