@@ -1,5 +1,4 @@
 #include "bench/cuda_layer_bench.h"
-#include "base/exit_code.h"
 
 #include <sys/wait.h>
 
@@ -11,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "base/thread_pool.h"
 #include "bench/floor.h"

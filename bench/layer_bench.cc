@@ -1,18 +1,18 @@
 #include "bench/layer_bench.h"
-#include "base/exit_code.h"
-#include "layer/moe_layer.h"
 
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "base/thread_pool.h"
 #include "bench/cuda_layer_bench.h"
 #include "bench/memory_bandwidth.h"
 #include "bench/sgemm_baseline.h"
 #include "bench/timing.h"
+#include "layer/moe_layer.h"
 #include "layer/reference_layer.h"
 
 namespace moerun::bench {

@@ -1,6 +1,4 @@
 #include "bench/serve_bench.h"
-#include "base/exit_code.h"
-#include "layer/moe_layer.h"
 
 #include <algorithm>
 #include <atomic>
@@ -16,8 +14,10 @@
 #include <vector>
 
 #include "base/dtype.h"
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "base/thread_pool.h"
+#include "layer/moe_layer.h"
 #include "serving/frame.h"
 #include "serving/serve_client.h"
 

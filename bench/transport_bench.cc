@@ -1,5 +1,4 @@
 #include "bench/transport_bench.h"
-#include "base/exit_code.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,6 +10,7 @@
 #include <numeric>
 #include <random>
 
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "ep/protocol.h"
 #include "launch/layer_flags.h"

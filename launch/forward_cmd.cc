@@ -1,18 +1,18 @@
 #include "launch/forward_cmd.h"
-#include "base/exit_code.h"
-#include "layer/moe_layer.h"
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <optional>
 
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "base/thread_pool.h"
 #include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "layer/cuda/cuda_device.h"
+#include "layer/moe_layer.h"
 #include "model/layer_loader.h"
 #include "model/safetensors.h"
 

@@ -1,6 +1,4 @@
 #include "launch/serve_cmd.h"
-#include "base/exit_code.h"
-#include "launch/serve_router.h"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -9,11 +7,13 @@
 #include <csignal>
 #include <fstream>
 
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "launch/rank_services.h"
+#include "launch/serve_router.h"
 #include "layer/cuda/cuda_device.h"
 #include "model/layer_loader.h"
 #include "model/weight_source.h"

@@ -394,11 +394,6 @@ boost::asio::io_context& FramedServer::io() { return impl_->io; }
 
 int FramedServer::connections() const { return impl_->open.load(); }
 
-void FramedServer::Post(std::function<void()> f) {
-  if (impl_->stopped.load()) return;
-  asio::post(impl_->io, std::move(f));
-}
-
 BufferPool& FramedServer::buffers() { return impl_->buffers; }
 
 HandlerMemory* FramedServer::NewHandlerMemory() {

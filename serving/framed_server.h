@@ -13,7 +13,7 @@
 // for write_timeout. Stop lets queued answers go out (up to 2 s).
 //
 // Threads: everything runs on one I/O thread. Handlers run on it and must not block; work for
-// other threads is handed off, and its results come back with Post.
+// other threads is handed off, and its results come back posted to io().
 #pragma once
 
 #include <atomic>
@@ -114,10 +114,8 @@ class FramedServer {
   ~FramedServer();
 
   uint16_t port() const { return port_; }
-  // The I/O thread's context (timers of handlers).
+  // The I/O thread's context (handlers' timers, and their work posted from other threads).
   boost::asio::io_context& io();
-  // Runs `f` on the I/O thread (any thread may call; f is dropped unrun after Stop).
-  void Post(std::function<void()> f);
   // Takes `bytes` from the budget, if they fit.
   bool TryLease(int64_t bytes, BudgetLease* lease);
   // The pool the frame bodies come from; handlers take their answers' buffers from it too.

@@ -92,7 +92,7 @@ class WireReader {
     for (int i = 0; i < max_bytes; ++i) {
       if (p_ == end_) return false;
       const uint8_t b = *p_++;
-      if (i < 10) v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
+      v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
       if (b < 0x80) {
         *out = v;
         return true;
@@ -135,14 +135,13 @@ bool ReadWire(std::string_view body, WireRequest* r) {
       add_dim(v);
     } else if (field == 4 && wire == 2) {  // packed
       if (!in.Size(&len)) return false;
-      const size_t stop = in.offset() + len;
-      if (stop > body.size()) return false;
-      WireReader packed(body.substr(in.offset(), len));
+      const size_t at = in.offset();
+      if (!in.Skip(len)) return false;
+      WireReader packed(body.substr(at, len));
       while (!packed.done()) {
         if (!packed.Varint64(&v)) return false;
         add_dim(v);
       }
-      in.Skip(len);
     } else if (field == 5 && wire == 2) {
       if (!in.Size(&len)) return false;
       const size_t at = in.offset();
