@@ -12,21 +12,34 @@ ExpertWeights PackExpert(const CpuKernels& kernels, DType dtype, int64_t hidden,
   w.inter = inter;
   w.pairs = (inter + nr - 1) / nr;
   w.w13 = PackedMatrix(dtype, 2 * w.pairs * nr, hidden, nr);
-  w.w13.Fill(
-      [&](int64_t n, float* row) {
-        const int64_t panel = n / nr;
-        const int64_t j = (panel / 2) * nr + n % nr;  // hidden column this row produces
-        if (j >= inter) {
-          std::fill(row, row + hidden, 0.0f);
-        } else if (panel % 2 == 0) {
-          src.gate(j, row);
-        } else {
-          src.up(j, row);
-        }
-      },
-      threads);
   w.w2 = PackedMatrix(dtype, hidden, inter, nr);
-  w.w2.Fill(src.down, threads);
+  // Row n of w13 is hidden column j of the gate (even panels) or of the up projection (odd).
+  auto column = [nr](int64_t n) { return (n / nr / 2) * nr + n % nr; };
+  auto is_gate = [nr](int64_t n) { return (n / nr) % 2 == 0; };
+  if (IsBlockScaled(dtype)) {
+    w.w13.FillQuant(
+        [&](int64_t n, uint8_t* codes, float* scales) {
+          const int64_t j = column(n);
+          if (j >= inter) return false;
+          return is_gate(n) ? src.qgate(j, codes, scales) : src.qup(j, codes, scales);
+        },
+        threads);
+    w.w2.FillQuant(src.qdown, threads);
+  } else {
+    w.w13.Fill(
+        [&](int64_t n, float* row) {
+          const int64_t j = column(n);
+          if (j >= inter) {
+            std::fill(row, row + hidden, 0.0f);
+          } else if (is_gate(n)) {
+            src.gate(j, row);
+          } else {
+            src.up(j, row);
+          }
+        },
+        threads);
+    w.w2.Fill(src.down, threads);
+  }
   const size_t padded_inter = static_cast<size_t>(w.pairs * nr);
   if (!src.bias_gate.empty()) {
     w.bias_gate.assign(padded_inter, 0.0f);

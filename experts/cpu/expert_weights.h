@@ -27,10 +27,13 @@ struct ExpertWeights {
   size_t bytes() const { return w13.bytes() + w2.bytes(); }
 };
 
+// Where an expert's weights come from: float rows for the plain types, code rows for the
+// block-scaled ones (FP8, MXFP4: the readers PackExpert uses are the ones of the type it packs).
 struct ExpertSource {
   RowReader gate;                                    // row n < inter of W_gate [inter][hidden]
   RowReader up;                                      // row n < inter of W_up [inter][hidden]
   RowReader down;                                    // row n < hidden of W_down [hidden][inter]
+  QuantRowReader qgate, qup, qdown;                  // the same rows, as codes and scales
   std::vector<float> bias_gate, bias_up, bias_down;  // empty or [inter], [inter], [hidden]
 };
 

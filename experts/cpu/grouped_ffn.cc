@@ -19,8 +19,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // across the m blocks. The order changes no result: each tile accumulates its k blocks in order
 // either way.
 template <typename Fn>
-void GroupedFfn::ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const {
-  const int64_t kc = kernels_.kc;
+void GroupedFfn::ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Fn&& fn) const {
   if (static_cast<int64_t>(mblocks) * kernels_.mr * k * 4 <= kStreamMaxABytes) {
     for (int p = 0; p < panels; ++p) {
       for (int64_t k0 = 0; k0 < k; k0 += kc) {
@@ -112,14 +111,14 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     scratch.Reserve(static_cast<size_t>(kMBlocksPerTask) * mr * ldc * sizeof(float));
     float* c = scratch.as<float>();
     const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
-    const int eb = w.w13.elem_bytes();
-    ForEachTile(hidden, 2 * t.panels, t.mblocks, [&](int64_t k0, int64_t klen, int p, int mb) {
-      const int64_t gmb = t.mblock0 + mb;
-      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-      kernels_.tile(rows, klen, a + (gmb * hidden + k0) * mr,
-                    w.w13.panel(2 * t.panel0 + p) + k0 * nr * eb, w.w13.dtype(),
-                    c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc, k0 > 0);
-    });
+    ForEachTile(hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
+                [&](int64_t k0, int64_t klen, int p, int mb) {
+                  const int64_t gmb = t.mblock0 + mb;
+                  const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+                  kernels_.tile(rows, klen, a + (gmb * hidden + k0) * mr,
+                                w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(),
+                                c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc, k0 > 0);
+                });
     float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
     const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
     for (int mb = 0; mb < t.mblocks; ++mb) {
@@ -140,15 +139,15 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     const ExpertWeights& w = *grp.weights;
     const int64_t inter = w.inter;
     const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
-    const int eb = w.w2.elem_bytes();
     float* ybase = y + grp.first_row * ldy;
-    ForEachTile(inter, t.panels, t.mblocks, [&](int64_t k0, int64_t klen, int p, int mb) {
-      const int64_t panel = t.panel0 + p;
-      const int64_t gmb = t.mblock0 + mb;
-      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-      kernels_.tile(rows, klen, a + (gmb * inter + k0) * mr, w.w2.panel(panel) + k0 * nr * eb,
-                    w.w2.dtype(), ybase + gmb * mr * ldy + panel * nr, ldy, k0 > 0);
-    });
+    ForEachTile(inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
+                [&](int64_t k0, int64_t klen, int p, int mb) {
+                  const int64_t panel = t.panel0 + p;
+                  const int64_t gmb = t.mblock0 + mb;
+                  const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+                  kernels_.tile(rows, klen, a + (gmb * inter + k0) * mr, w.w2.PanelAt(panel, k0),
+                                w.w2.dtype(), ybase + gmb * mr * ldy + panel * nr, ldy, k0 > 0);
+                });
     if (!w.bias_down.empty()) {
       const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
       const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;

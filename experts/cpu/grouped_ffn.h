@@ -49,7 +49,7 @@ class GroupedFfn {
   };
   void BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm);
   template <typename Fn>
-  void ForEachTile(int64_t k, int panels, int mblocks, Fn&& fn) const;
+  void ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Fn&& fn) const;
 
   const CpuKernels& kernels_;
   ThreadPool* pool_;

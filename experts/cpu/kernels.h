@@ -5,6 +5,13 @@
 //   - tile: for each row i < rows and column j < nr of one panel,
 //       c[i][j] = (accumulate ? c[i][j] : 0), then for k in order: c = fma(a[k][i], B[k][j], c)
 //     one fused multiply-add per k, in k order, in fp32; B widened exactly from F32/BF16/F16.
+//     Block-scaled B (FP8, MXFP4: packed_matrix.h) is dequantized in registers, one k block at a
+//     time, with the scale applied once per block to the block's sum:
+//       for each k block:  s[i][j] = 0;  for k in the block, in order: s = fma(a[k][i], v[k][j], s)
+//                          c[i][j] = fma(s[i][j], scale[j], c[i][j])
+//     where v is e4m3(code) x 2^-8 and scale the header's scale_inv x 2^8 (FP8), or v = e2m1(code)
+//     and scale[j] = 2^(e8m0_j - 127) (MXFP4). b then points at a block start (PanelAt) and `k`
+//     covers whole blocks (the matrix's last block may be short).
 //     A row's result depends on nothing but its own inputs (not on `rows` or its neighbours).
 //   - the elementwise functions use only +, -, *, / and comparisons (never fused), with the same
 //     exp approximation (ExpF in elementwise.h), so auto-vectorised code equals scalar code.
@@ -54,6 +61,13 @@ struct CpuKernels {
 };
 
 const CpuKernels& KernelsFor(Isa isa);
+
+// The k block a GEMM should hand the tiles for weights of type `t`: the kernel's kc, rounded up
+// to whole scale blocks for block-scaled types (so the result does not depend on the variant).
+inline int64_t KcFor(const CpuKernels& k, DType t) {
+  const int64_t bk = t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1;
+  return (k.kc + bk - 1) / bk * bk;
+}
 
 namespace kernels_internal {
 const CpuKernels& ScalarKernels();

@@ -14,6 +14,9 @@
 #define MOERUN_AVX512_KERNELS Avx512Kernels
 #endif
 
+#include <algorithm>
+#include <cstring>
+
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/kernels.h"
 
@@ -22,6 +25,8 @@ namespace {
 
 constexpr int kMr = 12;
 constexpr int kNr = 32;
+constexpr float kE2m1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 template <DType BT>
 inline void LoadB(const uint8_t* b, int64_t k, __m512* b0, __m512* b1) {
@@ -110,10 +115,133 @@ void TileRows(int rows, int64_t k, const float* a, const uint8_t* b, float* c, i
   }
 }
 
+// Block-scaled weights (kernels.h): per k block, sums in registers from zero, then
+// c = fma(sum, scale, c) through memory.
+template <DType BT>
+inline void LoadCodes(const uint8_t* row, __m512* b0, __m512* b1) {
+  if constexpr (BT == DType::kF8E4M3) {
+    // 32 codes -> F16 bits (sign to bit 15, exponent and mantissa to bits 13..7): e4m3 x 2^-8.
+    const __m512i w =
+        _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16(int16_t(0xBFFF)));
+    *b0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *b1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  } else {
+    // 16 bytes: column j in the low nibble of byte j, column j + 16 in its high nibble; the
+    // 16-entry permute takes index bits 3..0, the whole code with its sign.
+    const __m512 values = _mm512_loadu_ps(kE2m1Values);
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    *b0 = _mm512_permutexvar_ps(x, values);
+    *b1 = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), values);
+  }
+}
+
+// 2^(s - 127) for 16 e8m0 bytes (s = 0: the subnormal 2^-127).
+inline __m512 E8m0x16(const uint8_t* s) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  const __m512i zero =
+      _mm512_and_si512(_mm512_srai_epi32(_mm512_sub_epi32(x, _mm512_set1_epi32(1)), 31),
+                       _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(x, 23), zero));
+}
+
+template <int R, DType BT>
+void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc,
+                bool accumulate) {
+  constexpr bool kFp8 = BT == DType::kF8E4M3;
+  constexpr int kBk = kFp8 ? 128 : 32;
+  constexpr int kHeader = kFp8 ? 64 : kNr;
+  constexpr int kRowBytes = kFp8 ? kNr : kNr / 2;
+  for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
+    const int64_t len = std::min<int64_t>(kBk, k - k0);
+    __m512 s0[R], s1[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
+    const uint8_t* codes = b + kHeader;
+    const float* ak = a + k0 * kMr;
+    for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
+      __m512 b0, b1;
+      LoadCodes<BT>(codes, &b0, &b1);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512 av = _mm512_set1_ps(ak[i]);
+        s0[i] = _mm512_fmadd_ps(av, b0, s0[i]);
+        s1[i] = _mm512_fmadd_ps(av, b1, s1[i]);
+      }
+    }
+    __m512 q0, q1;
+    if constexpr (kFp8) {
+      float v;
+      std::memcpy(&v, b, 4);
+      q0 = q1 = _mm512_set1_ps(v);
+    } else {
+      q0 = E8m0x16(b);
+      q1 = E8m0x16(b + 16);
+    }
+    const bool acc = accumulate || k0 > 0;
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m512 c0 = acc ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+      const __m512 c1 = acc ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+      _mm512_storeu_ps(c + i * ldc, _mm512_fmadd_ps(s0[i], q0, c0));
+      _mm512_storeu_ps(c + i * ldc + 16, _mm512_fmadd_ps(s1[i], q1, c1));
+    }
+  }
+}
+
+template <DType BT>
+void QuantTileRows(int rows, int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc,
+                   bool acc) {
+  switch (rows) {
+    case 1:
+      QuantTileT<1, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 2:
+      QuantTileT<2, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 3:
+      QuantTileT<3, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 4:
+      QuantTileT<4, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 5:
+      QuantTileT<5, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 6:
+      QuantTileT<6, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 7:
+      QuantTileT<7, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 8:
+      QuantTileT<8, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 9:
+      QuantTileT<9, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 10:
+      QuantTileT<10, BT>(k, a, b, c, ldc, acc);
+      break;
+    case 11:
+      QuantTileT<11, BT>(k, a, b, c, ldc, acc);
+      break;
+    default:
+      QuantTileT<12, BT>(k, a, b, c, ldc, acc);
+      break;
+  }
+}
+
 void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c, int64_t ldc,
           bool accumulate) {
   const auto* bb = static_cast<const uint8_t*>(b);
   switch (bt) {
+    case DType::kF8E4M3:
+      QuantTileRows<DType::kF8E4M3>(rows, k, a, bb, c, ldc, accumulate);
+      break;
+    case DType::kF4:
+      QuantTileRows<DType::kF4>(rows, k, a, bb, c, ldc, accumulate);
+      break;
     case DType::kBF16:
       TileRows<DType::kBF16>(rows, k, a, bb, c, ldc, accumulate);
       break;

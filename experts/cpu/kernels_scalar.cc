@@ -1,6 +1,9 @@
 // Portable kernels: plain C++ with std::fma, for any CPU. Bitwise equal to the SIMD variants.
+#include <array>
 #include <cmath>
+#include <cstring>
 
+#include "base/quant_formats.h"
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/kernels.h"
 #include "experts/cpu/packed_matrix.h"
@@ -11,8 +14,8 @@ namespace {
 constexpr int kMr = 4;
 constexpr int kNr = 16;
 
-void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c, int64_t ldc,
-          bool accumulate) {
+void PlainTile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c, int64_t ldc,
+               bool accumulate) {
   float acc[kMr][kNr];
   for (int i = 0; i < rows; ++i) {
     for (int j = 0; j < kNr; ++j) acc[i][j] = accumulate ? c[i * ldc + j] : 0.0f;
@@ -29,6 +32,71 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
   }
   for (int i = 0; i < rows; ++i) {
     for (int j = 0; j < kNr; ++j) c[i * ldc + j] = acc[i][j];
+  }
+}
+
+// e4m3(code) x 2^-8, what the F16 converter yields for the code moved into F16's bit positions.
+const std::array<float, 256>& Fp8Values() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c)
+      v[static_cast<size_t>(c)] = E4m3ToF32(static_cast<uint8_t>(c)) / 256.0f;
+    return v;
+  }();
+  return t;
+}
+
+void QuantTile(int rows, int64_t k, const float* a, const uint8_t* b, DType bt, float* c,
+               int64_t ldc, bool accumulate) {
+  const bool fp8 = bt == DType::kF8E4M3;
+  const int bk = fp8 ? 128 : 32;
+  const int header = fp8 ? kFp8HeaderBytes : kNr;
+  const int row_bytes = fp8 ? kNr : kNr / 2;
+  const std::array<float, 256>& fp8_values = Fp8Values();
+  float scale[kNr], bv[kNr], s[kMr][kNr];
+  for (int64_t k0 = 0; k0 < k; k0 += bk, b += header + bk * row_bytes) {
+    const int64_t len = std::min<int64_t>(bk, k - k0);
+    if (fp8) {
+      float v;
+      std::memcpy(&v, b, 4);
+      for (float& x : scale) x = v;
+    } else {
+      for (int j = 0; j < kNr; ++j) scale[j] = E8m0ToF32(b[j]);
+    }
+    for (int i = 0; i < rows; ++i) {
+      for (int j = 0; j < kNr; ++j) s[i][j] = 0.0f;
+    }
+    const uint8_t* codes = b + header;
+    for (int64_t kk = 0; kk < len; ++kk, codes += row_bytes) {
+      if (fp8) {
+        for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[j]];
+      } else {
+        for (int j = 0; j < kNr / 2; ++j) {
+          bv[j] = E2m1ToF32(codes[j] & 0xF);
+          bv[j + kNr / 2] = E2m1ToF32(codes[j] >> 4);
+        }
+      }
+      const float* ak = a + (k0 + kk) * kMr;
+      for (int i = 0; i < rows; ++i) {
+        for (int j = 0; j < kNr; ++j) s[i][j] = std::fma(ak[i], bv[j], s[i][j]);
+      }
+    }
+    const bool acc = accumulate || k0 > 0;
+    for (int i = 0; i < rows; ++i) {
+      for (int j = 0; j < kNr; ++j) {
+        float& out = c[i * ldc + j];
+        out = std::fma(s[i][j], scale[j], acc ? out : 0.0f);
+      }
+    }
+  }
+}
+
+void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c, int64_t ldc,
+          bool accumulate) {
+  if (IsBlockScaled(bt)) {
+    QuantTile(rows, k, a, static_cast<const uint8_t*>(b), bt, c, ldc, accumulate);
+  } else {
+    PlainTile(rows, k, a, b, bt, c, ldc, accumulate);
   }
 }
 

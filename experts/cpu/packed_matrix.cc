@@ -1,22 +1,45 @@
 #include "experts/cpu/packed_matrix.h"
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
+#include "base/quant_formats.h"
+
 namespace moerun {
+namespace {
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+int HeaderBytes(DType t, int nr) { return t == DType::kF8E4M3 ? kFp8HeaderBytes : nr; }
+int RowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr : nr / 2; }
+
+}  // namespace
 
 PackedMatrix::PackedMatrix(DType dtype, int64_t n, int64_t k, int nr)
     : dtype_(dtype), n_(n), k_(k), nr_(nr), panels_((n + nr - 1) / nr) {
-  if (!IsKernelWeightType(dtype)) throw std::invalid_argument("PackedMatrix: not a kernel dtype");
-  buf_ = AlignedBuffer(static_cast<size_t>(panels_) * k_ * nr_ * elem_bytes());
+  if (!IsPackableType(dtype)) throw std::invalid_argument("PackedMatrix: not a packable dtype");
+  if (block_scaled()) {
+    elem_bytes_ = 0;
+    const int64_t bk = block_k();
+    block_bytes_ = HeaderBytes(dtype, nr) + bk * RowBytes(dtype, nr);
+    const int64_t rem = k % bk;
+    panel_bytes_ =
+        (k / bk) * block_bytes_ + (rem ? HeaderBytes(dtype, nr) + rem * RowBytes(dtype, nr) : 0);
+    panel_bytes_ = RoundUp(panel_bytes_, 64);
+  } else {
+    elem_bytes_ = dtype == DType::kF32 ? 4 : 2;
+    panel_bytes_ = k * nr * elem_bytes_;
+  }
+  buf_ = AlignedBuffer(static_cast<size_t>(panels_ * panel_bytes_));
 }
 
 void PackedMatrix::SetRow(int64_t n, const float* row) {
   const int64_t p = n / nr_;
   const int slot = PanelSlot(dtype_, nr_, static_cast<int>(n % nr_));
-  uint8_t* base = buf_.as<uint8_t>() + static_cast<size_t>(p) * k_ * nr_ * elem_bytes();
+  uint8_t* base = MutablePanel(p);
   switch (dtype_) {
     case DType::kF32: {
       float* d = reinterpret_cast<float*>(base) + slot;
@@ -34,33 +57,101 @@ void PackedMatrix::SetRow(int64_t n, const float* row) {
       break;
     }
     default:
-      break;
+      throw std::logic_error("PackedMatrix::SetRow on a block-scaled matrix");
   }
 }
 
+void PackedMatrix::SetQuantRow(int64_t n, const uint8_t* codes, const float* scales) {
+  if (!block_scaled()) throw std::logic_error("PackedMatrix::SetQuantRow on a plain matrix");
+  const int64_t p = n / nr_;
+  const int j = static_cast<int>(n % nr_);
+  const int bk = block_k();
+  const int header = HeaderBytes(dtype_, nr_);
+  const int row_bytes = RowBytes(dtype_, nr_);
+  uint8_t* base = MutablePanel(p);
+  for (int64_t b = 0, k0 = 0; k0 < k_; ++b, k0 += bk) {
+    uint8_t* block = base + b * block_bytes_;
+    const int64_t len = std::min<int64_t>(bk, k_ - k0);
+    if (dtype_ == DType::kF8E4M3) {
+      const float s = scales[b] * 256.0f;  // exact: a power-of-two factor
+      std::memcpy(block, &s, 4);
+      for (int64_t r = 0; r < len; ++r) block[header + r * row_bytes + j] = codes[k0 + r];
+    } else {
+      block[j] = static_cast<uint8_t>(F32ToE8m0(scales[b]));
+      const int half = nr_ / 2;
+      const int byte = j % half;
+      const int shift = j < half ? 0 : 4;
+      for (int64_t r = 0; r < len; ++r) {
+        uint8_t& d = block[header + r * row_bytes + byte];
+        d = static_cast<uint8_t>((d & ~(0xF << shift)) | ((codes[k0 + r] & 0xF) << shift));
+      }
+    }
+  }
+}
+
+uint8_t PackedMatrix::CodeAt(int64_t n, int64_t k) const {
+  const int bk = block_k();
+  const uint8_t* block = panel(n / nr_) + (k / bk) * block_bytes_;
+  const int j = static_cast<int>(n % nr_);
+  const int64_t r = k % bk;
+  if (dtype_ == DType::kF8E4M3) return block[kFp8HeaderBytes + r * nr_ + j];
+  const int half = nr_ / 2;
+  const uint8_t byte = block[nr_ + r * half + j % half];
+  return j < half ? (byte & 0xF) : (byte >> 4);
+}
+
+float PackedMatrix::ScaleAt(int64_t n, int64_t k) const {
+  const uint8_t* block = panel(n / nr_) + (k / block_k()) * block_bytes_;
+  if (dtype_ == DType::kF8E4M3) {
+    float s;
+    std::memcpy(&s, block, 4);
+    return s / 256.0f;
+  }
+  return E8m0ToF32(block[n % nr_]);
+}
+
 float PackedMatrix::At(int64_t n, int64_t k) const {
+  if (dtype_ == DType::kF8E4M3) return E4m3ToF32(CodeAt(n, k)) * ScaleAt(n, k);
+  if (dtype_ == DType::kF4) return E2m1ToF32(CodeAt(n, k)) * ScaleAt(n, k);
   const int64_t p = n / nr_;
   const int slot = PanelSlot(dtype_, nr_, static_cast<int>(n % nr_));
   return LoadAsF32(panel(p), dtype_, k * nr_ + slot);
 }
 
-void PackedMatrix::Fill(const RowReader& read, int threads) {
+// Rows of one panel go to one worker so that workers write disjoint cache lines.
+template <typename RowFn>
+void PackedMatrix::ForEachPanel(int threads, RowFn&& fn) {
   if (threads < 1) threads = 1;
-  // Rows of one panel go to one worker so that workers write disjoint cache lines.
   std::atomic<int64_t> next{0};
   auto work = [&] {
-    std::vector<float> row(static_cast<size_t>(k_));
+    auto row_fn = fn();  // per-worker state
     for (int64_t p = next++; p < panels_; p = next++) {
-      for (int64_t n = p * nr_; n < std::min(n_, (p + 1) * nr_); ++n) {
-        read(n, row.data());
-        SetRow(n, row.data());
-      }
+      for (int64_t n = p * nr_; n < std::min(n_, (p + 1) * nr_); ++n) row_fn(n);
     }
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < threads && t < panels_; ++t) pool.emplace_back(work);
   work();
   for (auto& t : pool) t.join();
+}
+
+void PackedMatrix::Fill(const RowReader& read, int threads) {
+  ForEachPanel(threads, [&] {
+    return [this, &read, row = std::vector<float>(static_cast<size_t>(k_))](int64_t n) mutable {
+      read(n, row.data());
+      SetRow(n, row.data());
+    };
+  });
+}
+
+void PackedMatrix::FillQuant(const QuantRowReader& read, int threads) {
+  const int64_t blocks = (k_ + block_k() - 1) / block_k();
+  ForEachPanel(threads, [&] {
+    return [this, &read, codes = std::vector<uint8_t>(static_cast<size_t>(k_)),
+            scales = std::vector<float>(static_cast<size_t>(blocks))](int64_t n) mutable {
+      if (read(n, codes.data(), scales.data())) SetQuantRow(n, codes.data(), scales.data());
+    };
+  });
 }
 
 }  // namespace moerun

@@ -2,11 +2,24 @@
 //
 // Panel p holds outputs [p*nr, (p+1)*nr) for every k: nr values per k, k-major, so a kernel
 // streams one panel front to back. N is padded with zero columns to a whole number of panels.
-// Values keep the checkpoint's type (F32, BF16 or F16: half the bytes to stream for 16-bit types);
-// kernels widen them to fp32 exactly. Within one k-row, BF16 panels interleave the two halves of
-// the panel (slot 2j = column j, slot 2j+1 = column j + nr/2) so that widening is one shift and one
-// mask per vector; F32 and F16 panels are in column order. Immutable after packing; thread-safe to
-// read.
+//
+// Plain types (F32, BF16, F16) keep the checkpoint's values (half the bytes to stream for 16-bit
+// types); kernels widen them to fp32 exactly. Within one k-row, BF16 panels interleave the two
+// halves of the panel (slot 2j = column j, slot 2j+1 = column j + nr/2) so that widening is one
+// shift and one mask per vector; F32 and F16 panels are in column order.
+//
+// Block-scaled types stay quantized: kF8E4M3 is FP8 with one scale per 128 x 128 block (DeepSeek
+// -V3's format), kF4 is MXFP4 (e2m1 codes, one e8m0 scale per column and 32 inputs: gpt-oss's).
+// A panel is then a run of k blocks of block_k() rows (128 FP8, 32 MXFP4; the last one may be
+// shorter), each a header and `len` rows of codes:
+//   FP8 block:   64-byte header holding, at offset 0, the f32 scale_inv of the block x 2^8 (the
+//                kernels widen a code to e4m3 x 2^-8 through the F16 converter), then len rows of
+//                nr codes, one byte per column, in column order. A panel lies inside one 128-row
+//                block of W (nr divides 128), so it has one scale per k block.
+//   MXFP4 block: nr bytes of e8m0 scales (column order), then len rows of nr/2 bytes: byte b holds
+//                column b in its low nibble and column b + nr/2 in its high nibble.
+// Resident bytes are the checkpoint's (1 byte or half a byte a weight) plus the scales and the
+// headers (FP8: 64 bytes per 128 x nr codes). Immutable after packing; thread-safe to read.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +38,19 @@ inline int PanelSlot(DType t, int nr, int j) {
   return j;
 }
 
+// The types a packed matrix can hold: F32, BF16, F16, and the block-scaled FP8 and MXFP4.
+inline bool IsBlockScaled(DType t) { return t == DType::kF8E4M3 || t == DType::kF4; }
+inline bool IsPackableType(DType t) { return IsKernelWeightType(t) || IsBlockScaled(t); }
+// Rows of k per scale block (1 for the plain types).
+inline int BlockK(DType t) { return t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1; }
+inline constexpr int kFp8HeaderBytes = 64;
+
 // Reads row n (output n) of a logical W [N][K] into out[0..K).
 using RowReader = std::function<void(int64_t n, float* out)>;
+// Reads row n of a block-scaled W: codes[0..K) one code a byte (MXFP4: 0..15), and scales[0..
+// ceil(K / BlockK)) as floats (FP8: the block's scale_inv; MXFP4: the power of two 2^(s-127)).
+// Returns false for a row that stays zero (padding).
+using QuantRowReader = std::function<bool(int64_t n, uint8_t* codes, float* scales)>;
 
 class PackedMatrix {
  public:
@@ -34,6 +58,7 @@ class PackedMatrix {
   PackedMatrix(DType dtype, int64_t n, int64_t k, int nr);
 
   DType dtype() const { return dtype_; }
+  bool block_scaled() const { return IsBlockScaled(dtype_); }
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
   int nr() const { return nr_; }
@@ -41,22 +66,40 @@ class PackedMatrix {
   int64_t n_padded() const { return panels_ * nr_; }
   bool empty() const { return n_ == 0; }
   size_t bytes() const { return buf_.size(); }
-  int elem_bytes() const { return dtype_ == DType::kF32 ? 4 : 2; }
+  int block_k() const { return BlockK(dtype_); }
 
-  const uint8_t* panel(int64_t p) const {
-    return buf_.as<uint8_t>() + static_cast<size_t>(p) * k_ * nr_ * elem_bytes();
+  const uint8_t* panel(int64_t p) const { return buf_.as<uint8_t>() + p * panel_bytes_; }
+  // Where panel p's data for k rows from k0 on begin; k0 is a multiple of block_k().
+  const uint8_t* PanelAt(int64_t p, int64_t k0) const {
+    return panel(p) + (block_scaled() ? (k0 / block_k()) * block_bytes_ : k0 * nr_ * elem_bytes_);
   }
-  // Stores row n; values are rounded to the matrix type (exact when they came from that type).
+
+  // Plain types: stores row n, rounded to the matrix type (exact when it came from that type).
   void SetRow(int64_t n, const float* row);
+  // Block-scaled types: stores row n's codes and (FP8: its panel's) scales, as QuantRowReader.
+  void SetQuantRow(int64_t n, const uint8_t* codes, const float* scales);
+  // The weight as the kernels use it: plain types widened; FP8 e4m3(code) x scale_inv rounded to
+  // f32; MXFP4 e2m1(code) x 2^(s-127) (exact).
   float At(int64_t n, int64_t k) const;
+  // Block-scaled types: the code (FP8: byte; MXFP4: 0..15) and the scale of element (n, k).
+  uint8_t CodeAt(int64_t n, int64_t k) const;
+  float ScaleAt(int64_t n, int64_t k) const;
   // Fills every row from `read` (rows in parallel when `threads` > 1).
   void Fill(const RowReader& read, int threads = 1);
+  void FillQuant(const QuantRowReader& read, int threads = 1);
 
  private:
+  uint8_t* MutablePanel(int64_t p) { return buf_.as<uint8_t>() + p * panel_bytes_; }
+  template <typename RowFn>
+  void ForEachPanel(int threads, RowFn&& fn);
+
   DType dtype_ = DType::kF32;
   int64_t n_ = 0, k_ = 0;
   int nr_ = 16;
   int64_t panels_ = 0;
+  int elem_bytes_ = 4;
+  int64_t block_bytes_ = 0;  // block-scaled: bytes of one full k block
+  int64_t panel_bytes_ = 0;
   AlignedBuffer buf_;
 };
 
