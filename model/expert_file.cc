@@ -36,9 +36,9 @@ Result<ExpertWeights> LoadExpertFile(const std::string& path, const ModelSpec& s
                                         std::to_string(spec.num_experts) + " experts (0.." +
                                         std::to_string(spec.num_experts - 1) + ")"));
   }
-  if (!IsKernelWeightType(held)) {
+  if (!IsPackableType(held)) {
     return fail(Status::InvalidArgument(std::string("cannot hold expert weights as ") +
-                                        DTypeName(held) + " (F32, BF16 and F16 can be)"));
+                                        DTypeName(held) + " (F32, BF16, F16, FP8, MXFP4 can be)"));
   }
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) {
@@ -58,6 +58,7 @@ Result<ExpertWeights> LoadExpertFile(const std::string& path, const ModelSpec& s
   opts.load_expert.assign(static_cast<size_t>(spec.num_experts), false);
   opts.load_expert[static_cast<size_t>(expert)] = true;
   opts.hold_as = held;
+  // The file's quantized tensors follow the serving model's quantization_config.
   auto w = LoadLayer(**ck, spec, kernels, opts);
   if (!w.ok()) {
     Status st = fail(w.status());

@@ -5,96 +5,10 @@
 #include <cstdio>
 #include <cstring>
 
+#include "model/tensor_source.h"
+
 namespace moerun {
 namespace {
-
-// Element (n, k) of a logical matrix W [rows][cols] is at data[n*rs + k*cs] (elements).
-struct MatrixView {
-  const uint8_t* data = nullptr;
-  DType dtype = DType::kF32;
-  int64_t rows = 0, cols = 0, rs = 0, cs = 0;
-};
-
-RowReader Reader(const MatrixView& v) {
-  return [v](int64_t n, float* out) {
-    if (v.cs == 1 && v.dtype == DType::kF32) {
-      std::memcpy(out, v.data + n * v.rs * 4, static_cast<size_t>(v.cols) * 4);
-      return;
-    }
-    for (int64_t k = 0; k < v.cols; ++k) out[k] = LoadAsF32(v.data, v.dtype, n * v.rs + k * v.cs);
-  };
-}
-
-std::string ShapeStr(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-class TensorSource {
- public:
-  TensorSource(const Checkpoint& ck, std::string prefix) : ck_(ck), prefix_(std::move(prefix)) {}
-
-  std::string Name(const std::string& suffix) const { return prefix_ + suffix; }
-  bool Has(const std::string& suffix) const { return ck_.Has(Name(suffix)); }
-
-  // The tensor `suffix`, checked for a kernel dtype and for `shape`.
-  Result<TensorRef> Get(const std::string& suffix, const std::vector<int64_t>& shape) const {
-    const std::string name = Name(suffix);
-    if (!ck_.Has(name)) {
-      // Name the quantised forms precisely: they are a known, not-yet-supported layout.
-      for (const char* q : {"_blocks", "_scales"}) {
-        if (ck_.Has(name + q)) {
-          return Status::Unsupported("tensor '" + name + q +
-                                     "' is MXFP4 (U8 blocks with E8M0 scales): not supported yet");
-        }
-      }
-      return Status::NotFound("tensor '" + name + "' is missing from the checkpoint " + ck_.path());
-    }
-    MOERUN_ASSIGN_OR_RETURN(TensorRef t, ck_.Get(name));
-    const DType dt = t.info->dtype;
-    if (!IsKernelWeightType(dt)) {
-      std::string what = DTypeName(dt);
-      const std::string base =
-          name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
-      if (dt == DType::kF8E4M3 || dt == DType::kF8E5M2) {
-        what += ck_.Has(base + ".weight_scale_inv") ? " (FP8 block-scaled, with weight_scale_inv)"
-                                                    : " (FP8)";
-      } else if (dt == DType::kU8 && suffix.ends_with("_blocks")) {
-        what += " (MXFP4 blocks)";
-      }
-      return Status::Unsupported("tensor '" + name + "' has dtype " + what +
-                                 ": not supported yet (F32, BF16 and F16 are)");
-    }
-    if (t.info->shape != shape) {
-      return Status::InvalidArgument("tensor '" + name + "' has shape " + ShapeStr(t.info->shape) +
-                                     " but the config implies " + ShapeStr(shape));
-    }
-    return t;
-  }
-
-  Result<MatrixView> Matrix(const std::string& suffix, int64_t rows, int64_t cols) const {
-    MOERUN_ASSIGN_OR_RETURN(TensorRef t, Get(suffix, {rows, cols}));
-    return MatrixView{t.data, t.info->dtype, rows, cols, cols, 1};
-  }
-
-  Result<std::vector<float>> Vector(const std::string& suffix, int64_t n) const {
-    MOERUN_ASSIGN_OR_RETURN(TensorRef t, Get(suffix, {n}));
-    std::vector<float> v(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = LoadAsF32(t.data, t.info->dtype, i);
-    return v;
-  }
-
-  void WillNeed(const TensorRef& t) const {
-    t.file->WillNeed(static_cast<uint64_t>(t.data - t.file->data()), t.info->end - t.info->begin);
-  }
-
- private:
-  const Checkpoint& ck_;
-  std::string prefix_;
-};
-
-DType PackType(DType a, DType b, DType c) { return a == b && b == c ? a : DType::kF32; }
 
 float RoundTo(float v, DType t) {
   if (t == DType::kBF16) return Bf16ToF32(F32ToBf16(v));
@@ -102,21 +16,17 @@ float RoundTo(float v, DType t) {
   return v;
 }
 
-// The gate, up and down tensors an expert comes from (for errors).
-using TensorNames = std::array<std::string, 3>;
-
-// OK when every weight of `es` is exactly representable in `held`; otherwise names the first
-// tensor and value that is not.
-Status CheckExact(const ExpertSource& es, DType held, int64_t hidden, int64_t inter,
-                  const TensorNames& names) {
+// OK when every weight of the matrices is exactly representable in `held`; otherwise names the
+// first tensor and value that is not.
+Status CheckExact(const std::array<const MatrixSource*, 3>& m, DType held, int64_t hidden,
+                  int64_t inter) {
   std::vector<float> row;
-  const RowReader* readers[3] = {&es.gate, &es.up, &es.down};
-  for (int m = 0; m < 3; ++m) {
-    const int64_t rows = m < 2 ? inter : hidden;
-    const int64_t cols = m < 2 ? hidden : inter;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t rows = i < 2 ? inter : hidden;
+    const int64_t cols = i < 2 ? hidden : inter;
     row.resize(static_cast<size_t>(cols));
     for (int64_t n = 0; n < rows; ++n) {
-      (*readers[m])(n, row.data());
+      m[static_cast<size_t>(i)]->rows(n, row.data());
       for (int64_t k = 0; k < cols; ++k) {
         const float v = row[static_cast<size_t>(k)];
         if (std::bit_cast<uint32_t>(RoundTo(v, held)) == std::bit_cast<uint32_t>(v)) continue;
@@ -124,7 +34,7 @@ Status CheckExact(const ExpertSource& es, DType held, int64_t hidden, int64_t in
         std::snprintf(buf, sizeof buf, "%.9g (output %lld, input %lld of the matrix)",
                       static_cast<double>(v), static_cast<long long>(n), static_cast<long long>(k));
         return Status::InvalidArgument(
-            "tensor '" + names[static_cast<size_t>(m)] + "' holds the value " + buf + ", which " +
+            "tensor '" + m[static_cast<size_t>(i)]->name + "' holds the value " + buf + ", which " +
             DTypeName(held) + " cannot hold exactly; the experts are held as " + DTypeName(held) +
             " and would be rounded: refusing (store the weights as " + DTypeName(held) + ")");
       }
@@ -133,15 +43,41 @@ Status CheckExact(const ExpertSource& es, DType held, int64_t hidden, int64_t in
   return Status::Ok();
 }
 
-// Packs an expert in `hold_as`, or in `stored` (the source's type) if unset. A conversion to F32
-// is exact; one to a 16-bit type is made only if CheckExact passes.
-Result<ExpertWeights> Pack(const CpuKernels& kernels, DType stored,
-                           const std::optional<DType>& hold_as, int64_t hidden, int64_t inter,
-                           const ExpertSource& es, const TensorNames& names, int threads) {
-  const DType held = hold_as.value_or(stored);
-  if (held != stored && held != DType::kF32) {
-    MOERUN_RETURN_IF_ERROR(CheckExact(es, held, hidden, inter, names));
+// Packs an expert from its gate, up and down matrices, in `hold_as` or else the type they are
+// stored in (F32 if plain types are mixed). Block-scaled weights stay as they are stored (a
+// serving layer of FP8 experts takes FP8 experts); widening to F32 dequantizes (FP8: one
+// rounding to f32); narrowing to a 16-bit type happens only if CheckExact passes.
+Result<ExpertWeights> PackMatrices(const CpuKernels& kernels, const std::optional<DType>& hold_as,
+                                   int64_t hidden, int64_t inter, const MatrixSource& g,
+                                   const MatrixSource& u, const MatrixSource& d, ExpertSource es,
+                                   int threads) {
+  const std::array<const MatrixSource*, 3> all{&g, &u, &d};
+  DType stored = g.stored;
+  for (const MatrixSource* m : all) {
+    if (m->stored == stored) continue;
+    if (IsBlockScaled(m->stored) || IsBlockScaled(stored)) {
+      return Status::InvalidArgument("an expert mixes weight formats: '" + g.name + "' is " +
+                                     DTypeName(g.stored) + " but '" + m->name + "' is " +
+                                     DTypeName(m->stored));
+    }
+    stored = DType::kF32;
   }
+  const DType held = hold_as.value_or(stored);
+  if (IsBlockScaled(held) || IsBlockScaled(stored)) {
+    if (held != stored && held != DType::kF32) {
+      return Status::InvalidArgument(
+          std::string("the experts are held as ") + HeldTypeName(held) + " but '" + g.name +
+          "' is " + DTypeName(stored) + ": give the weights in the layer's own format (" +
+          (held == DType::kF8E4M3 ? "F8_E4M3 with F32 weight_scale_inv per 128x128 block"
+           : held == DType::kF4   ? "MXFP4 U8 _blocks and _scales"
+                                  : DTypeName(held)) +
+          ")");
+    }
+  } else if (held != stored && held != DType::kF32) {
+    MOERUN_RETURN_IF_ERROR(CheckExact(all, held, hidden, inter));
+  }
+  es.gate = g.rows, es.up = u.rows, es.down = d.rows;
+  es.qgate = g.codes, es.qup = u.codes, es.qdown = d.codes;
   return PackExpert(kernels, held, hidden, inter, es, threads);
 }
 
@@ -150,12 +86,10 @@ Result<ExpertWeights> LoadSeparateExpert(const TensorSource& src, const std::str
                                          const char* gate, const char* up, const char* down,
                                          int64_t hidden, int64_t inter, const CpuKernels& kernels,
                                          const std::optional<DType>& hold_as, int threads) {
-  MOERUN_ASSIGN_OR_RETURN(MatrixView g, src.Matrix(base + gate, inter, hidden));
-  MOERUN_ASSIGN_OR_RETURN(MatrixView u, src.Matrix(base + up, inter, hidden));
-  MOERUN_ASSIGN_OR_RETURN(MatrixView d, src.Matrix(base + down, hidden, inter));
-  ExpertSource es{Reader(g), Reader(u), Reader(d), {}, {}, {}};
-  return Pack(kernels, PackType(g.dtype, u.dtype, d.dtype), hold_as, hidden, inter, es,
-              {src.Name(base + gate), src.Name(base + up), src.Name(base + down)}, threads);
+  MOERUN_ASSIGN_OR_RETURN(MatrixSource g, src.Matrix(base + gate, inter, hidden));
+  MOERUN_ASSIGN_OR_RETURN(MatrixSource u, src.Matrix(base + up, inter, hidden));
+  MOERUN_ASSIGN_OR_RETURN(MatrixSource d, src.Matrix(base + down, hidden, inter));
+  return PackMatrices(kernels, hold_as, hidden, inter, g, u, d, {}, threads);
 }
 
 // The router (with the Qwen2-MoE shared-expert gate as its last row), router bias and selection
@@ -164,15 +98,20 @@ Status LoadRouter(const TensorSource& src, const ModelSpec& spec, const std::str
                   const CpuKernels& kernels, MoeLayerWeights* w) {
   const int64_t h = spec.hidden;
   const int experts = spec.num_experts;
-  MOERUN_ASSIGN_OR_RETURN(MatrixView gate, src.Matrix(gate_name, experts, h));
-  MatrixView shared_gate;
+  MOERUN_ASSIGN_OR_RETURN(MatrixSource gate, src.Matrix(gate_name, experts, h));
+  if (gate.stored != DType::kF32 && !IsKernelWeightType(gate.stored)) {
+    return Status::InvalidArgument("tensor '" + gate.name + "' has dtype " +
+                                   DTypeName(gate.stored) +
+                                   ": the router must be F32, BF16 or F16");
+  }
+  MatrixSource shared_gate;
   if (spec.shared_gated) {
     MOERUN_ASSIGN_OR_RETURN(shared_gate, src.Matrix("mlp.shared_expert_gate.weight", 1, h));
   }
   const int64_t gate_rows = experts + (spec.shared_gated ? 1 : 0);
   w->gate = PackedMatrix(DType::kF32, gate_rows, h, kernels.nr);
-  const RowReader gate_reader = Reader(gate);
-  const RowReader shared_gate_reader = spec.shared_gated ? Reader(shared_gate) : RowReader();
+  const RowReader gate_reader = gate.rows;
+  const RowReader shared_gate_reader = spec.shared_gated ? shared_gate.rows : RowReader();
   w->gate.Fill(
       [&](int64_t n, float* row) {
         if (n < experts) {
@@ -226,12 +165,13 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
   if (!opts.load_expert.empty() && opts.load_expert.size() != static_cast<size_t>(experts)) {
     return Status::InvalidArgument("expert mask size does not match the expert count");
   }
-  if (opts.hold_as && !IsKernelWeightType(*opts.hold_as)) {
+  if (opts.hold_as && !IsPackableType(*opts.hold_as)) {
     return Status::InvalidArgument(std::string("cannot hold expert weights as ") +
-                                   DTypeName(*opts.hold_as) + " (F32, BF16 and F16 can be)");
+                                   DTypeName(*opts.hold_as) +
+                                   " (F32, BF16, F16, FP8, MXFP4 can be)");
   }
   const std::string L = "model.layers." + std::to_string(layer) + ".";
-  TensorSource src(ckpt, L);
+  TensorSource src(ckpt, L, spec.quant);
 
   MoeLayerWeights w;
   w.spec = spec;
@@ -270,42 +210,20 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
   int done = 0;
   size_t bytes = 0;
   // Stacked families: one tensor per projection for all experts.
-  TensorRef gate_up, gate_up_bias, down, down_bias, st_gate, st_up, st_down;
+  TensorRef gate_up_bias, down_bias;
   if (spec.family == Family::kGptOss) {
-    MOERUN_ASSIGN_OR_RETURN(gate_up, src.Get("mlp.experts.gate_up_proj", {experts, h, 2 * inter}));
     MOERUN_ASSIGN_OR_RETURN(gate_up_bias,
                             src.Get("mlp.experts.gate_up_proj_bias", {experts, 2 * inter}));
-    MOERUN_ASSIGN_OR_RETURN(down, src.Get("mlp.experts.down_proj", {experts, inter, h}));
     MOERUN_ASSIGN_OR_RETURN(down_bias, src.Get("mlp.experts.down_proj_bias", {experts, h}));
-  } else if (spec.family == Family::kStep3p5) {
-    MOERUN_ASSIGN_OR_RETURN(st_gate, src.Get("moe.gate_proj.weight", {experts, inter, h}));
-    MOERUN_ASSIGN_OR_RETURN(st_up, src.Get("moe.up_proj.weight", {experts, inter, h}));
-    MOERUN_ASSIGN_OR_RETURN(st_down, src.Get("moe.down_proj.weight", {experts, h, inter}));
   }
   for (int e = 0; e < experts; ++e) {
     if (!opts.load_expert.empty() && !opts.load_expert[e]) continue;
     ExpertWeights ew;
     if (spec.family == Family::kGptOss) {
-      // [E, H, 2I]: x @ W, gate = even columns, up = odd columns; down [E, I, H]: x @ W.
-      const DType dt = gate_up.info->dtype;
-      const int64_t base = static_cast<int64_t>(e) * h * 2 * inter;
-      const MatrixView g{gate_up.data, dt, inter, h, 0, 2 * inter};
+      MOERUN_ASSIGN_OR_RETURN(MatrixSource g, src.GptOss(0, experts, e, h, inter));
+      MOERUN_ASSIGN_OR_RETURN(MatrixSource u, src.GptOss(1, experts, e, h, inter));
+      MOERUN_ASSIGN_OR_RETURN(MatrixSource d, src.GptOss(2, experts, e, h, inter));
       ExpertSource es;
-      es.gate = [g, base](int64_t n, float* out) {
-        for (int64_t k = 0; k < g.cols; ++k)
-          out[k] = LoadAsF32(g.data, g.dtype, base + k * g.cs + 2 * n);
-      };
-      es.up = [g, base](int64_t n, float* out) {
-        for (int64_t k = 0; k < g.cols; ++k) {
-          out[k] = LoadAsF32(g.data, g.dtype, base + k * g.cs + 2 * n + 1);
-        }
-      };
-      const DType ddt = down.info->dtype;
-      const int64_t dbase = static_cast<int64_t>(e) * inter * h;
-      const uint8_t* dd = down.data;
-      es.down = [dd, ddt, dbase, inter, h](int64_t n, float* out) {
-        for (int64_t k = 0; k < inter; ++k) out[k] = LoadAsF32(dd, ddt, dbase + k * h + n);
-      };
       for (int64_t j = 0; j < inter; ++j) {
         const int64_t o = static_cast<int64_t>(e) * 2 * inter + 2 * j;
         es.bias_gate.push_back(LoadAsF32(gate_up_bias.data, gate_up_bias.info->dtype, o));
@@ -315,27 +233,17 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
         es.bias_down.push_back(
             LoadAsF32(down_bias.data, down_bias.info->dtype, static_cast<int64_t>(e) * h + j));
       }
-      const std::string gu_name = src.Name("mlp.experts.gate_up_proj");
       MOERUN_ASSIGN_OR_RETURN(
-          ew, Pack(kernels, PackType(dt, ddt, dt), opts.hold_as, h, inter, es,
-                   {gu_name, gu_name, src.Name("mlp.experts.down_proj")}, opts.threads));
+          ew, PackMatrices(kernels, opts.hold_as, h, inter, g, u, d, std::move(es), opts.threads));
     } else if (spec.family == Family::kStep3p5) {
-      const int64_t gu = static_cast<int64_t>(e) * inter * h;
-      const MatrixView g{st_gate.data, st_gate.info->dtype, inter, h, h, 1};
-      const MatrixView u{st_up.data, st_up.info->dtype, inter, h, h, 1};
-      const MatrixView d{st_down.data, st_down.info->dtype, h, inter, inter, 1};
-      auto offset = [](MatrixView v, int64_t elems) {
-        const int eb = v.dtype == DType::kF32 ? 4 : 2;
-        v.data += elems * eb;
-        return v;
-      };
-      ExpertSource es{
-          Reader(offset(g, gu)), Reader(offset(u, gu)), Reader(offset(d, gu)), {}, {}, {}};
+      MOERUN_ASSIGN_OR_RETURN(MatrixSource g,
+                              src.Matrix("moe.gate_proj.weight", inter, h, experts, e));
+      MOERUN_ASSIGN_OR_RETURN(MatrixSource u,
+                              src.Matrix("moe.up_proj.weight", inter, h, experts, e));
+      MOERUN_ASSIGN_OR_RETURN(MatrixSource d,
+                              src.Matrix("moe.down_proj.weight", h, inter, experts, e));
       MOERUN_ASSIGN_OR_RETURN(
-          ew, Pack(kernels, PackType(g.dtype, u.dtype, d.dtype), opts.hold_as, h, inter, es,
-                   {src.Name("moe.gate_proj.weight"), src.Name("moe.up_proj.weight"),
-                    src.Name("moe.down_proj.weight")},
-                   opts.threads));
+          ew, PackMatrices(kernels, opts.hold_as, h, inter, g, u, d, {}, opts.threads));
     } else {
       MOERUN_ASSIGN_OR_RETURN(
           ew,

@@ -2,13 +2,16 @@
 // checkpoints use, into the packed form of one CPU kernel variant.
 //
 // Only the tensors of the requested layer (and of the requested experts) are touched. Every
-// tensor is checked before use: present, a supported dtype (F32, BF16, F16; FP8 block-scaled and
-// MXFP4 get a "not supported yet" naming the tensor), and the shape the config implies. Packing
-// runs on `threads` threads and reports progress through `progress` (may be empty).
+// tensor is checked before use (model/tensor_source.h): present, a supported dtype (F32, BF16,
+// F16; FP8 block-scaled with weight_scale_inv; MXFP4 blocks and scales), the shape the config
+// implies, and for quantized ones their scales and codes. Packing runs on `threads` threads and
+// reports progress through `progress` (may be empty).
 //
-// Experts are held in the checkpoint's dtype (F32 when a layer mixes dtypes) unless `hold_as` says
-// otherwise; a conversion is made only where it is exact: widening to F32 always, narrowing only if
-// every value fits the narrower type exactly (otherwise an error names the tensor and the value).
+// Experts are held in the checkpoint's type (F32 when a layer mixes plain dtypes) unless
+// `hold_as` says otherwise: FP8 and MXFP4 experts stay quantized (1 and 0.5 byte a weight, plus
+// scales); a conversion is made only where it is exact (widening to F32; FP8 rounds once), and
+// narrowing only if every value fits the narrower type exactly (otherwise an error names the
+// tensor and the value). A quantized hold_as takes only weights stored in that format.
 #pragma once
 
 #include <functional>

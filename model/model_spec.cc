@@ -440,6 +440,7 @@ Result<ModelSpec> ParseModelSpec(const std::string& json_text, const std::string
   MOERUN_RETURN_IF_ERROR(ParseFamily(c, s.family, &s));
   s.gate.num_experts = s.num_experts;
   s.gate.top_k = s.top_k;
+  MOERUN_ASSIGN_OR_RETURN(s.quant, ParseQuantConfig(json_text, source));
   Status v = s.Validate();
   if (!v.ok()) return Status(v.code(), source + ": " + v.message());
   return s;

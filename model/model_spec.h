@@ -11,6 +11,7 @@
 
 #include "base/status.h"
 #include "experts/cpu/kernels.h"
+#include "model/quant_config.h"
 #include "router/gate.h"
 
 namespace moerun {
@@ -41,6 +42,7 @@ struct ModelSpec {
   std::vector<float> swiglu_limits;         // Step-3.5-Flash, per layer (0: none)
   std::vector<float> swiglu_limits_shared;  // Step-3.5-Flash, per layer (0: none)
   std::string torch_dtype;                  // as published, informational
+  QuantSpec quant;                          // quantization_config (the experts' format)
 
   bool IsMoeLayer(int layer) const;
   int FirstMoeLayer() const { return moe_layers.empty() ? -1 : moe_layers.front(); }

@@ -41,6 +41,23 @@ inline int PanelSlot(DType t, int nr, int j) {
 // The types a packed matrix can hold: F32, BF16, F16, and the block-scaled FP8 and MXFP4.
 inline bool IsBlockScaled(DType t) { return t == DType::kF8E4M3 || t == DType::kF4; }
 inline bool IsPackableType(DType t) { return IsKernelWeightType(t) || IsBlockScaled(t); }
+// What users call the held types: "f32", "bf16", "f16", "fp8", "mxfp4".
+inline const char* HeldTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
+    case DType::kF8E4M3:
+      return "fp8";
+    case DType::kF4:
+      return "mxfp4";
+    default:
+      return DTypeName(t);
+  }
+}
 // Rows of k per scale block (1 for the plain types).
 inline int BlockK(DType t) { return t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1; }
 inline constexpr int kFp8HeaderBytes = 64;

@@ -50,7 +50,10 @@ TEST(GoldenTest, FixturesKeepTheirWeightTypes) {
   EXPECT_EQ(LoadFixture("mixtral_f16", kern)->dtype, DType::kF16);
   EXPECT_EQ(LoadFixture("qwen3_moe_bf16", kern)->dtype, DType::kBF16);
   EXPECT_EQ(LoadFixture("mixtral", kern)->dtype, DType::kF32);
-  EXPECT_EQ(FixtureNames().size(), 8u);
+  EXPECT_EQ(LoadFixture("deepseek_v3_fp8", kern)->dtype, DType::kF8E4M3);
+  EXPECT_EQ(LoadFixture("deepseek_v3_fp8", kern)->shared->w13.dtype(), DType::kF8E4M3);
+  EXPECT_EQ(LoadFixture("gpt_oss_mxfp4", kern)->dtype, DType::kF4);
+  EXPECT_EQ(FixtureNames().size(), 10u);
 }
 
 }  // namespace
