@@ -284,7 +284,8 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
       ->default_val(0.0);
   cmd->add_option("--experts", flags->layer.experts,
                   "Preset expert count (default: as many as fit in 4 GB)");
-  cmd->add_option("--dtype", flags->layer.dtype, "Preset weight type: f32, bf16, f16")
+  cmd->add_option("--dtype", flags->layer.dtype,
+                  "Preset weight type: f32, bf16, f16, fp8 (e4m3, 128x128 blocks), mxfp4")
       ->default_val("f32");
   cmd->add_option("--input", flags->input, "safetensors file with tensor 'input' [T, H] (F32)")
       ->required();

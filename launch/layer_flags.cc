@@ -63,7 +63,10 @@ Result<DType> ParseWeightDType(const std::string& name) {
   if (name == "f32" || name == "F32") return DType::kF32;
   if (name == "bf16" || name == "BF16") return DType::kBF16;
   if (name == "f16" || name == "F16") return DType::kF16;
-  return Status::InvalidArgument("--dtype must be f32, bf16 or f16, not '" + name + "'");
+  if (name == "fp8" || name == "FP8" || name == "F8_E4M3") return DType::kF8E4M3;
+  if (name == "mxfp4" || name == "MXFP4") return DType::kF4;
+  return Status::InvalidArgument("--dtype must be f32, bf16, f16, fp8 or mxfp4, not '" + name +
+                                 "'");
 }
 
 Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFlags& f,
@@ -98,10 +101,14 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFla
   return std::make_shared<const MoeLayerWeights>(std::move(w));
 }
 
-std::string DescribeLayer(const ModelSpec& s, int layer, DType dtype) {
+std::string DescribeLayer(const ModelSpec& s, int layer, const std::string& weights) {
   return std::string(FamilyName(s.family)) + " layer " + std::to_string(layer) + ": " +
          std::to_string(s.num_experts) + " experts top-" + std::to_string(s.top_k) + ", hidden " +
-         std::to_string(s.hidden) + ", " + DTypeName(dtype) + " weights";
+         std::to_string(s.hidden) + ", " + weights + " weights";
+}
+
+std::string DescribeLayer(const ModelSpec& s, int layer, DType dtype) {
+  return DescribeLayer(s, layer, std::string(DTypeName(dtype)));
 }
 
 std::string DescribeLayer(const MoeLayerWeights& w) {

@@ -17,7 +17,7 @@ struct LayerFlags {
   uint64_t seed = 1;          // --seed
   int experts = 0;            // --experts (presets)
   double gate_skew = 0.0;     // --gate-skew (presets): Zipf exponent of the routing
-  std::string dtype = "f32";  // --dtype (presets): f32 | bf16 | f16
+  std::string dtype = "f32";  // --dtype (presets): f32 | bf16 | f16 | fp8 | mxfp4
   int layer = -1;             // --layer
   int threads = 0;            // --threads (0: all cores)
   std::string isa;            // --isa (empty: best)
@@ -28,6 +28,7 @@ Status ValidateLayerFlags(const LayerFlags& f);
 
 // Resolves --isa (or MOERUN_ISA); errors on unknown or unsupported names.
 Result<Isa> ChooseIsa(const std::string& flag);
+// --dtype: f32, bf16, f16, fp8 (F8_E4M3: 128 x 128 blocks) or mxfp4 (F4: 32-input groups).
 Result<DType> ParseWeightDType(const std::string& name);
 
 // Loads the layer named by the flags for `kernels`; logs progress for big layers.
@@ -38,5 +39,7 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFla
 // "qwen3_moe layer 0: 16 experts top-4, hidden 64, F32 weights"
 std::string DescribeLayer(const MoeLayerWeights& w);
 std::string DescribeLayer(const ModelSpec& spec, int layer, DType dtype);  // before it is built
+// The same with the weights' type named by the caller ("F32,F8_E4M3": one layer in several types).
+std::string DescribeLayer(const ModelSpec& spec, int layer, const std::string& weights);
 
 }  // namespace moerun

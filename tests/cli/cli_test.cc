@@ -613,9 +613,40 @@ TEST_F(CliTest, PresetWithMoreExpertsThanTheModel) {
 TEST_F(CliTest, PresetUnknownDType) {
   WriteInput(tmp_.File("x.safetensors"), 3, 2048);
   const ProcessResult r =
-      Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "8", "--dtype", "fp8", "--input",
-              tmp_.File("x.safetensors"), "--output", Output()});
-  ExpectFailure(r, {"--dtype must be f32, bf16 or f16", "fp8"});
+      Moerun({"forward", "--preset", "qwen3-30b-a3b", "--experts", "8", "--dtype", "int3",
+              "--input", tmp_.File("x.safetensors"), "--output", Output()});
+  ExpectFailure(r, {"--dtype must be f32, bf16, f16, fp8 or mxfp4", "int3"});
+}
+
+// Presets quantized on the fly: FP8 (128 x 128 blocks) and MXFP4 (gpt-oss's format) run.
+TEST_F(CliTest, PresetQuantizedDTypesRun) {
+  struct Case {
+    const char* preset;
+    const char* experts;
+    const char* dtype;
+    int64_t hidden;
+    const char* held;
+  };
+  for (const Case& c : {Case{"qwen3-30b-a3b", "8", "fp8", 2048, "F8_E4M3 weights"},
+                        Case{"gpt-oss-20b", "4", "mxfp4", 2880, "F4 weights"}}) {
+    SCOPED_TRACE(c.dtype);
+    WriteInput(tmp_.File("x.safetensors"), 3, c.hidden);
+    const ProcessResult r =
+        Moerun({"forward", "--preset", c.preset, "--experts", c.experts, "--dtype", c.dtype,
+                "--input", tmp_.File("x.safetensors"), "--output", Output()});
+    ExpectSuccess(r);
+    EXPECT_TRUE(Contains(r.output, c.held)) << r.output;
+    int64_t rows = 0, cols = 0;
+    const std::vector<float> out = moerun::testing::ReadF32(Output(), "output", &rows, &cols);
+    EXPECT_EQ(rows, 3);
+    EXPECT_EQ(cols, c.hidden);
+    double norm = 0;
+    for (float v : out) {
+      ASSERT_TRUE(std::isfinite(v));
+      norm += static_cast<double>(v) * v;
+    }
+    EXPECT_GT(norm, 0.0);
+  }
 }
 
 TEST_F(CliTest, PresetRuns) {

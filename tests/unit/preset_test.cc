@@ -5,7 +5,11 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 
+#include "base/quant_formats.h"
+#include "model/preset_hash.h"
+#include "tests/unit/kernel_variants.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
@@ -119,6 +123,278 @@ TEST(PresetTest, GateSkewMakesLowExpertsHot) {
   EXPECT_FALSE(BuildPresetLayer(spec, k, o).ok());
   o.gate_skew = std::nan("");
   EXPECT_FALSE(BuildPresetLayer(spec, k, o).ok());
+}
+
+}  // namespace
+}  // namespace moerun
+
+// --- FP8 and MXFP4 presets -----------------------------------------------------------------------
+
+namespace moerun {
+namespace {
+
+using ::moerun::testing::AllFamilies;
+using ::moerun::testing::RandomRows;
+using ::moerun::testing::SmallSpec;
+using ::moerun::testing::TestVariants;
+
+// The fast code conversions presets use give F32ToE4m3's and F32ToE2m1's code for every float
+// tried: every exponent from 2^-27 to 2^13 with the top 12 mantissa bits in every pattern (which
+// includes every tie of both formats) and their neighbours one ulp away, specials, saturation.
+TEST(PresetQuantTest, FastCodesEqualTheReferenceConversions) {
+  std::vector<float> values = {
+      0.0f,     -0.0f,   448.0f,    464.0f,   480.0f,    449.0f,        6.0f,          5.0f, 5.5f,
+      7.0f,     1e30f,   1e-45f,    1e-38f,   0.25f,     0.75f,         0.125f,        3.5f, 2.5f,
+      0x1p-10f, 0x1p-6f, 0x1.ep-7f, INFINITY, -INFINITY, std::nanf(""), -std::nanf("")};
+  for (uint32_t e = 100; e <= 140; ++e) {
+    for (uint32_t top = 0; top < 4096; ++top) {
+      for (uint32_t low : {0u, 1u, 0x7FFu}) {
+        const uint32_t u = e << 23 | top << 11 | low;
+        values.push_back(std::bit_cast<float>(u));
+        values.push_back(-std::bit_cast<float>(u));
+      }
+    }
+  }
+  for (float v : values) {
+    ASSERT_EQ(PresetE4m3Code(v), F32ToE4m3(v)) << v;
+    ASSERT_EQ(PresetE2m1Code(v), F32ToE2m1(v)) << v;
+  }
+}
+
+TEST(PresetQuantTest, Scales) {
+  EXPECT_EQ(PresetFp8Scale(0.0f), 1.0f);
+  EXPECT_EQ(PresetFp8Scale(448.0f), 1.0f);
+  EXPECT_EQ(PresetFp8Scale(0.05f), 0.05f / 448.0f);
+  EXPECT_EQ(PresetMxfp4Scale(0.0f), 1.0f);
+  EXPECT_EQ(PresetMxfp4Scale(6.0f), 1.0f);  // floor(log2 6) = 2: 6 / 1 is e2m1's 6
+  EXPECT_EQ(PresetMxfp4Scale(4.0f), 1.0f);  // the largest value lands in [4, 8)
+  EXPECT_EQ(PresetMxfp4Scale(3.99f), 0.5f);
+  EXPECT_EQ(PresetMxfp4Scale(0.04f), 0x1p-7f);     // 0.04 = 1.28 x 2^-5
+  EXPECT_EQ(PresetMxfp4Scale(1e-38f), 0x1p-127f);  // clamped
+  EXPECT_EQ(PresetMxfp4Scale(3e38f), 0x1p125f);
+}
+
+// Row `row` of a preset expert matrix with `cols` inputs, unquantized (as PresetValue).
+std::vector<float> UnquantizedRow(uint64_t seed, int layer, int tensor, int expert, int64_t row,
+                                  int64_t cols) {
+  std::vector<float> v(static_cast<size_t>(cols));
+  const uint64_t rs = preset_hash::RowSeed(seed, layer, tensor, expert, row);
+  const float a = std::sqrt(3.0f / static_cast<float>(cols));
+  for (int64_t c = 0; c < cols; ++c) v[static_cast<size_t>(c)] = preset_hash::Element(rs, c, a);
+  return v;
+}
+
+// Checks packed matrix `m` against W [rows][cols] = tensor `tensor` of `expert`, quantized by the
+// formats' rules here: FP8 per 128 x 128 block, MXFP4 per row and 32 inputs. `packed_row` maps a
+// row of W to its row in `m`.
+void ExpectQuantized(const PackedMatrix& m, DType dtype, uint64_t seed, int layer, int tensor,
+                     int expert, int64_t rows, int64_t cols,
+                     const std::function<int64_t(int64_t)>& packed_row) {
+  std::vector<std::vector<float>> w;
+  for (int64_t r = 0; r < rows; ++r)
+    w.push_back(UnquantizedRow(seed, layer, tensor, expert, r, cols));
+  ASSERT_EQ(w[0][5], PresetValue(seed, layer, tensor, expert, 0, 5, cols, DType::kF32));
+  const int64_t br = dtype == DType::kF8E4M3 ? 128 : 1;
+  const int64_t bc = dtype == DType::kF8E4M3 ? 128 : 32;
+  int64_t checked = 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += br) {
+    for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+      const int64_t r1 = std::min(rows, r0 + br), c1 = std::min(cols, c0 + bc);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(w[r][c]));
+      }
+      float scale = amax / 448.0f;
+      if (dtype == DType::kF4) {
+        int e = 0;
+        std::frexp(amax, &e);  // amax = f x 2^e, f in [0.5, 1): floor(log2 amax) = e - 1
+        scale = std::ldexp(1.0f, e - 1 - 2);
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t n = packed_row(r);
+          const float v = w[r][c] / scale;
+          const uint8_t code = dtype == DType::kF8E4M3 ? F32ToE4m3(v) : F32ToE2m1(v);
+          ASSERT_EQ(m.ScaleAt(n, c), scale) << r << "," << c;
+          ASSERT_EQ(m.CodeAt(n, c), code) << r << "," << c;
+          const float dq = (dtype == DType::kF8E4M3 ? E4m3ToF32(code) : E2m1ToF32(code)) * scale;
+          ASSERT_EQ(m.At(n, c), dq);
+          // Half a step of the format at the largest value (MXFP4: 4 to 6, or saturating).
+          ASSERT_LE(std::fabs(dq - w[r][c]), (dtype == DType::kF8E4M3 ? 0.0626f : 0.2501f) * amax)
+              << "quantization error";
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, rows * cols);
+}
+
+// A layer whose matrices span several FP8 blocks both ways, with partial ones (272 = 2 x 128 +
+// 16, 144 = 128 + 16) and a shared expert.
+ModelSpec MultiBlockSpec() {
+  ModelSpec s = SmallSpec(Family::kDeepseekV3);
+  s.hidden = 272;
+  s.expert_inter = 144;
+  s.shared_inter = 160;
+  return s;
+}
+
+class PresetQuantDTypeTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(PresetQuantDTypeTest, WeightsAreTheFormatsQuantizationOfThePresetValues) {
+  const DType dtype = GetParam();
+  const ModelSpec s = MultiBlockSpec();
+  for (const auto& v : TestVariants()) {
+    SCOPED_TRACE(v.name);
+    const CpuKernels& k = *v.kernels;
+    PresetOptions o;
+    o.seed = 5;
+    o.dtype = dtype;
+    o.threads = 2;
+    auto w = BuildPresetLayer(s, k, o);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    EXPECT_EQ(w->dtype, dtype);
+    EXPECT_EQ(w->gate.dtype(), DType::kF32);  // the router stays F32
+    const int nr = k.nr;
+    const int layer = w->layer;
+    auto check = [&](const ExpertWeights& ew, int e, int64_t inter) {
+      SCOPED_TRACE("expert " + std::to_string(e));
+      ASSERT_EQ(ew.w13.dtype(), dtype);
+      ASSERT_EQ(ew.w2.dtype(), dtype);
+      auto gate_row = [nr](int64_t j) { return (j / nr) * 2 * nr + j % nr; };
+      auto up_row = [nr](int64_t j) { return (j / nr) * 2 * nr + nr + j % nr; };
+      ExpectQuantized(ew.w13, dtype, o.seed, layer, 1, e, inter, s.hidden, gate_row);
+      ExpectQuantized(ew.w13, dtype, o.seed, layer, 2, e, inter, s.hidden, up_row);
+      ExpectQuantized(ew.w2, dtype, o.seed, layer, 3, e, s.hidden, inter,
+                      [](int64_t n) { return n; });
+    };
+    check(w->experts[0], 0, s.expert_inter);
+    check(w->experts[15], 15, s.expert_inter);
+    ASSERT_TRUE(w->shared.has_value());
+    check(*w->shared, -1, s.shared_inter);
+  }
+}
+
+// The fast layer on quantized presets against the reference loop (which reads the dequantized
+// weights), for every family; bitwise equal across ISAs and thread counts.
+TEST_P(PresetQuantDTypeTest, LayerMatchesTheReferenceEveryFamilyAndIsa) {
+  const DType dtype = GetParam();
+  std::vector<ModelSpec> specs;
+  for (Family f : AllFamilies()) specs.push_back(SmallSpec(f));
+  specs.push_back(MultiBlockSpec());
+  for (const ModelSpec& s : specs) {
+    SCOPED_TRACE(FamilyName(s.family) + std::string(" hidden ") + std::to_string(s.hidden));
+    const int64_t tokens = 29;
+    const auto x = RandomRows(tokens, s.hidden, 4);
+    std::vector<float> first;
+    for (const auto& v : TestVariants()) {
+      SCOPED_TRACE(v.name);
+      const CpuKernels& k = *v.kernels;
+      PresetOptions o;
+      o.seed = 9;
+      o.dtype = dtype;
+      auto built = BuildPresetLayer(s, k, o);
+      ASSERT_TRUE(built.ok()) << built.status().ToString();
+      auto w = std::make_shared<const MoeLayerWeights>(std::move(built).value());
+      std::vector<float> ref(x.size());
+      ReferenceForward(*w, x.data(), tokens, ref.data());
+      for (int threads : {1, 3}) {
+        ThreadPool pool(threads);
+        MoeLayer layer(w, k, &pool);
+        std::vector<float> out(x.size());
+        ASSERT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
+        EXPECT_LE(::moerun::testing::RelativeError(out, ref), 1e-5);
+        if (first.empty()) first = out;
+        EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * 4), 0)
+            << threads << " threads";
+      }
+    }
+  }
+}
+
+TEST_P(PresetQuantDTypeTest, SameBytesEveryBuildAndForARankWithSomeExperts) {
+  const DType dtype = GetParam();
+  const ModelSpec s = MultiBlockSpec();
+  const CpuKernels& k = KernelsFor(BestIsa());
+  PresetOptions o;
+  o.dtype = dtype;
+  o.threads = 3;
+  auto a = BuildPresetLayer(s, k, o);
+  o.threads = 1;
+  auto b = BuildPresetLayer(s, k, o);
+  o.load_expert.assign(16, false);
+  o.load_expert[2] = o.load_expert[11] = true;
+  auto part = BuildPresetLayer(s, k, o);
+  o.load_expert.clear();
+  o.seed = 2;
+  auto other = BuildPresetLayer(s, k, o);
+  ASSERT_TRUE(a.ok() && b.ok() && part.ok() && other.ok());
+  auto same = [](const ExpertWeights& x, const ExpertWeights& y) {
+    return x.w13.bytes() == y.w13.bytes() && x.w2.bytes() == y.w2.bytes() &&
+           std::memcmp(x.w13.panel(0), y.w13.panel(0), x.w13.bytes()) == 0 &&
+           std::memcmp(x.w2.panel(0), y.w2.panel(0), x.w2.bytes()) == 0;
+  };
+  for (int e = 0; e < 16; ++e) {
+    EXPECT_TRUE(same(a->experts[e], b->experts[e])) << e;
+    EXPECT_FALSE(same(a->experts[e], other->experts[e])) << e;
+    if (e == 2 || e == 11) {
+      EXPECT_TRUE(same(a->experts[e], part->experts[e])) << e;
+    } else {
+      EXPECT_TRUE(part->experts[e].w13.empty()) << e;
+    }
+  }
+  EXPECT_TRUE(same(*a->shared, *b->shared));
+  EXPECT_TRUE(same(*a->shared, *part->shared));
+}
+
+// Resident bytes are the formats' own: FP8 1 byte a weight, MXFP4 half a byte and a scale byte
+// per 32, plus little (headers, padding), on every kernel variant's panel width.
+TEST_P(PresetQuantDTypeTest, ResidentBytesAreTheQuantizedBytes) {
+  const DType dtype = GetParam();
+  ModelSpec s = SmallSpec(Family::kMixtral);
+  s.hidden = 1024;
+  s.expert_inter = 512;
+  s.num_experts = s.gate.num_experts = 2;
+  s.top_k = s.gate.top_k = 1;
+  const double want = dtype == DType::kF8E4M3 ? 1.0 : 0.5 + 1.0 / 32;
+  for (const auto& v : TestVariants()) {
+    SCOPED_TRACE(v.name);
+    PresetOptions o;
+    o.dtype = dtype;
+    auto w = BuildPresetLayer(s, *v.kernels, o);
+    ASSERT_TRUE(w.ok());
+    const double per_weight = static_cast<double>(w->ExpertBytes()) / (2.0 * 3 * 1024 * 512);
+    EXPECT_GE(per_weight, want);
+    EXPECT_LE(per_weight, 1.1 * want);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, PresetQuantDTypeTest,
+                         ::testing::Values(DType::kF8E4M3, DType::kF4),
+                         [](const auto& tp) { return tp.param == DType::kF4 ? "MXFP4" : "FP8"; });
+
+// The default budget (4 GB of expert weights) counts the bytes a type holds, so the narrower
+// types keep more of a big model's experts.
+TEST(PresetQuantTest, BudgetCountsTheQuantizedBytes) {
+  std::string note;
+  PresetOptions o;
+  int last = 0;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF8E4M3, DType::kF4}) {
+    SCOPED_TRACE(DTypeName(t));
+    o.dtype = t;
+    auto d = PresetSpec("deepseek-v3", o, &note);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_GT(d->num_experts, last);
+    EXPECT_EQ(d->num_experts % 8, 0);
+    const double per = t == DType::kF32 ? 4 : t == DType::kBF16 ? 2 : t == DType::kF4 ? 0.53125 : 1;
+    EXPECT_LE((d->num_experts + 1) * 3 * 7168 * 2048 * per, 4.0 * (1 << 30));  // + shared
+    EXPECT_NE(note.find(DTypeName(t)), std::string::npos) << note;
+    last = d->num_experts;
+  }
+  EXPECT_GE(last, 160);  // MXFP4
+  o.dtype = DType::kI8;
+  EXPECT_FALSE(PresetSpec("deepseek-v3", o, &note).ok());
 }
 
 }  // namespace
