@@ -108,7 +108,10 @@ std::string DescribeLayer(const ModelSpec& s, int layer, const std::string& weig
 }
 
 std::string DescribeLayer(const ModelSpec& s, int layer, DType dtype) {
-  return DescribeLayer(s, layer, std::string(DTypeName(dtype)));
+  const char* name = dtype == DType::kF8E4M3 ? "FP8"
+                     : dtype == DType::kF4   ? "MXFP4"
+                                             : DTypeName(dtype);
+  return DescribeLayer(s, layer, std::string(name));
 }
 
 std::string DescribeLayer(const MoeLayerWeights& w) {

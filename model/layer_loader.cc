@@ -284,12 +284,18 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
   if (opts.hold_as) {
     w.dtype = *opts.hold_as;
   } else {
+    bool any = false;
     for (const auto& e : w.experts) {
       if (!e.w13.empty()) {
         w.dtype = e.w13.dtype();
+        any = true;
         break;
       }
     }
+    // A router that loads no routed expert still names their format (its logs, its replies).
+    if (!any && w.shared) w.dtype = w.shared->w13.dtype();
+    if (!any && !w.shared && spec.quant.method == QuantMethod::kFp8) w.dtype = DType::kF8E4M3;
+    if (!any && !w.shared && spec.quant.method == QuantMethod::kMxfp4) w.dtype = DType::kF4;
   }
   return w;
 }

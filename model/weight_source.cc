@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/resident_memory.h"
 #include "model/checkpoint.h"
 #include "model/layer_loader.h"
 #include "model/preset.h"
@@ -49,14 +50,25 @@ Result<std::shared_ptr<MoeLayerWeights>> LoadWeights(const WeightSource& src, co
                                                      const std::string& what,
                                                      const LoadThrottle& throttle) {
   if (!src.model.empty()) {
-    MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(src.model));
-    LoadOptions o;
-    o.layer = layer;
-    o.load_expert = std::move(mask);
-    o.threads = threads;
-    o.progress = Progress(what, throttle);
-    MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, LoadLayer(*ckpt, spec, kernels, o));
-    return std::make_shared<MoeLayerWeights>(std::move(w));
+    const size_t resident_before = ResidentBytes();
+    std::shared_ptr<MoeLayerWeights> w;
+    {
+      MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(src.model));
+      LoadOptions o;
+      o.layer = layer;
+      o.load_expert = std::move(mask);
+      o.threads = threads;
+      o.progress = Progress(what, throttle);
+      MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights lw, LoadLayer(*ckpt, spec, kernels, o));
+      w = std::make_shared<MoeLayerWeights>(std::move(lw));
+    }  // the checkpoint's mapping goes here: its pages no longer count as ours
+    spdlog::info(
+        "{}: experts held as {}, {:.1f} MiB; resident {:.1f} MiB before loading, {:.1f} "
+        "MiB after",
+        what, HeldTypeName(w->dtype), static_cast<double>(w->ExpertBytes()) / (1 << 20),
+        static_cast<double>(resident_before) / (1 << 20),
+        static_cast<double>(ResidentBytes()) / (1 << 20));
+    return w;
   }
   PresetOptions o;
   o.seed = src.seed;

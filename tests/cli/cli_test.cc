@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -363,26 +364,99 @@ TEST_F(CliTest, StackedTensorShapeWrongForTheConfig) {
                     "the config implies [16, 48, 64]"});
 }
 
-TEST_F(CliTest, Fp8ExpertWeight) {
-  const std::string gate = "model.layers.0.mlp.experts.0.gate_proj.weight";
-  const ProcessResult r = ForwardWithEditedTensors("deepseek_v3", [&](Tensors& t) {
-    Tensor& w = t.at(gate);
-    w.dtype = "F8_E4M3";
-    w.bytes = std::string(48 * 64, '\x38');  // 1.0 in E4M3
-    t[gate + "_scale_inv"] = Tensor{"F32", {1, 1}, F32Bytes({1.0f})};
-  });
-  ExpectFailure(r, {gate, "F8_E4M3", "not supported yet"});
+// --- Corrupt quantized checkpoints: exit 2, the tensor named, nothing written -------------------
+
+constexpr const char* kFp8 = "deepseek_v3_fp8";
+constexpr const char* kMx = "gpt_oss_mxfp4";
+const std::string kFp8Gate = "model.layers.0.mlp.experts.2.gate_proj.weight";
+const std::string kMxBlocks = "model.layers.0.mlp.experts.gate_up_proj_blocks";
+const std::string kMxScales = "model.layers.0.mlp.experts.gate_up_proj_scales";
+
+class CorruptQuantTest : public CliTest {
+ protected:
+  template <typename Edit>
+  void ExpectRefused(const char* fixture, Edit edit, const std::vector<std::string>& fragments) {
+    const ProcessResult r = ForwardWithEditedTensors(fixture, edit);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    ExpectFailure(r, fragments);
+    EXPECT_FALSE(fs::exists(Output())) << "an output was written";
+    fs::remove_all(tmp_.File(fixture));  // the next case copies the fixture afresh
+  }
+};
+
+TEST_F(CorruptQuantTest, Fp8NanCodes) {
+  for (const char code : {'\x7f', '\xff'}) {
+    ExpectRefused(kFp8, [&](Tensors& t) { t.at(kFp8Gate).bytes[1000] = code; },
+                  {kFp8Gate, "e4m3 NaN code", "[3, 232]", "corrupt FP8 checkpoint"});
+  }
 }
 
-TEST_F(CliTest, Mxfp4GptOssExperts) {
-  const std::string base = "model.layers.0.mlp.experts.gate_up_proj";
-  const ProcessResult r = ForwardWithEditedTensors("gpt_oss", [&](Tensors& t) {
-    ASSERT_EQ(t.erase(base), 1u);
-    // [E, 2I, H / 32, 16] blocks of 32 FP4 values and one E8M0 scale per block.
-    t[base + "_blocks"] = Tensor{"U8", {16, 64, 3, 16}, std::string(16 * 64 * 3 * 16, '\x11')};
-    t[base + "_scales"] = Tensor{"U8", {16, 64, 3}, std::string(16 * 64 * 3, '\x7f')};
+TEST_F(CorruptQuantTest, Fp8ScalesMissingWrongShapeWrongDtypeOrNotFinite) {
+  const std::string s = kFp8Gate + "_scale_inv";
+  ExpectRefused(kFp8, [&](Tensors& t) { ASSERT_EQ(t.erase(s), 1u); },
+                {kFp8Gate, s, "block scales", "missing"});
+  ExpectRefused(kFp8,
+                [&](Tensors& t) {
+                  t.at(s).shape = {4, 1};
+                },
+                {s, "has shape [4, 1]", "128x128 blocks", "needs [2, 2]"});
+  ExpectRefused(kFp8, [&](Tensors& t) { t.at(s).dtype = "I32"; }, {s, "dtype I32", "F32"});
+  ExpectRefused(kFp8,
+                [&](Tensors& t) {
+                  const float nan = std::nanf("");
+                  std::memcpy(t.at(s).bytes.data() + 4, &nan, 4);
+                },
+                {s, "block [0, 1]", "finite"});
+}
+
+TEST_F(CorruptQuantTest, Fp8E5m2IsNotTheFormat) {
+  ExpectRefused(kFp8, [&](Tensors& t) { t.at(kFp8Gate).dtype = "F8_E5M2"; },
+                {kFp8Gate, "F8_E5M2", "F8_E4M3"});
+}
+
+TEST_F(CorruptQuantTest, Mxfp4NanScaleAndShapes) {
+  ExpectRefused(kMx, [&](Tensors& t) { t.at(kMxScales).bytes[4 * 192 * 4 + 7] = '\xff'; },
+                {kMxScales, "e8m0 NaN code 0xFF", "[4, 1, 3]", "corrupt MXFP4"});
+  // Blocks of the right bytes but a shape the config does not imply.
+  ExpectRefused(kMx,
+                [&](Tensors& t) {
+                  t.at(kMxBlocks).shape = {8, 192, 2, 32};
+                },
+                {kMxBlocks, "has shape [8, 192, 2, 32]", "implies [8, 192, 4, 16]"});
+  // One scale too few per row: the wrong count.
+  ExpectRefused(kMx,
+                [&](Tensors& t) {
+                  t.at(kMxScales).shape = {8, 192, 3};
+                  t.at(kMxScales).bytes.resize(8 * 192 * 3);
+                },
+                {kMxScales, "has shape [8, 192, 3]", "implies [8, 192, 4]"});
+  ExpectRefused(kMx, [&](Tensors& t) { ASSERT_EQ(t.erase(kMxScales), 1u); },
+                {kMxBlocks, kMxScales, "missing"});
+  ExpectRefused(kMx, [&](Tensors& t) { t.at(kMxScales).dtype = "I8"; },
+                {kMxScales, "dtype I8", "U8"});
+}
+
+TEST_F(CorruptQuantTest, OneExpertMixingFormats) {
+  const std::string up = "model.layers.0.mlp.experts.2.up_proj.weight";
+  ExpectRefused(kFp8,
+                [&](Tensors& t) {
+                  t.at(up) = Tensor{"F32", {160, 256}, F32Bytes(std::vector<float>(160 * 256))};
+                  ASSERT_EQ(t.erase(up + "_scale_inv"), 1u);
+                },
+                {"mixes weight formats", kFp8Gate, "F8_E4M3", up, "F32"});
+}
+
+TEST_F(CliTest, UnknownQuantMethod) {
+  const ProcessResult r = ForwardWithEditedConfig(
+      kFp8, [](json& c) { c["quantization_config"]["quant_method"] = "awq"; });
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ExpectFailure(r, {"config.json", "quantization_config.quant_method \"awq\" is not supported"});
+  fs::remove_all(tmp_.File(kFp8));
+  const ProcessResult b = ForwardWithEditedConfig(kFp8, [](json& c) {
+    c["quantization_config"]["weight_block_size"] = {64, 64};
   });
-  ExpectFailure(r, {"MXFP4", "not supported yet", "gate_up_proj"});
+  EXPECT_EQ(b.exit_code, 2) << b.output;
+  ExpectFailure(b, {"weight_block_size [64,64]", "not supported"});
 }
 
 // --- Broken configs ------------------------------------------------------------------------------
@@ -627,8 +701,8 @@ TEST_F(CliTest, PresetQuantizedDTypesRun) {
     int64_t hidden;
     const char* held;
   };
-  for (const Case& c : {Case{"qwen3-30b-a3b", "8", "fp8", 2048, "F8_E4M3 weights"},
-                        Case{"gpt-oss-20b", "4", "mxfp4", 2880, "F4 weights"}}) {
+  for (const Case& c : {Case{"qwen3-30b-a3b", "8", "fp8", 2048, "FP8 weights"},
+                        Case{"gpt-oss-20b", "4", "mxfp4", 2880, "MXFP4 weights"}}) {
     SCOPED_TRACE(c.dtype);
     WriteInput(tmp_.File("x.safetensors"), 3, c.hidden);
     const ProcessResult r =
@@ -775,6 +849,58 @@ TEST(MoebenchTest, LayerPresetJson) {
     EXPECT_LT(res.value("check_rel_err_vs_reference", 1.0), 1e-4) << res.dump();
     EXPECT_FALSE(res.contains("sgemm")) << "--no-sgemm";
   }
+}
+
+// Several weight types in one run: a result per type and token count, each with its rate and
+// floor; the quantized type is compared with F32 of the same run.
+TEST(MoebenchTest, LayerSeveralDTypesJson) {
+  const ProcessResult r =
+      Moebench({"layer", "--preset", "qwen3-30b-a3b", "--experts", "8", "--dtype", "f32,fp8",
+                "--tokens", "1,4", "--min-time", "0.01", "--no-sgemm", "--json"});
+  ExpectSuccess(r);
+  const json report = JsonReport(r.output);
+  ASSERT_TRUE(report.is_object()) << r.output;
+  EXPECT_EQ(report.value("experts", 0), 8);
+  EXPECT_EQ(report["weight_dtypes"], json::array({"F32", "F8_E4M3"})) << report.dump();
+  ASSERT_TRUE(report.contains("results") && report["results"].is_array()) << r.output;
+  ASSERT_EQ(report["results"].size(), 4u);
+  const int64_t tokens[] = {1, 1, 4, 4};
+  const char* types[] = {"F32", "F8_E4M3", "F32", "F8_E4M3"};
+  for (size_t i = 0; i < 4; ++i) {
+    const json& res = report["results"][i];
+    SCOPED_TRACE(res.dump());
+    EXPECT_EQ(res.value("tokens", int64_t{0}), tokens[i]);
+    EXPECT_EQ(res.value("weight_dtype", ""), types[i]);
+    for (const char* field : {"tokens_per_s", "x_floor", "weight_bytes", "ms"}) {
+      ASSERT_TRUE(res.contains(field) && res[field].is_number()) << field;
+      EXPECT_GT(res[field].get<double>(), 0.0) << field;
+    }
+    EXPECT_LT(res.value("check_rel_err_vs_reference", 1.0), 1e-4);
+    EXPECT_FALSE(res.contains("speedup_vs_bf16"));  // no BF16 in this run
+    if (i % 2 == 1) {
+      ASSERT_TRUE(res.contains("speedup_vs_f32") && res["speedup_vs_f32"].is_number());
+      EXPECT_GT(res["speedup_vs_f32"].get<double>(), 0.0);
+      // The same experts, a quarter of the bytes (and a little for the scales).
+      const double ratio = res["weight_bytes"].get<double>() /
+                           report["results"][i - 1]["weight_bytes"].get<double>();
+      EXPECT_GT(ratio, 0.25);
+      EXPECT_LT(ratio, 0.28);
+    } else {
+      EXPECT_FALSE(res.contains("speedup_vs_f32"));
+    }
+  }
+}
+
+TEST(MoebenchTest, LayerRejectsBadDTypeLists) {
+  const std::vector<std::string> base = {"layer",    "--preset", "qwen3-30b-a3b", "--experts", "8",
+                                         "--tokens", "1",        "--no-sgemm",    "--dtype"};
+  auto with = [&](const std::string& list) {
+    std::vector<std::string> args = base;
+    args.push_back(list);
+    return Moebench(args);
+  };
+  ExpectFailure(with("f32,fp8,f32"), {"--dtype names f32 twice"});
+  ExpectFailure(with("f32,int3"), {"--dtype must be", "int3"});
 }
 
 TEST(MoebenchTest, LayerRejectsZeroTokens) {

@@ -9,8 +9,8 @@
 # MOERUN_TEST_TRANSPORT=ucx runs the mpirun cases over the ucx transport (UCX_TLS and
 # MOERUN_UCX_PUT_MIN as set in the environment) instead of mpi.
 #
-# Default (CI, ~30 s on 2 cores): on deepseek_v3, gpt_oss, step3p5 and qwen2_moe every np x
-# placement (microbatching alternating: each pair runs with and without it across the
+# Default (CI, ~45 s on 2 cores): on deepseek_v3, gpt_oss, step3p5, qwen2_moe and the quantized
+# deepseek_v3_fp8 and gpt_oss_mxfp4 np 1 and every np x placement (microbatching alternating: each pair runs with and without it across the
 # fixtures); every other fixture once (np 4, JSON, microbatch 8); inproc --ranks 4 per fixture.
 # --full: every fixture in DATA_DIR/hf-moe, the whole matrix (np x placement x microbatch), and
 # inproc --ranks 4 with every placement and microbatch setting (~2 minutes).
@@ -150,6 +150,7 @@ if [[ "$FULL" == 1 ]]; then
     fixture=$(basename "$dir")
     [[ -f "$dir/config.json" && -f "$dir/golden.safetensors" ]] || continue
     reference "$fixture" || continue
+    case_of "$fixture" mpi:1 linear off
     for np in 2 3 4; do
       for placement in linear round_robin json; do
         for mb in off 8; do case_of "$fixture" "mpi:$np" "$placement" "$mb"; done
@@ -164,11 +165,12 @@ else
   # The four main fixtures: every np x placement, microbatching alternating so that each
   # (np, placement) pair runs both with and without it across the fixtures; the other fixtures
   # once (np 4, JSON placement with replicas, microbatch 8); inproc --ranks 4 for each fixture.
-  MAIN=(deepseek_v3 gpt_oss step3p5 qwen2_moe)
+  MAIN=(deepseek_v3 gpt_oss step3p5 qwen2_moe deepseek_v3_fp8 gpt_oss_mxfp4)
   PLACEMENTS=(linear round_robin json)
   SUBSET=()
   i=0
   for fixture in "${MAIN[@]}"; do
+    SUBSET+=("$fixture 1 linear off")  # one rank under mpirun: the router hosts every expert
     for np in 2 3 4; do
       for j in 0 1 2; do
         mb=off; (( (i + np + j) % 2 )) && mb=8
@@ -177,7 +179,8 @@ else
     done
     i=$((i + 1))
   done
-  INPROC=("deepseek_v3 json off" "gpt_oss round_robin 8" "step3p5 linear off" "qwen2_moe json 8")
+  INPROC=("deepseek_v3 json off" "gpt_oss round_robin 8" "step3p5 linear off" "qwen2_moe json 8"
+          "deepseek_v3_fp8 round_robin 8" "gpt_oss_mxfp4 json off")
   for dir in "$DATA"/hf-moe/*/; do
     fixture=$(basename "$dir")
     [[ " ${MAIN[*]} " == *" $fixture "* ]] && continue

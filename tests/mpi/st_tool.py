@@ -9,6 +9,10 @@
       rank when there are at least two expert ranks; slots in a shuffled (seeded) order
   st_tool.py input OUT.safetensors TOKENS HIDDEN [SEED]
       writes tensor "input" F32 [TOKENS, HIDDEN]: 64 distinct random rows, tiled
+  st_tool.py fp8-model OUT_DIR EXPERTS HIDDEN INTER
+      writes a 1-layer DeepSeek-V3 folder in the published FP8 format (random e4m3 codes, F32
+      scale_inv per 128x128 block, routed and shared experts) and prints the bytes of the routed
+      experts' tensors
   st_tool.py shard MODEL_DIR OUT_DIR
       writes a 3-shard checkpoint of a 1-layer fixture as a 2-layer model: shards 1 and 2 hold
       the fixture's tensors (layer 0), shard 3 a copy of the layer-0 tensors renamed to layer 1;
@@ -96,6 +100,52 @@ def write_input(out, tokens, hidden, seed):
     write_safetensors(out, [("input", "F32", [tokens, hidden], data)])
 
 
+def write_fp8_model(out_dir, experts, hidden, inter, seed=5):
+    """A DeepSeek-V3 layer in the published FP8 format (e4m3 codes, F32 scale_inv per 128x128
+    block) with random codes: for measuring what FP8 experts cost in memory. Prints the bytes of
+    the routed experts' tensors (codes and scales)."""
+    os.makedirs(out_dir, exist_ok=True)
+    rng = random.Random(seed)
+    no_nan = bytes(range(256)).replace(b"\x7f", b"\x7e").replace(b"\xff", b"\xfe")
+    tensors, expert_bytes = [], 0
+    L = "model.layers.0.mlp."
+
+    def fp8(name, rows, cols):
+        codes = os.urandom(rows * cols).translate(no_nan)
+        shape = [(rows + 127) // 128, (cols + 127) // 128]
+        scales = struct.pack(f"<{shape[0] * shape[1]}f",
+                             *[rng.uniform(1e-3, 4e-3) for _ in range(shape[0] * shape[1])])
+        tensors.append((name, "F8_E4M3", [rows, cols], codes))
+        tensors.append((name + "_scale_inv", "F32", shape, scales))
+        return len(codes) + len(scales)
+
+    for e in range(experts):
+        for proj, rows, cols in (("gate_proj", inter, hidden), ("up_proj", inter, hidden),
+                                 ("down_proj", hidden, inter)):
+            expert_bytes += fp8(f"{L}experts.{e}.{proj}.weight", rows, cols)
+    for proj, rows, cols in (("gate_proj", inter, hidden), ("up_proj", inter, hidden),
+                             ("down_proj", hidden, inter)):
+        fp8(f"{L}shared_experts.{proj}.weight", rows, cols)
+    gate = struct.pack(f"<{experts * hidden}f",
+                       *[rng.gauss(0.0, 0.05) for _ in range(experts * hidden)])
+    tensors.append((L + "gate.weight", "F32", [experts, hidden], gate))
+    tensors.append((L + "gate.e_score_correction_bias", "F32", [experts],
+                    struct.pack(f"<{experts}f", *[0.0] * experts)))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, {"format": "pt"})
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+              "hidden_size": hidden, "moe_intermediate_size": inter, "intermediate_size": 4 * inter,
+              "n_routed_experts": experts, "num_experts_per_tok": 8, "n_group": 8,
+              "topk_group": 4, "n_shared_experts": 1, "norm_topk_prob": True,
+              "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+              "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_hidden_layers": 1,
+              "torch_dtype": "bfloat16",
+              "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "quant_method": "fp8", "weight_block_size": [128, 128]}}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    print(expert_bytes)
+
+
 def write_shards(model_dir, out_dir):
     tensors, _ = read_safetensors(os.path.join(model_dir, "model.safetensors"))
     prefix = "model.layers.0."
@@ -154,6 +204,8 @@ def main(argv):
         write_placement(argv[2], int(argv[3]), argv[4])
     elif cmd == "input" and len(argv) in (5, 6):
         write_input(argv[2], int(argv[3]), int(argv[4]), int(argv[5]) if len(argv) == 6 else 7)
+    elif cmd == "fp8-model" and len(argv) == 6:
+        write_fp8_model(argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
     elif cmd == "shard" and len(argv) == 4:
         write_shards(argv[2], argv[3])
     elif cmd == "same-tensor" and len(argv) == 5:
