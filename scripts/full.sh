@@ -10,7 +10,8 @@
 #   - tests/serving/rebalance_restart.sh: skewed load, moectl placement plan, the plan applied
 #     by a restart; tests/serving/migrate_netns.sh: the same online, each expert rank on its own
 #     namespace host behind a tbf-limited link; tests/serving/migrate_e2e.sh over ucx (online
-#     migration with 2 routers, canary update and rollback)
+#     migration with 2 routers, canary update and rollback), and over mpi with FP8 experts and
+#     an FP8 update file (MOERUN_TEST_DTYPE=fp8)
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
 #     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
 set -euo pipefail
@@ -54,6 +55,10 @@ bash tests/serving/migrate_netns.sh build/bin/moerun build/bin/moectl build/bin/
 printf '\n==== online migration and a canary expert update over ucx (2 routers) ====\n'
 UCX_TLS=sm,self MOERUN_UCX_PUT_MIN=256 \
   bash tests/serving/migrate_e2e.sh build/bin/moerun build/bin/moectl build/bin/moebench ucx
+
+printf '\n==== online migration and a canary update of FP8 experts (FP8 update file) ====\n'
+MOERUN_TEST_DTYPE=fp8 \
+  bash tests/serving/migrate_e2e.sh build/bin/moerun build/bin/moectl build/bin/moebench mpi
 
 printf '\n==== benchmarks ====\n'
 mkdir -p build/bench

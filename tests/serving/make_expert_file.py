@@ -16,6 +16,10 @@ use (the names moerun's LoadLayer resolves):
         model.layers.L.block_sparse_moe.experts.E.w3.weight  [inter, hidden]  (up)
         model.layers.L.block_sparse_moe.experts.E.w2.weight  [hidden, inter]  (down)
 
+With --dtype fp8 the file is in the published FP8 format (DeepSeek-V3, Qwen3-FP8): F8_E4M3 codes
+(random, NaN codes excluded) and an F32 `<name>_scale_inv` per 128x128 block of scale / 448, so
+values lie within +-scale.
+
 Values are uniform in +-scale (before BF16 rounding, to nearest even), a pure function of the
 arguments: the same arguments always give the same bytes. Pure Python 3 (no numpy), so it runs
 wherever python3 does; large shapes take a while (about a second per million values). The
@@ -67,6 +71,19 @@ def to_bytes(vals, dtype):
     return out.tobytes()
 
 
+NO_NAN = bytes(range(256)).replace(b"\x7f", b"\x7e").replace(b"\xff", b"\xfe")
+
+
+def fp8_tensors(rng, name, shape, scale):
+    """(codes, scale_inv) tensors of one FP8 matrix: random e4m3 codes, 128x128 block scales."""
+    codes = rng.randbytes(shape[0] * shape[1]).translate(NO_NAN)
+    blocks = [(shape[0] + 127) // 128, (shape[1] + 127) // 128]
+    scales = array.array("f", [scale / 448.0] * (blocks[0] * blocks[1]))
+    if sys.byteorder != "little":
+        scales.byteswap()
+    return [(name, "F8_E4M3", shape, codes), (name + "_scale_inv", "F32", blocks, scales.tobytes())]
+
+
 def write_safetensors(path, tensors, metadata):
     """tensors: list of (name, dtype name, shape, bytes)."""
     header = {"__metadata__": metadata}
@@ -92,7 +109,7 @@ def main(argv):
     p.add_argument("--expert", required=True, type=int)
     p.add_argument("--hidden", required=True, type=int)
     p.add_argument("--inter", required=True, type=int)
-    p.add_argument("--dtype", required=True, choices=("bf16", "f32"))
+    p.add_argument("--dtype", required=True, choices=("bf16", "f32", "fp8"))
     p.add_argument("--seed", required=True, type=int)
     p.add_argument("--scale", type=float, default=0.05, help="values in +-scale (default 0.05)")
     p.add_argument("out", metavar="OUT.safetensors")
@@ -106,10 +123,13 @@ def main(argv):
 
     rng = random.Random(a.seed)
     gate, up, down = tensor_names(a.family, a.layer, a.expert)
-    st_dtype = "BF16" if a.dtype == "bf16" else "F32"
+    st_dtype = {"bf16": "BF16", "f32": "F32", "fp8": "F8_E4M3"}[a.dtype]
     tensors = []
     for name, shape in ((gate, [a.inter, a.hidden]), (up, [a.inter, a.hidden]),
                         (down, [a.hidden, a.inter])):
+        if a.dtype == "fp8":
+            tensors += fp8_tensors(rng, name, shape, a.scale)
+            continue
         data = to_bytes(values(rng, shape[0] * shape[1], a.scale), a.dtype)
         tensors.append((name, st_dtype, shape, data))
     metadata = {"format": "pt", "family": a.family, "layer": str(a.layer),

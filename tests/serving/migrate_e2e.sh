@@ -11,12 +11,16 @@
 # Prints one JSON line with the figures. Exit 0 on success, 1 on failure, 77 (skip) without mpirun.
 #
 #   migrate_e2e.sh MOERUN MOECTL MOEBENCH [mpi|ucx]
+#
+# MOERUN_TEST_DTYPE=fp8 runs the same with the preset's experts in FP8 (migrated as FP8) and the
+# update file in the FP8 checkpoint format (codes + weight_scale_inv); the default is bf16.
 set -uo pipefail
 [[ $# -ge 3 ]] || { echo "usage: migrate_e2e.sh MOERUN MOECTL MOEBENCH [mpi|ucx]" >&2; exit 2; }
 MOERUN=$(realpath "$1")
 MOECTL=$(realpath "$2")
 MOEBENCH=$(realpath "$3")
 TRANSPORT=${4:-mpi}
+DTYPE=${MOERUN_TEST_DTYPE:-bf16}
 HERE=$(cd "$(dirname "$0")" && pwd)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun is not installed"; exit 77; }
 command -v python3 >/dev/null || { echo "SKIP: python3 is not installed"; exit 77; }
@@ -45,7 +49,7 @@ printf 'migrate-test-token-%s\n' "$RANDOM$RANDOM" >"$WORK/token"
 chmod 600 "$WORK/token"
 write_config() {
   cat >"$WORK/serve.yaml" <<EOC
-preset: {name: qwen3-30b-a3b, seed: 5, experts: 32, dtype: bf16, gate_skew: 1.0}
+preset: {name: qwen3-30b-a3b, seed: 5, experts: 32, dtype: $DTYPE, gate_skew: 1.0}
 transport: $TRANSPORT
 routers: 2
 placement: linear
@@ -66,7 +70,7 @@ start_serving write_config mpirun --oversubscribe --bind-to none --mca mpi_yield
 CTL=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
 
 BENCH=(--concurrency 2 --tokens-per-request 16 --preset qwen3-30b-a3b --seed 5 --experts 32
-       --weights-dtype bf16 --gate-skew 1.0 --json)
+       --weights-dtype "$DTYPE" --gate-skew 1.0 --json)
 bench() {  # bench NAME ROUTER DURATION [--verify]
   "$MOEBENCH" serve --target "127.0.0.1:$((PORT + $2))" --duration "$3" "${BENCH[@]}" "${@:4}" \
     >"$WORK/$1.json" 2>"$WORK/$1.log"
@@ -95,7 +99,7 @@ status after
 LAYER=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['layers'][0]['layer'])" \
   "$WORK/after.status")
 python3 "$HERE/make_expert_file.py" --family qwen3 --layer "$LAYER" --expert 0 --hidden 2048 \
-  --inter 768 --dtype bf16 --seed 9 "$WORK/expert0.safetensors" || fail "make_expert_file.py"
+  --inter 768 --dtype "$DTYPE" --seed 9 "$WORK/expert0.safetensors" || fail "make_expert_file.py"
 "$MOECTL" "${CTL[@]}" expert update --layer "$LAYER" --expert 0 \
   --from "$WORK/expert0.safetensors" --canary 20 --wait >"$WORK/update.txt" 2>&1 ||
   { cat "$WORK/update.txt" >&2; fail "moectl expert update"; }

@@ -239,10 +239,15 @@ TEST(ExpertFileTest, HeldDtypeFollowsTheServingLayer) {
   EXPECT_NE(m.find("BF16 cannot hold exactly"), std::string::npos) << m;
   EXPECT_NE(m.find(tmp.File("f32.safetensors")), std::string::npos) << m;
 
-  auto bad = LoadExpertFile(tmp.File("bf16.safetensors"), s, kLayer, 4, DType::kF8E4M3, k);
+  auto bad = LoadExpertFile(tmp.File("bf16.safetensors"), s, kLayer, 4, DType::kI32, k);
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("cannot hold expert weights as F8_E4M3"), std::string::npos)
+  EXPECT_NE(bad.status().message().find("cannot hold expert weights as I32"), std::string::npos)
       << bad.status().message();
+  // A layer of FP8 experts takes updates only in FP8.
+  auto fp8 = LoadExpertFile(tmp.File("bf16.safetensors"), s, kLayer, 4, DType::kF8E4M3, k);
+  ASSERT_FALSE(fp8.ok());
+  EXPECT_NE(fp8.status().message().find("the experts are held as fp8 but"), std::string::npos)
+      << fp8.status().message();
 }
 
 // A checkpoint loaded experts-only needs no router, biases or shared expert.
@@ -326,7 +331,7 @@ TEST(ExpertFileTest, ErrorsNameTheProblem) {
                         std::string(static_cast<size_t>(s.hidden * s.expert_inter), '\0')};
   Write(tmp.File("fp8.safetensors"), fp8);
   ExpectError(LoadExpertFile(tmp.File("fp8.safetensors"), s, kLayer, 5, bf, k),
-              {"'" + down + "' has dtype F8_E4M3", "not supported"});
+              {"'" + down + "' is F8_E4M3 but its block scales", "_scale_inv' are missing"});
   Tensors i32 = five;
   i32[down] = RawTensor{"I32",
                         {s.hidden, s.expert_inter},
@@ -419,6 +424,42 @@ TEST(ExpertFileTest, PythonWriterMakesLoadableFiles) {
   EXPECT_FALSE(LoadExpertFile(f32, s, kLayer, 3, DType::kBF16, k).ok());
   const ProcessResult bad = RunProcess({python, script, "--family", "llama", tmp.File("x")});
   EXPECT_NE(bad.exit_code, 0);
+}
+
+// Update files in the checkpoint's own quantized format: an FP8 or MXFP4 checkpoint's file, read
+// for one expert, packs to the same bytes as that expert in the serving layer; a layer holding
+// FP8 refuses a BF16 file, and a BF16 layer refuses a quantized one.
+TEST(ExpertFileTest, QuantizedUpdateFilesInTheCheckpointsFormat) {
+  const CpuKernels& kern = KernelsFor(BestIsa());
+  for (const char* name : {"deepseek_v3_fp8", "gpt_oss_mxfp4"}) {
+    SCOPED_TRACE(name);
+    const auto layer = LoadFixture(name, kern);
+    const std::string file = FixtureDir(name) + "/model.safetensors";
+    auto e = LoadExpertFile(file, layer->spec, 0, 3, layer->dtype, kern);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    const ExpertWeights& want = layer->experts[3];
+    ASSERT_EQ(e->w13.bytes(), want.w13.bytes());
+    EXPECT_EQ(std::memcmp(e->w13.panel(0), want.w13.panel(0), want.w13.bytes()), 0);
+    EXPECT_EQ(std::memcmp(e->w2.panel(0), want.w2.panel(0), want.w2.bytes()), 0);
+    auto bf16 = LoadExpertFile(file, layer->spec, 0, 3, DType::kBF16, kern);
+    ASSERT_FALSE(bf16.ok());
+    EXPECT_NE(bf16.status().message().find("the experts are held as bf16 but"), std::string::npos)
+        << bf16.status().ToString();
+  }
+  const auto fp8 = LoadFixture("deepseek_v3_fp8", kern);
+  // The same expert in BF16 (right names and shapes, wrong format for this layer).
+  TempDir tmp;
+  const std::string base = "model.layers.0.mlp.experts.3.";
+  const int64_t h = fp8->spec.hidden, i = fp8->spec.expert_inter;
+  const std::vector<float> zeros(static_cast<size_t>(h * i), 0.0f);
+  Write(tmp.File("bf16.safetensors"),
+        {{base + "gate_proj.weight", Make(DType::kBF16, {i, h}, zeros)},
+         {base + "up_proj.weight", Make(DType::kBF16, {i, h}, zeros)},
+         {base + "down_proj.weight", Make(DType::kBF16, {h, i}, zeros)}});
+  auto plain = LoadExpertFile(tmp.File("bf16.safetensors"), fp8->spec, 0, 3, DType::kF8E4M3, kern);
+  ASSERT_FALSE(plain.ok());
+  EXPECT_NE(plain.status().message().find("the experts are held as fp8"), std::string::npos)
+      << plain.status().ToString();
 }
 
 }  // namespace
