@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "base/exit_code.h"
 #include "base/log.h"
@@ -18,6 +19,7 @@
 #include "launch/local_device.h"
 #include "layer/cuda/cuda_device.h"
 #include "layer/cuda/cuda_layer.h"
+#include "layer/cuda/device_weights.h"
 #include "model/layer_loader.h"
 #include "model/preset.h"
 
@@ -72,8 +74,16 @@ Result<DeviceLayer> BuildLayer(const LayerFlags& lf, const CudaLayerOptions& opt
   MOERUN_ASSIGN_OR_RETURN(const ModelSpec spec, PresetSpec(lf.preset, preset, &note));
   if (!note.empty()) spdlog::info("{}", note);
   MOERUN_ASSIGN_OR_RETURN(const int layer, ResolveMoeLayer(spec, lf.layer));
-  spdlog::info("generating {} on the device: {}", lf.preset,
-               DescribeLayer(spec, layer, preset.dtype));
+  if (IsBlockScaled(preset.dtype)) {  // quantized on the host (model/preset.cc), then uploaded
+    preset.threads = lf.threads > 0
+                         ? lf.threads
+                         : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    spdlog::info("building {} on the host ({} threads), then uploading it quantized: {}", lf.preset,
+                 preset.threads, DescribeLayer(spec, layer, preset.dtype));
+  } else {
+    spdlog::info("generating {} on the device: {}", lf.preset,
+                 DescribeLayer(spec, layer, preset.dtype));
+  }
   MOERUN_ASSIGN_OR_RETURN(d.layer, CudaMoeLayer::FromPreset(spec, preset, opts));
   d.model = "preset:" + lf.preset;
   d.description = DescribeLayer(spec, layer, preset.dtype);
@@ -206,6 +216,15 @@ Result<json> RunShape(const LayerBenchFlags& f, const Shape& shape, const CudaLa
   report["shared_intermediate"] = spec.shared_inter;
   report["weight_dtype"] = DTypeName(d.weight_dtype);
   report["device_weight_bytes"] = d.layer->weight_bytes();
+  // Weights as the device holds them (layer/cuda/device_weights.h): tensor cores read 16-bit
+  // values, block-scaled types stay codes and scales (FP8 ~1 byte a weight, MXFP4 ~0.53).
+  MOERUN_ASSIGN_OR_RETURN(const cuda_plan::WeightFormat format,
+                          cuda_plan::ChooseWeightFormat(
+                              d.weight_dtype, opts.math == CudaMath::kTensorCore, opts.mma_type));
+  const double weight_elt =
+      cuda_plan::DeviceBytesPerWeight(format, hidden, std::max<int64_t>(spec.expert_inter, 1));
+  report["device_weight_format"] = cuda_plan::WeightFormatName(format);
+  report["device_bytes_per_weight"] = weight_elt;
   report["floor_rates"] = {
       {"what",
        "floor = max(bytes of the weights the batch's routing needs (distinct active experts, "
@@ -214,9 +233,6 @@ Result<json> RunShape(const LayerBenchFlags& f, const Shape& shape, const CudaLa
       {"tflops", f.floor_tflops}};
   report["results"] = json::array();
 
-  // Weights as the device holds them: tensor-core math reads 16-bit weights.
-  const double weight_elt =
-      opts.math == CudaMath::kTensorCore ? 2.0 : DTypeBits(d.weight_dtype) / 8.0;
   for (int64_t t : shape.tokens) {
     const std::vector<float> x =
         RandomInput(t, hidden, shape.layer.seed + static_cast<uint64_t>(t));
@@ -382,7 +398,18 @@ int RunCudaLayerBench(const LayerBenchFlags& f) {
       shapes.push_back(s);
     }
   } else {
-    shapes.push_back(Shape{f.layer, f.tokens});
+    // --dtype f32,bf16,fp8: one shape per type, on the same experts, in one run.
+    std::string list = f.layer.dtype;
+    for (size_t from = 0; from <= list.size();) {
+      const size_t comma = std::min(list.find(',', from), list.size());
+      Shape s{f.layer, f.tokens};
+      s.layer.dtype = list.substr(from, comma - from);
+      if (s.layer.dtype.empty()) {
+        return FailWith(Status::InvalidArgument("--dtype: an empty entry in '" + list + "'"));
+      }
+      shapes.push_back(s);
+      from = comma + 1;
+    }
   }
   // The device arena holds the largest batch.
   opts.max_tokens = 1;
@@ -404,10 +431,10 @@ int RunCudaLayerBench(const LayerBenchFlags& f) {
   }
   if (f.json) {
     json out;
-    if (f.anchors) {
+    if (f.anchors || reports.size() > 1) {
       out["bench"] = "layer";
       out["device"] = "cuda";
-      out["anchors"] = true;
+      out["anchors"] = f.anchors;
       out["shapes"] = reports;
     } else {
       out = reports.front();

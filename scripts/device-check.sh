@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-shot check on a machine lent with an accelerator (and, usually, a bigger CPU): builds with
-# all cores, runs the GPU check (tests/gpu/run.sh), the unit and CLI tests (on that CPU's best kernel variant, e.g. AVX-512), probes
-# the GPU, and benchmarks the qwen3-30b-a3b layer on 2 cores (as CI's machines) and on all cores.
+# all cores, runs the GPU check (tests/gpu/run.sh), the block-scaled (FP8, MXFP4) expert checks
+# on the GPU (tests, moerun forward on fixtures and presets vs the CPU, moebench bf16/fp8/mxfp4),
+# the unit and CLI tests (on that CPU's best kernel variant, e.g. AVX-512), probes the GPU, and
+# benchmarks the qwen3-30b-a3b layer on 2 cores (as CI's machines) and on all cores.
 # Logs and JSON go to $OUT (default build/device-check); a short table is printed at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,95 @@ build/bin/moerun --version | tee "$out/version.txt"
 
 log "GPU check (tests/gpu/run.sh): CUDA vs CPU, NCCL, moebench layer --device cuda, ranks"
 OUT="$out/gpu" BUILD=build JOBS="$jobs" bash tests/gpu/run.sh 2>&1 | tail -40
+
+# Block-scaled experts (FP8 e4m3, MXFP4) on the GPU: the quantized-path tests, moerun forward on
+# the FP8/MXFP4 fixtures and on fp8/mxfp4 presets against the CPU layer, and moebench's CUDA layer
+# for bf16, fp8 and mxfp4 on the same experts. One line per step in $out/quant/steps.tsv, a table.
+log "quantized experts on the GPU (FP8, MXFP4)"
+q="$out/quant"
+mkdir -p "$q"
+: >"$q/steps.tsv"
+qrecord() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$q/steps.tsv"; }
+slug() { echo "$1" | tr -c 'A-Za-z0-9._\n-' '-'; }  # file names: no spaces
+gtest_note() {  # the summary of a gtest log: passed, failed, skipped
+  local p f s
+  p=$(grep -o '^\[  PASSED  \] [0-9]*' "$1" | grep -o '[0-9]*$')
+  f=$(grep -o '^\[  FAILED  \] [0-9]*' "$1" | grep -o '[0-9]*$')
+  s=$(grep -o '^\[  SKIPPED \] [0-9]*' "$1" | grep -o '[0-9]*$')
+  echo "${p:-0} passed, ${f:-0} failed, ${s:-0} skipped"
+}
+qtest() {  # name, binary, filter
+  local name=$1 bin=$2 filter=$3 rc f
+  f=$q/$(slug "$name")
+  timeout 300 "build/bin/$bin" --gtest_filter="$filter" --gtest_output="xml:$f.xml" >"$f.log" 2>&1
+  rc=$?
+  qrecord "$name" "$([[ $rc == 0 ]] && echo ok || echo FAIL)" "$(gtest_note "$f.log") (exit $rc)"
+}
+qtest "unit: layout, sizes, math" moerun_unit_tests 'CudaQuant*:CudaPlan*'
+grep -E '^[a-z0-9-]+ +expert' "$q/$(slug "unit: layout, sizes, math").log" >"$q/device-bytes.txt"
+qtest "gpu: fp8/mxfp4 layers" moerun_gpu_layer_tests '*Quant*:CudaGoldenTest*'
+qout() { echo "$q/$(slug "$1").safetensors"; }  # the output file of a qforward step
+qforward() {  # name, tolerance, reference step (or ''), moerun forward args...
+  local name=$1 tol=$2 ref=$3 rc note f
+  shift 3
+  f=$q/$(slug "$name")
+  timeout 120 build/bin/moerun forward "$@" --output "$f.safetensors" --tolerance "$tol" \
+    >"$f.log" 2>&1
+  rc=$?
+  note=$(grep -o 'rel err vs [^|]*' "$f.log" | sed 's#vs [^ ]*/#vs #' | tail -1)
+  [[ $rc != 0 ]] && note="exit $rc: $(tail -1 "$f.log" | cut -c1-120)"
+  if [[ $rc == 0 && -n "$ref" ]]; then
+    if python3 tests/mpi/st_tool.py same-tensor "$(qout "$ref")" "$f.safetensors" output \
+      >>"$f.log" 2>&1; then
+      note+="; same bits as cpu"
+    else
+      note+="; bits differ from cpu"
+      rc=1
+    fi
+  fi
+  qrecord "$name" "$([[ $rc == 0 ]] && echo ok || echo FAIL)" "$note"
+}
+for fx in deepseek_v3_fp8 gpt_oss_mxfp4; do
+  dir=tests/data/hf-moe/$fx
+  [[ -d $dir ]] || { qrecord "forward $fx" skipped "$dir missing"; continue; }
+  io=(--model "$dir" --input "$dir/golden.safetensors" --check "$dir/golden.safetensors")
+  qforward "$fx cpu" 1e-5 "" "${io[@]}" --device cpu
+  qforward "$fx cuda exact" 1e-5 "$fx cpu" "${io[@]}" --device cuda --math exact
+  qforward "$fx cuda tensor-core" 1e-2 "" "${io[@]}" --device cuda --math tensor-core
+done
+python3 tests/mpi/st_tool.py input "$q/in256.safetensors" 256 2048 1 >/dev/null 2>&1
+for dt in fp8 mxfp4; do
+  pre=(--preset qwen3-30b-a3b --experts 32 --dtype "$dt" --input "$q/in256.safetensors")
+  qforward "preset $dt cpu" 1e-5 "" "${pre[@]}" --device cpu
+  qforward "preset $dt cuda exact" 1e-5 "preset $dt cpu" "${pre[@]}" --device cuda --math exact \
+    --check "$(qout "preset $dt cpu")"
+  qforward "preset $dt cuda tensor-core" 1e-2 "" "${pre[@]}" --device cuda --math tensor-core \
+    --check "$(qout "preset $dt cpu")"
+done
+timeout 240 build/bin/moebench layer --device cuda --preset qwen3-30b-a3b --experts 32 \
+  --dtype bf16,fp8,mxfp4 --tokens 1,16,128,1024 --min-time 0.3 --no-torch --json \
+  >"$q/moebench.json" 2>"$q/moebench.log"
+rc=$?
+qrecord "moebench cuda bf16,fp8,mxfp4" "$([[ $rc == 0 ]] && echo ok || echo FAIL)" \
+  "exit $rc (JSON: $q/moebench.json)"
+python3 - "$q/steps.tsv" "$q/moebench.json" <<'PY'
+import json, sys
+print(f"\n{'quantized step':36} {'result':7} note")
+for line in open(sys.argv[1]):
+    name, status, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+    print(f"{name:36} {status:7} {note}")
+try:
+    doc = json.load(open(sys.argv[2]))
+except (OSError, ValueError):
+    sys.exit(0)
+print(f"\n{'weights':8} {'device MB':>10} {'B/weight':>9} " + " ".join(
+    f"{'T=' + str(r['tokens']) + ' ms':>12}" for r in doc["shapes"][0]["results"]))
+for s in doc.get("shapes", [doc]):
+    print(f"{s.get('weight_dtype', '?'):8} {s.get('device_weight_bytes', 0) / 1e6:10.1f} "
+          f"{s.get('device_bytes_per_weight', 0):9.4f} " +
+          " ".join(f"{r['ms']:12.3f}" for r in s["results"]))
+PY
+cat "$q/device-bytes.txt" 2>/dev/null
 
 log "tests"
 ctest --test-dir build -j "$jobs" --timeout 600 >"$out/ctest.log" 2>&1

@@ -10,13 +10,17 @@
 #include <cstdint>
 
 #include "experts/cpu/kernels.h"
+#include "experts/cuda/quant_layout.h"
 
 namespace moerun::cuda_kernels {
 
-// One expert's (or the shared expert's) weights on the device, in the layout of device_plan.h.
+// One expert's (or the shared expert's) weights on the device, in the layout of tile_layout.h
+// (block-scaled weights: codes and scales as quant_layout.h lays them out).
 struct DevGroup {
-  const void* w13 = nullptr;  // [2 * inter_pad][hidden], weight type
-  const void* w2 = nullptr;   // [hidden][inter_pad], weight type (zero beyond inter)
+  const void* w13 = nullptr;  // [2 * inter_pad][hidden], weight type, or codes
+  const void* w2 = nullptr;   // [hidden][inter_pad], weight type or codes (zero beyond inter)
+  const void* s13 = nullptr;  // block-scaled weights: the scales of w13 and w2; else null
+  const void* s2 = nullptr;
   const float* bias_g = nullptr;
   const float* bias_u = nullptr;  // [inter_pad] or null
   const float* bias_d = nullptr;  // [hidden] or null
@@ -47,9 +51,12 @@ struct FfnArgs {
   int64_t hidden = 0;
   int64_t inter_pad_max = 0;  // row stride of the hidden activations
   WType wtype = WType::kF32;  // weights (exact: any; mma: kBF16 or kF16, equal to the rows')
-  const void* in = nullptr;   // [rows][hidden]: f32 (exact) or wtype (mma)
-  void* act = nullptr;        // [rows][inter_pad_max]: f32 (exact) or wtype (mma)
-  float* y = nullptr;         // [rows][hidden]
+  // Block-scaled weights (every group's): exact math decodes them to fp32 (wtype unused), tensor
+  // cores to wtype (FP8: bf16 or f16; MXFP4: bf16 only, the launch does nothing for f16).
+  cuda_plan::WQuant quant = cuda_plan::WQuant::kNone;
+  const void* in = nullptr;  // [rows][hidden]: f32 (exact) or wtype (mma)
+  void* act = nullptr;       // [rows][inter_pad_max]: f32 (exact) or wtype (mma)
+  float* y = nullptr;        // [rows][hidden]
 };
 void LaunchFfnExact(const FfnArgs& a, cudaStream_t s);
 void LaunchFfnMma(const FfnArgs& a, cudaStream_t s);

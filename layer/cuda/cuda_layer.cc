@@ -11,6 +11,7 @@
 #include "experts/cuda/ffn_kernels.h"
 #include "layer/cuda/cuda_layer.h"
 #include "layer/cuda/device_plan.h"
+#include "layer/cuda/device_weights.h"
 #include "layer/cuda/preset_gen.h"
 #include "model/preset_hash.h"
 #include "router/cuda/gate_kernels.h"
@@ -22,6 +23,8 @@ namespace {
 using cuda_kernels::DevGroup;
 using cuda_kernels::DevRows;
 using cuda_kernels::WType;
+using cuda_plan::WeightFormat;
+using cuda_plan::WQuant;
 
 Status CudaError(const char* what, cudaError_t e) {
   return Status::Internal(
@@ -37,41 +40,33 @@ Status CudaError(const char* what, cudaError_t e) {
     }                                       \
   } while (0)
 
-size_t WBytes(WType t) { return t == WType::kF32 ? 4 : 2; }
-
-Result<WType> ToWType(DType t) {
-  switch (t) {
-    case DType::kF32:
+// The element type of the FFN's rows and hidden activations (and of plain weights): exact math
+// f32 (plain weights: their type), tensor cores their bf16/f16.
+WType ElemType(WeightFormat f, const CudaLayerOptions& o) {
+  switch (f) {
+    case WeightFormat::kF32:
       return WType::kF32;
-    case DType::kBF16:
+    case WeightFormat::kBF16:
       return WType::kBF16;
-    case DType::kF16:
+    case WeightFormat::kF16:
       return WType::kF16;
     default:
-      return Status::InvalidArgument(std::string("CUDA layer: unsupported weight type ") +
-                                     DTypeName(t));
+      if (o.math == CudaMath::kExact) return WType::kF32;
+      return o.mma_type == DType::kF16 ? WType::kF16 : WType::kBF16;
   }
 }
 
-// Stores v (a value of the source type, widened) as element i of a buffer of type t.
-void StoreAs(WType t, void* base, size_t i, float v) {
-  switch (t) {
-    case WType::kF32:
-      static_cast<float*>(base)[i] = v;
-      break;
-    case WType::kBF16:
-      static_cast<uint16_t*>(base)[i] = F32ToBf16(v);
-      break;
-    case WType::kF16:
-      static_cast<uint16_t*>(base)[i] = F32ToF16(v);
-      break;
-  }
-}
+size_t WBytes(WType t) { return t == WType::kF32 ? 4 : 2; }
 
 class CudaLayerImpl final : public CudaMoeLayer {
  public:
-  CudaLayerImpl(ModelSpec spec, int layer, CudaLayerOptions opts, WType wtype)
-      : spec_(std::move(spec)), layer_(layer), opts_(opts), wtype_(wtype) {}
+  CudaLayerImpl(ModelSpec spec, int layer, CudaLayerOptions opts, WeightFormat format)
+      : spec_(std::move(spec)),
+        layer_(layer),
+        opts_(opts),
+        format_(format),
+        quant_(cuda_plan::QuantOf(format)),
+        wtype_(ElemType(format, opts)) {}
 
   ~CudaLayerImpl() override {
     if (!initialised_) return;
@@ -181,48 +176,23 @@ class CudaLayerImpl final : public CudaMoeLayer {
     return Status::Ok();
   }
 
-  // Copies one packed CPU expert into the device layout (group g: expert g, or the shared one).
+  // Copies one packed CPU expert into the device layout (group g: expert g, or the shared one):
+  // values, or codes and scales (device_weights.h), as they are; nothing is upcast.
   Status UploadExpert(int g, const ExpertWeights& ew, const ActParams& act) {
     const int64_t h = ew.hidden, inter = ew.inter, ip = cuda_plan::PaddedInter(inter);
-    // One weight type per layer on the device: an expert of another type (the loader makes
-    // experts with mixed tensor types f32) would be rounded, so it is refused.
-    for (DType t : {ew.w13.dtype(), ew.w2.dtype()}) {
-      MOERUN_ASSIGN_OR_RETURN(WType wt, ToWType(t));
-      if (wt != wtype_ && !(opts_.math == CudaMath::kTensorCore && wt == WType::kF32)) {
-        return Status::Unsupported(fmt::format(
-            "CUDA layer: expert {} holds {} weights, the layer's device type is {}; convert the "
-            "checkpoint to one type",
-            g, DTypeName(t),
-            wtype_ == WType::kF32    ? "F32"
-            : wtype_ == WType::kBF16 ? "BF16"
-                                     : "F16"));
-      }
-    }
-    const int nr = ew.w13.nr();
-    std::vector<uint8_t> w13(static_cast<size_t>(2 * ip * h) * WBytes(wtype_), 0);
-    for (int64_t j = 0; j < inter; ++j) {
-      const int64_t gate_row = 2 * (j / nr) * nr + j % nr, up_row = gate_row + nr;
-      for (int64_t k = 0; k < h; ++k) {
-        StoreAs(wtype_, w13.data(), static_cast<size_t>(cuda_plan::GateRow(j) * h + k),
-                ew.w13.At(gate_row, k));
-        StoreAs(wtype_, w13.data(), static_cast<size_t>(cuda_plan::UpRow(j) * h + k),
-                ew.w13.At(up_row, k));
-      }
-    }
-    std::vector<uint8_t> w2(static_cast<size_t>(h * ip) * WBytes(wtype_), 0);
-    for (int64_t n = 0; n < h; ++n) {
-      for (int64_t k = 0; k < inter; ++k) {
-        StoreAs(wtype_, w2.data(), static_cast<size_t>(n * ip + k), ew.w2.At(n, k));
-      }
-    }
+    const std::string what =
+        g < spec_.num_experts ? fmt::format("expert {}", g) : std::string("the shared expert");
+    MOERUN_ASSIGN_OR_RETURN(
+        const cuda_plan::ExpertImage img,
+        cuda_plan::BuildExpertImage(ew, format_, opts_.math == CudaMath::kTensorCore, what));
     DevGroup d;
-    MOERUN_ASSIGN_OR_RETURN(uint8_t * p13, Alloc(w13.size(), "expert weights"));
-    MOERUN_ASSIGN_OR_RETURN(uint8_t * p2, Alloc(w2.size(), "expert weights"));
-    MOERUN_CUDA_TRY(cudaMemcpy(p13, w13.data(), w13.size(), cudaMemcpyHostToDevice));
-    MOERUN_CUDA_TRY(cudaMemcpy(p2, w2.data(), w2.size(), cudaMemcpyHostToDevice));
-    weight_bytes_ += w13.size() + w2.size();
-    d.w13 = p13;
-    d.w2 = p2;
+    MOERUN_ASSIGN_OR_RETURN(d.w13, UploadBytes(img.w13, "expert weights"));
+    MOERUN_ASSIGN_OR_RETURN(d.w2, UploadBytes(img.w2, "expert weights"));
+    if (quant_ != WQuant::kNone) {
+      MOERUN_ASSIGN_OR_RETURN(d.s13, UploadBytes(img.s13, "expert weight scales"));
+      MOERUN_ASSIGN_OR_RETURN(d.s2, UploadBytes(img.s2, "expert weight scales"));
+    }
+    weight_bytes_ += img.bytes();
     if (!ew.bias_gate.empty()) {
       std::vector<float> bg(static_cast<size_t>(ip), 0.0f), bu(bg);
       std::copy_n(ew.bias_gate.begin(), inter, bg.begin());
@@ -239,6 +209,9 @@ class CudaLayerImpl final : public CudaMoeLayer {
 
   // Generates preset expert e on the device (cuda_layer.h FromPreset).
   Status GenerateExpert(const PresetOptions& p, int e) {
+    if (quant_ != WQuant::kNone) {
+      return Status::Internal("CUDA layer: block-scaled presets are built on the host");
+    }
     const int64_t h = spec_.hidden, inter = spec_.expert_inter, ip = cuda_plan::PaddedInter(inter);
     const size_t b13 = static_cast<size_t>(2 * ip * h) * WBytes(wtype_);
     const size_t b2 = static_cast<size_t>(h * ip) * WBytes(wtype_);
@@ -395,7 +368,11 @@ class CudaLayerImpl final : public CudaMoeLayer {
 
   const ModelSpec& spec() const override { return spec_; }
   std::string Describe() const override {
-    const char* type = wtype_ == WType::kF32 ? "f32" : wtype_ == WType::kBF16 ? "bf16" : "f16";
+    const char* elem = wtype_ == WType::kF32 ? "f32" : wtype_ == WType::kBF16 ? "bf16" : "f16";
+    const std::string type =
+        quant_ == WQuant::kNone
+            ? std::string(elem)
+            : fmt::format("{} (decoded to {})", cuda_plan::WeightFormatName(format_), elem);
     return fmt::format(
         "{} (sm_{}, device {}), {} {} math, {:.2f} GB weights, graphs {}", device_name_, sm_,
         opts_.device, CudaMathName(opts_.math), type, static_cast<double>(weight_bytes_) / 1e9,
@@ -423,6 +400,12 @@ class CudaLayerImpl final : public CudaMoeLayer {
     }
     allocations_.push_back(p);
     return static_cast<uint8_t*>(p);
+  }
+
+  Result<const void*> UploadBytes(const std::vector<uint8_t>& v, const char* what) {
+    MOERUN_ASSIGN_OR_RETURN(uint8_t * p, Alloc(v.size(), what));
+    if (!v.empty()) MOERUN_CUDA_TRY(cudaMemcpy(p, v.data(), v.size(), cudaMemcpyHostToDevice));
+    return static_cast<const void*>(p);
   }
 
   Result<const float*> UploadFloats(const float* v, size_t n, const char* what) {
@@ -465,6 +448,7 @@ class CudaLayerImpl final : public CudaMoeLayer {
     a.hidden = spec_.hidden;
     a.inter_pad_max = shape_.max_inter_padded;
     a.wtype = wtype_;
+    a.quant = quant_;
     a.in = region_.at("rows");
     a.act = region_.at("hidden_act");
     a.y = F32("y");
@@ -539,7 +523,9 @@ class CudaLayerImpl final : public CudaMoeLayer {
   ModelSpec spec_;
   int layer_;
   CudaLayerOptions opts_;
-  WType wtype_;
+  WeightFormat format_;  // how the experts are held
+  WQuant quant_;         // block-scaled formats: which
+  WType wtype_;          // the FFN's rows and activations (plain formats: the weights too)
   bool initialised_ = false;
   bool has_gate_ = false;
   std::string device_name_;
@@ -569,19 +555,8 @@ class CudaLayerImpl final : public CudaMoeLayer {
   int64_t last_tokens_ = 0;
 };
 
-Result<WType> ChooseWType(DType source, const CudaLayerOptions& opts) {
-  MOERUN_ASSIGN_OR_RETURN(WType src, ToWType(source));
-  if (opts.math == CudaMath::kExact) return src;
-  if (opts.mma_type != DType::kBF16 && opts.mma_type != DType::kF16) {
-    return Status::InvalidArgument("tensor-core math takes bf16 or f16");
-  }
-  MOERUN_ASSIGN_OR_RETURN(WType mma, ToWType(opts.mma_type));
-  if (src != WType::kF32 && src != mma) {
-    return Status::InvalidArgument(fmt::format(
-        "{} weights on {} tensor cores would be rounded twice: use exact math or matching types",
-        DTypeName(source), DTypeName(opts.mma_type)));
-  }
-  return mma;
+Result<WeightFormat> ChooseFormat(DType source, const CudaLayerOptions& opts) {
+  return cuda_plan::ChooseWeightFormat(source, opts.math == CudaMath::kTensorCore, opts.mma_type);
 }
 
 }  // namespace
@@ -590,8 +565,8 @@ const char* CudaMathName(CudaMath m) { return m == CudaMath::kExact ? "exact" : 
 
 Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights& w,
                                                            const CudaLayerOptions& opts) {
-  MOERUN_ASSIGN_OR_RETURN(WType wt, ChooseWType(w.dtype, opts));
-  auto layer = std::make_unique<CudaLayerImpl>(w.spec, w.layer, opts, wt);
+  MOERUN_ASSIGN_OR_RETURN(const WeightFormat format, ChooseFormat(w.dtype, opts));
+  auto layer = std::make_unique<CudaLayerImpl>(w.spec, w.layer, opts, format);
   MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
   MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   const ActParams act = w.spec.RoutedAct(w.layer);
@@ -610,10 +585,17 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights
 Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::FromPreset(const ModelSpec& spec,
                                                                const PresetOptions& preset,
                                                                const CudaLayerOptions& opts) {
-  MOERUN_ASSIGN_OR_RETURN(WType wt, ChooseWType(preset.dtype, opts));
+  MOERUN_ASSIGN_OR_RETURN(const WeightFormat format, ChooseFormat(preset.dtype, opts));
   if (!preset.load_expert.empty() &&
       preset.load_expert.size() != static_cast<size_t>(spec.num_experts)) {
     return Status::InvalidArgument("expert mask size does not match the expert count");
+  }
+  if (cuda_plan::IsQuantized(format)) {
+    // Block-scaled presets come from the host's deterministic quantization (model/preset.cc),
+    // then go up quantized: the device does not re-derive the rounding.
+    MOERUN_ASSIGN_OR_RETURN(const MoeLayerWeights w,
+                            BuildPresetLayer(spec, KernelsFor(Isa::kScalar), preset));
+    return Upload(w, opts);
   }
   // The host builds the small parts (gate, biases, the shared expert); experts come from the GPU.
   PresetOptions host = preset;
@@ -621,7 +603,7 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::FromPreset(const ModelSpec& 
   host.progress = nullptr;
   MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w,
                           BuildPresetLayer(spec, KernelsFor(Isa::kScalar), host));
-  auto layer = std::make_unique<CudaLayerImpl>(spec, w.layer, opts, wt);
+  auto layer = std::make_unique<CudaLayerImpl>(spec, w.layer, opts, format);
   MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
   MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   int todo = 0, done = 0;

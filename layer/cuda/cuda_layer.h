@@ -8,9 +8,15 @@
 //                output is bitwise the CPU backend's (the reference-fixture path).
 //   kTensorCore  bf16 or f16 inputs and weights on tensor cores (mma 16x16x16), fp32 accumulation;
 //                the hidden activations are rounded to the input type. Within 1e-2 of the CPU.
-// Both are batch-invariant (deterministic mode is the only mode): every output element is reduced
-// in the same order whatever the batch (no split-K, no atomics on outputs, tile shapes fixed), so
-// outputs are bitwise equal across batchings, ranks and placements on the same GPU type.
+// Block-scaled expert weights (FP8 e4m3 with 128 x 128 block scales, MXFP4 e2m1 with e8m0 scales
+// per 32 inputs) stay quantized on the device, about 1 and 0.53 bytes a weight, and the GEMMs
+// decode them in their loads (layer/cuda/device_weights.h, experts/cuda/quant_layout.h). kExact
+// applies each scale to its block's fp32 sum, as the CPU kernels do: bitwise the CPU again.
+// kTensorCore takes FP8 on bf16 or f16 (codes exact in both, one scale per 64 x 128 tile block
+// applied to fp32 accumulators) and MXFP4 on bf16 only (f16 cannot hold e8m0 scales: Upload says
+// so). Both are batch-invariant (deterministic mode is the only mode): every output element is
+// reduced in the same order whatever the batch (no split-K, no atomics on outputs, tile shapes
+// fixed), so outputs are bitwise equal across batchings, ranks and placements on the same GPU type.
 //
 // Memory: weights are uploaded once; every per-batch buffer comes from one device arena sized for
 // `max_tokens` at Create (nothing is allocated per batch). The gate, routing and grouping stay on
@@ -51,11 +57,13 @@ struct CudaTimes {
 class CudaMoeLayer {
  public:
   // Copies the layer's weights (any CPU packing and type) to the device. Every expert must be
-  // loaded. kTensorCore converts f32 weights to `mma_type`.
+  // loaded. kTensorCore converts f32 weights to `mma_type`; no other conversion happens (FP8 and
+  // MXFP4 go up as codes and scales; an expert of another type than the layer's is an error).
   static Result<std::unique_ptr<CudaMoeLayer>> Upload(const MoeLayerWeights& w,
                                                       const CudaLayerOptions& opts);
   // A preset's layer generated on the device: the same values as BuildPresetLayer(spec, opts)
   // without building it on the host (full-size models: DeepSeek-V3's 256 experts are 22 GB).
+  // Block-scaled presets (FP8, MXFP4) are built by BuildPresetLayer on the host, then uploaded.
   static Result<std::unique_ptr<CudaMoeLayer>> FromPreset(const ModelSpec& spec,
                                                           const PresetOptions& preset,
                                                           const CudaLayerOptions& opts);
@@ -78,7 +86,7 @@ class CudaMoeLayer {
 
   virtual const ModelSpec& spec() const = 0;
   virtual std::string Describe() const = 0;  // "H200 (sm_90), tensor-core bf16, 3.2 GB weights"
-  virtual size_t weight_bytes() const = 0;   // on the device
+  virtual size_t weight_bytes() const = 0;   // on the device: experts (values or codes + scales)
   virtual int64_t graphs_captured() const = 0;
 };
 

@@ -3,59 +3,19 @@
 //     1e-5 of the model families' own reference code;
 //   - tensor-core math (bf16, f16): within 1e-2 of the CPU;
 //   - both: batch-invariant (a token's bits do not depend on its batch), graphs equal to plain
-//     launches, device-generated presets equal to uploaded ones.
+//     launches, device-generated presets equal to uploaded ones; RunExperts equal to the CPU
+//     grouped FFN (f32, FP8 and MXFP4 experts). More on FP8/MXFP4: cuda_quant_test.cc.
 // Every test skips, saying why, on a machine without a GPU.
 #include <gtest/gtest.h>
 
-#include "layer/cuda/cuda_device.h"
-#include "layer/cuda/cuda_layer.h"
+#include "tests/cuda/gpu_layer_util.h"
+#include "tests/cuda/quant_layers.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
 namespace {
 
 using namespace moerun::testing;
-
-#define SKIP_WITHOUT_GPU()                                                         \
-  do {                                                                             \
-    const CudaProbe probe_ = ProbeCuda();                                          \
-    if (probe_.devices.empty()) GTEST_SKIP() << "no usable GPU: " << probe_.error; \
-  } while (0)
-
-const CpuKernels& Cpu() { return KernelsFor(BestIsa()); }
-
-std::vector<float> CpuForward(const std::shared_ptr<const MoeLayerWeights>& w,
-                              const std::vector<float>& x, int64_t tokens) {
-  ThreadPool pool(2);
-  MoeLayer layer(w, Cpu(), &pool);
-  std::vector<float> out(x.size());
-  const Status s = layer.Forward(x.data(), tokens, out.data());
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  return out;
-}
-
-std::unique_ptr<CudaMoeLayer> Make(const MoeLayerWeights& w, CudaMath math,
-                                   DType mma = DType::kBF16, int64_t graph_max = 256) {
-  CudaLayerOptions o;
-  o.math = math;
-  o.mma_type = mma;
-  o.max_tokens = 512;
-  o.graph_max_tokens = graph_max;
-  auto layer = CudaMoeLayer::Upload(w, o);
-  EXPECT_TRUE(layer.ok()) << layer.status().ToString();
-  return layer.ok() ? std::move(layer).value() : nullptr;
-}
-
-std::vector<float> GpuForward(CudaMoeLayer& layer, const std::vector<float>& x, int64_t tokens) {
-  std::vector<float> out(x.size());
-  const Status s = layer.Forward(x.data(), tokens, out.data());
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  return out;
-}
-
-bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
 
 class CudaFamilyTest : public ::testing::TestWithParam<std::tuple<Family, DType>> {};
 
@@ -176,38 +136,31 @@ INSTANTIATE_TEST_SUITE_P(AllFixtures, CudaGoldenTest, ::testing::ValuesIn(Fixtur
 
 TEST(CudaLayerTest, RunExpertsEqualsTheCpuGroupedFfn) {
   SKIP_WITHOUT_GPU();
-  const auto w = BuildSmall(Family::kDeepseekV3, Cpu());
-  auto gpu = Make(*w, CudaMath::kExact);
-  ASSERT_NE(gpu, nullptr);
-  const int64_t h = w->spec.hidden;
-  const std::vector<int32_t> experts = {3, 0, 9, -1};
-  const std::vector<int64_t> rows = {5, 1, 70, 12};
-  const int64_t total = 88;
-  const auto x = RandomRows(total, h, 4);
-  std::vector<float> y(static_cast<size_t>(total * h));
-  ASSERT_TRUE(gpu->RunExperts(x.data(), experts, rows, y.data()).ok());
-  ThreadPool pool(1);
-  GroupedFfn ffn(Cpu(), &pool);
-  std::vector<ExpertGroup> groups;
-  int64_t first = 0;
-  for (size_t g = 0; g < experts.size(); ++g) {
-    const ExpertWeights* ew =
-        experts[g] < 0 ? &*w->shared : &w->experts[static_cast<size_t>(experts[g])];
-    const ActParams act =
-        experts[g] < 0 ? w->spec.SharedAct(w->layer) : w->spec.RoutedAct(w->layer);
-    groups.push_back(ExpertGroup{ew, act, first, rows[g]});
-    first += rows[g];
+  for (DType dtype : {DType::kF32, DType::kF8E4M3, DType::kF4}) {
+    PresetOptions p;
+    p.seed = 7;
+    auto built = BuildPresetLayer(SmallSpec(Family::kDeepseekV3), Cpu(), p);
+    ASSERT_TRUE(built.ok()) << built.status().ToString();
+    // FP8 and MXFP4: the same layer with block-scaled experts (tests/cuda/quant_layers.h).
+    const auto w = dtype == DType::kF32
+                       ? std::make_shared<const MoeLayerWeights>(std::move(built).value())
+                       : Quantized(std::move(built).value(), Cpu(), dtype);
+    auto gpu = Make(*w, CudaMath::kExact);
+    ASSERT_NE(gpu, nullptr);
+    const int64_t h = w->spec.hidden;
+    const std::vector<int32_t> experts = {3, 0, 9, -1};
+    const std::vector<int64_t> rows = {5, 1, 70, 12};
+    const int64_t total = 88;
+    const auto x = RandomRows(total, h, 4);
+    std::vector<float> y(static_cast<size_t>(total * h));
+    ASSERT_TRUE(gpu->RunExperts(x.data(), experts, rows, y.data()).ok());
+    const std::vector<float> ycpu = CpuGroupedRows(*w, experts, rows, x);
+    for (int64_t r = 0; r < total; ++r) {
+      ASSERT_EQ(std::memcmp(y.data() + r * h, ycpu.data() + r * h, static_cast<size_t>(h) * 4), 0)
+          << DTypeName(dtype) << " row " << r;
+    }
+    EXPECT_FALSE(gpu->RunExperts(x.data(), {99}, {1}, y.data()).ok());
   }
-  std::vector<int32_t> row_token(static_cast<size_t>(total));
-  for (int64_t r = 0; r < total; ++r) row_token[static_cast<size_t>(r)] = static_cast<int32_t>(r);
-  const int64_t ldy = ffn.PaddedHidden(h);
-  std::vector<float> ycpu(static_cast<size_t>(total * ldy));
-  ffn.Run(groups, x.data(), h, row_token.data(), ycpu.data(), ldy);
-  for (int64_t r = 0; r < total; ++r) {
-    ASSERT_EQ(std::memcmp(y.data() + r * h, ycpu.data() + r * ldy, static_cast<size_t>(h) * 4), 0)
-        << "row " << r;
-  }
-  EXPECT_FALSE(gpu->RunExperts(x.data(), {99}, {1}, y.data()).ok());
 }
 
 TEST(CudaLayerTest, ErrorsAreClear) {
