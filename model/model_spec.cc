@@ -250,19 +250,50 @@ Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
       MOERUN_RETURN_IF_ERROR(c.Int("moe_top_k", &v));
       s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
       MOERUN_RETURN_IF_ERROR(c.Int("moe_intermediate_size", &s->expert_inter));
+      // The router of the authors' Step3p5MoEMLP (docs/reference-semantics.md, section 6.1):
+      //   use_moe_router_bias: sigmoid; choose by sigmoid + router_bias; weights are the sigmoid
+      //     scores over (their sum + 1e-20). moe_router_activation is not read on this branch.
+      //   else "sigmoid": sigmoid over all experts, divided by its sum, top-k, over their sum
+      //     (no epsilon); the first division cancels, so: sigmoid, top-k, over the sum.
+      //   else ("softmax"): softmax, top-k, not renormalised.
+      //   Then on every branch x moe_router_scaling_factor. norm_expert_weight is not read: the
+      //   code passes renormalize=True to both routing functions, and its softmax branch never
+      //   renormalises. need_fp32_gate false: the router linear runs in the model's dtype.
+      // Defaults: the Step3p5Config that has them (vLLM's; the HF-hub class has none, so the
+      // modeling code fails on a missing key): router bias, softmax, fp32 gate, renormalise.
+      bool router_bias = true, fp32_gate = true, norm_weight = true;
       std::string activation;
-      MOERUN_RETURN_IF_ERROR(c.StringOr("moe_router_activation", "sigmoid", &activation));
-      if (activation != "sigmoid") {
+      MOERUN_RETURN_IF_ERROR(c.BoolOr("use_moe_router_bias", true, &router_bias));
+      MOERUN_RETURN_IF_ERROR(c.StringOr("moe_router_activation", "softmax", &activation));
+      MOERUN_RETURN_IF_ERROR(c.BoolOr("need_fp32_gate", true, &fp32_gate));
+      MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_expert_weight", true, &norm_weight));  // checked only
+      if (activation != "sigmoid" && activation != "softmax") {
         return Status::Unsupported("moe_router_activation \"" + activation +
-                                   "\" is not supported (only sigmoid)");
+                                   "\" is not supported (sigmoid or softmax)");
       }
-      g.kind = GateKind::kSigmoidTopK;
-      g.renorm_eps = 1e-20f;
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("use_moe_router_bias", true, &g.selection_bias));
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_expert_weight", true, &g.renormalize));
+      if (router_bias || activation == "sigmoid") {
+        g.kind = GateKind::kSigmoidTopK;
+        g.selection_bias = router_bias;
+        g.renormalize = true;
+        g.renorm_eps = router_bias ? 1e-20f : 0.0f;
+      } else {
+        g.kind = GateKind::kSoftmaxTopK;
+        g.renormalize = false;
+      }
       double scale = 1.0;
       MOERUN_RETURN_IF_ERROR(c.FloatOr("moe_router_scaling_factor", 1.0, &scale));
       g.scale = static_cast<float>(scale);
+      if (!fp32_gate) {
+        // A float32 model's linear is the float32 product need_fp32_gate asks for; a bf16
+        // model's rounds the logits to bf16 (its input is bf16 already).
+        if (s->torch_dtype == "bfloat16") {
+          g.bf16_logits = true;
+        } else if (s->torch_dtype == "float16") {
+          return Status::Unsupported(
+              "need_fp32_gate false in a float16 model (the router would run in float16) is "
+              "not supported; bfloat16 and float32 models are");
+        }
+      }
       MOERUN_RETURN_IF_ERROR(c.IntOr("share_expert_dim", 0, &s->shared_inter));
       s->act = ActKind::kSwiGluClamped;
       MOERUN_RETURN_IF_ERROR(c.FloatList("swiglu_limits", &s->swiglu_limits));

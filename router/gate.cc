@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "base/dtype.h"
 #include "base/fast_exp.h"
 
 namespace moerun {
@@ -51,6 +52,7 @@ std::string DescribeGate(const GateSpec& g) {
   if (g.n_group > 1)
     s += " groups " + std::to_string(g.topk_group) + "/" + std::to_string(g.n_group);
   if (g.scale != 1.0f) s += " x" + std::to_string(g.scale).substr(0, 4);
+  if (g.bf16_logits) s += " bf16-logits";
   return s;
 }
 
@@ -60,6 +62,10 @@ void Route(const GateSpec& g, const float* logits, const float* selection_bias,
   const int k = g.top_k;
   float* probs = scratch.probs;
   int32_t* order = scratch.order;
+  if (g.bf16_logits) {  // the gate functions below read each logit before they write choice[i]
+    for (int i = 0; i < n; ++i) scratch.choice[i] = Bf16ToF32(F32ToBf16(logits[i]));
+    logits = scratch.choice;
+  }
   switch (g.kind) {
     case GateKind::kSoftmaxTopK: {
       float mx = logits[0];
@@ -76,6 +82,7 @@ void Route(const GateSpec& g, const float* logits, const float* selection_bias,
         weights[i] = probs[order[i]];
       }
       if (g.renormalize) Renormalize(weights, k, g.renorm_eps);
+      for (int i = 0; i < k; ++i) weights[i] = weights[i] * g.scale;
       break;
     }
     case GateKind::kSigmoidTopK: {

@@ -39,6 +39,14 @@ MOERUN_HD inline void TopK(const float* v, int n, int k, int32_t* order, uint32_
   }
 }
 
+// Round to the nearest bfloat16, ties to even; NaN stays NaN (base/dtype.h's F32ToBf16).
+MOERUN_HD inline float RoundBf16(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BitsFloat(((u >> 16) | 0x40u) << 16);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BitsFloat((u >> 16) << 16);
+}
+
 MOERUN_HD inline void Renormalize(float* w, int k, float eps) {
   float sum = 0.0f;
   for (int i = 0; i < k; ++i) sum = sum + w[i];
@@ -58,6 +66,9 @@ MOERUN_HD inline void Route(const GateSpec& g, float* logit, const float* select
   const int n = g.num_experts, k = g.top_k;
   float* probs = s.probs;
   int32_t* order = s.order;
+  if (g.bf16_logits) {
+    for (int i = 0; i < n; ++i) logit[i] = RoundBf16(logit[i]);
+  }
   switch (g.kind) {
     case GateKind::kSoftmaxTopK: {
       float mx = logit[0];
@@ -74,6 +85,7 @@ MOERUN_HD inline void Route(const GateSpec& g, float* logit, const float* select
         w[i] = probs[order[i]];
       }
       if (g.renormalize) Renormalize(w, k, g.renorm_eps);
+      for (int i = 0; i < k; ++i) w[i] = w[i] * g.scale;
       break;
     }
     case GateKind::kSigmoidTopK: {

@@ -57,6 +57,42 @@ TEST(GateTest, SoftmaxTopKNotRenormalised) {
   EXPECT_NEAR(r.w[1], std::exp(1.0) / z, 1e-7);
 }
 
+TEST(GateTest, SoftmaxTopKScaled) {  // Step-3.5 without router bias, softmax: no renorm, x scale
+  GateSpec g = Spec(GateKind::kSoftmaxTopK, 4, 2);
+  g.renormalize = false;
+  g.scale = 3.0f;
+  const std::vector<float> logits = {0.0f, 2.0f, 1.0f, -1.0f};
+  const Routed r = RouteOne(g, logits);
+  double z = 0;
+  for (float l : logits) z += std::exp(static_cast<double>(l));
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{1, 2}));
+  EXPECT_NEAR(r.w[0], 3.0 * std::exp(2.0) / z, 1e-6);
+  EXPECT_NEAR(r.w[1], 3.0 * std::exp(1.0) / z, 1e-6);
+}
+
+TEST(GateTest, Bf16LogitsAreRoundedFirst) {
+  // 1.001 and 1.002 both round to bfloat16 1.0: tied, so the lower index wins, and the weights
+  // are the rounded logits' (sigmoid(1) each, renormalised to 1/2).
+  GateSpec g = Spec(GateKind::kSigmoidTopK, 3, 1);
+  const std::vector<float> logits = {1.001f, 1.002f, -3.0f};
+  EXPECT_EQ(RouteOne(g, logits).ids, (std::vector<int32_t>{1}));
+  g.bf16_logits = true;
+  EXPECT_EQ(RouteOne(g, logits).ids, (std::vector<int32_t>{0}));
+  g.top_k = 2;
+  g.scale = 3.0f;
+  const Routed r = RouteOne(g, logits);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(r.w[0], 1.5f);
+  EXPECT_EQ(r.w[1], 1.5f);
+  g.kind = GateKind::kSoftmaxTopK;  // the softmax of the rounded logits
+  g.renormalize = false;
+  g.scale = 1.0f;
+  const Routed s = RouteOne(g, logits);
+  const double e = std::exp(1.0), z = 2 * e + std::exp(-3.0);
+  EXPECT_NEAR(s.w[0], e / z, 1e-7);
+  EXPECT_EQ(s.w[0], s.w[1]);
+}
+
 TEST(GateTest, TiesGoToTheLowerIndex) {
   const GateSpec g = Spec(GateKind::kSoftmaxTopK, 5, 3);
   const Routed r = RouteOne(g, {1.0f, 3.0f, 1.0f, 3.0f, 1.0f});

@@ -238,7 +238,15 @@ TEST(ModelSpecTest, BadConfigsNameTheProblem) {
       {"deepseek_v3", [](auto& j) { j["routed_scaling_factor"] = "big"; }, "routed_scaling"},
       {"gpt_oss", [](auto& j) { j.erase("num_local_experts"); }, "num_experts"},
       {"step3p5", [](auto& j) { j["swiglu_limits"] = {-1.0}; }, "swiglu_limits"},
-      {"step3p5", [](auto& j) { j["moe_router_activation"] = "softmax"; }, "not supported"},
+      {"step3p5", [](auto& j) { j["moe_router_activation"] = "relu"; }, "not supported"},
+      {"step3p5", [](auto& j) { j["use_moe_router_bias"] = "yes"; }, "use_moe_router_bias"},
+      {"step3p5", [](auto& j) { j["norm_expert_weight"] = 1; }, "norm_expert_weight"},
+      {"step3p5",
+       [](auto& j) {
+         j["need_fp32_gate"] = false;
+         j["torch_dtype"] = "float16";
+       },
+       "float16"},
   };
   for (const auto& c : cases) {
     auto j = FixtureConfig(c.dir);

@@ -24,7 +24,13 @@ std::vector<GateSpec> Specs() {
   GateSpec step{GateKind::kSigmoidTopK, 288, 8, true, 1e-20f, 3.0f, 1, 1, true};
   GateSpec gptoss{GateKind::kTopKSoftmax, 32, 4};
   GateSpec big{GateKind::kSoftmaxTopK, 512, 16};
-  return {mixtral, qwen3, qwen2, deepseek, step, gptoss, big};
+  // Step-3.5 without router bias (sigmoid; softmax), and with bf16 logits (need_fp32_gate false).
+  GateSpec step_sigmoid{GateKind::kSigmoidTopK, 288, 8, true, 0.0f, 3.0f, 1, 1, false};
+  GateSpec step_softmax{GateKind::kSoftmaxTopK, 288, 8, false, 0.0f, 3.0f, 1, 1, false};
+  GateSpec step_bf16 = step, step_softmax_bf16 = step_softmax, gptoss_bf16 = gptoss;
+  step_bf16.bf16_logits = step_softmax_bf16.bf16_logits = gptoss_bf16.bf16_logits = true;
+  return {mixtral,      qwen3,        qwen2,     deepseek,          step,       gptoss, big,
+          step_sigmoid, step_softmax, step_bf16, step_softmax_bf16, gptoss_bf16};
 }
 
 TEST(RouteTokenTest, EqualsTheCpuGateBitwise) {
