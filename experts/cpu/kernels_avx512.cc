@@ -28,6 +28,15 @@ constexpr int kNr = 32;
 constexpr float kE2m1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+// Calls fn.template operator()<R>() for R = rows (1..kMr): one compiled tile per height.
+template <int R = 1, typename Fn>
+inline void ForRows(int rows, Fn&& fn) {
+  if constexpr (R < kMr) {
+    if (rows != R) return ForRows<R + 1>(rows, fn);
+  }
+  fn.template operator()<R>();
+}
+
 template <DType BT>
 inline void LoadB(const uint8_t* b, int64_t k, __m512* b0, __m512* b1) {
   if constexpr (BT == DType::kF32) {
@@ -69,49 +78,6 @@ void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, b
   for (int i = 0; i < R; ++i) {
     _mm512_storeu_ps(c + i * ldc, c0[i]);
     _mm512_storeu_ps(c + i * ldc + 16, c1[i]);
-  }
-}
-
-template <DType BT>
-void TileRows(int rows, int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc,
-              bool acc) {
-  switch (rows) {
-    case 1:
-      TileT<1, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 2:
-      TileT<2, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 3:
-      TileT<3, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 4:
-      TileT<4, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 5:
-      TileT<5, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 6:
-      TileT<6, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 7:
-      TileT<7, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 8:
-      TileT<8, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 9:
-      TileT<9, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 10:
-      TileT<10, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 11:
-      TileT<11, BT>(k, a, b, c, ldc, acc);
-      break;
-    default:
-      TileT<12, BT>(k, a, b, c, ldc, acc);
-      break;
   }
 }
 
@@ -189,67 +155,24 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
   }
 }
 
-template <DType BT>
-void QuantTileRows(int rows, int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc,
-                   bool acc) {
-  switch (rows) {
-    case 1:
-      QuantTileT<1, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 2:
-      QuantTileT<2, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 3:
-      QuantTileT<3, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 4:
-      QuantTileT<4, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 5:
-      QuantTileT<5, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 6:
-      QuantTileT<6, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 7:
-      QuantTileT<7, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 8:
-      QuantTileT<8, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 9:
-      QuantTileT<9, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 10:
-      QuantTileT<10, BT>(k, a, b, c, ldc, acc);
-      break;
-    case 11:
-      QuantTileT<11, BT>(k, a, b, c, ldc, acc);
-      break;
-    default:
-      QuantTileT<12, BT>(k, a, b, c, ldc, acc);
-      break;
-  }
-}
-
 void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c, int64_t ldc,
           bool accumulate) {
   const auto* bb = static_cast<const uint8_t*>(b);
   switch (bt) {
     case DType::kF8E4M3:
-      QuantTileRows<DType::kF8E4M3>(rows, k, a, bb, c, ldc, accumulate);
+      ForRows(rows, [&]<int R>() { QuantTileT<R, DType::kF8E4M3>(k, a, bb, c, ldc, accumulate); });
       break;
     case DType::kF4:
-      QuantTileRows<DType::kF4>(rows, k, a, bb, c, ldc, accumulate);
+      ForRows(rows, [&]<int R>() { QuantTileT<R, DType::kF4>(k, a, bb, c, ldc, accumulate); });
       break;
     case DType::kBF16:
-      TileRows<DType::kBF16>(rows, k, a, bb, c, ldc, accumulate);
+      ForRows(rows, [&]<int R>() { TileT<R, DType::kBF16>(k, a, bb, c, ldc, accumulate); });
       break;
     case DType::kF16:
-      TileRows<DType::kF16>(rows, k, a, bb, c, ldc, accumulate);
+      ForRows(rows, [&]<int R>() { TileT<R, DType::kF16>(k, a, bb, c, ldc, accumulate); });
       break;
     default:
-      TileRows<DType::kF32>(rows, k, a, bb, c, ldc, accumulate);
+      ForRows(rows, [&]<int R>() { TileT<R, DType::kF32>(k, a, bb, c, ldc, accumulate); });
       break;
   }
 }
