@@ -2,8 +2,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "base/exit_code.h"
 #include "base/log.h"
@@ -14,6 +16,7 @@
 #include "bench/timing.h"
 #include "layer/moe_layer.h"
 #include "layer/reference_layer.h"
+#include "model/preset.h"
 
 namespace moerun::bench {
 
@@ -48,6 +51,85 @@ std::vector<GemmShape> LayerShapes(const MoeLayerWeights& w, int64_t t) {
   return shapes;
 }
 
+// OpenBLAS sgemm on the layer's total GEMM shape at T tokens: the best of the core types (null
+// if none ran).
+json SgemmBaseline(const MoeLayerWeights& w, int64_t t, int threads, double min_seconds,
+                   const std::vector<std::string>& coretypes) {
+  json runs = json::array();
+  json best;
+  for (const auto& ct : coretypes) {
+    auto res = RunSgemmBaseline(LayerShapes(w, t), threads, min_seconds, ct);
+    if (!res.ok()) {
+      spdlog::warn("sgemm baseline ({}): {}", ct.empty() ? "as installed" : ct,
+                   res.status().message());
+      continue;
+    }
+    runs.push_back(*res);
+    if (best.is_null() || (*res)["gflops"].get<double>() > best["gflops"].get<double>()) {
+      best = *res;
+    }
+  }
+  if (best.is_null()) return json();
+  return {{"what", "OpenBLAS sgemm of the same total shape (experts' rows as one dense GEMM)"},
+          {"best", best},
+          {"runs", runs}};
+}
+
+// One weight type of the run: its layer, built from the same flags but for the type.
+struct TypedLayer {
+  std::string flag;  // as given to --dtype
+  std::shared_ptr<const MoeLayerWeights> w;
+  std::unique_ptr<MoeLayer> layer;
+};
+
+// --dtype as a comma-separated list: each name parsed, none twice.
+Result<std::vector<std::pair<std::string, DType>>> ParseDTypes(const std::string& list) {
+  std::vector<std::pair<std::string, DType>> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    MOERUN_ASSIGN_OR_RETURN(DType t, ParseWeightDType(item));
+    for (const auto& [name, seen] : out) {
+      if (seen == t) return Status::InvalidArgument("--dtype names " + item + " twice");
+    }
+    out.emplace_back(item, t);
+  }
+  if (out.empty()) return Status::InvalidArgument("--dtype names no weight type");
+  return out;
+}
+
+// The layers of every --dtype. With several types, a preset gets the same experts in each (the
+// budget of the widest type unless --experts says), so that the types run the same layer.
+Result<std::vector<TypedLayer>> LoadTypedLayers(const LayerFlags& flags, const CpuKernels& kernels,
+                                                int threads) {
+  MOERUN_ASSIGN_OR_RETURN(auto types, ParseDTypes(flags.dtype));
+  LayerFlags lf = flags;
+  if (types.size() > 1) {
+    if (!flags.model.empty()) {
+      return Status::InvalidArgument("--dtype with several types applies to presets, not --model");
+    }
+    if (lf.experts == 0 && !lf.preset.empty()) {
+      int experts = 0;
+      for (const auto& [name, t] : types) {
+        PresetOptions o;
+        o.dtype = t;
+        MOERUN_ASSIGN_OR_RETURN(ModelSpec s, PresetSpec(lf.preset, o, nullptr));
+        experts = experts == 0 ? s.num_experts : std::min(experts, s.num_experts);
+      }
+      lf.experts = experts;
+      spdlog::info("{}: {} experts for every --dtype (the budget of the widest type)", lf.preset,
+                   experts);
+    }
+  }
+  std::vector<TypedLayer> out;
+  for (const auto& [name, t] : types) {
+    lf.dtype = name;
+    MOERUN_ASSIGN_OR_RETURN(auto w, LoadLayerFromFlags(lf, kernels, threads));
+    out.push_back(TypedLayer{name, w, nullptr});
+  }
+  return out;
+}
+
 }  // namespace
 
 int RunLayerBench(const LayerBenchFlags& f) {
@@ -73,23 +155,32 @@ int RunLayerBench(const LayerBenchFlags& f) {
   if (!isa.ok()) return FailWith(isa.status());
   const CpuKernels& kernels = KernelsFor(*isa);
   ThreadPool pool(f.layer.threads);
-  auto loaded = LoadLayerFromFlags(f.layer, kernels, pool.size());
+  auto loaded = LoadTypedLayers(f.layer, kernels, pool.size());
   if (!loaded.ok()) return FailWith(loaded.status());
-  const MoeLayerWeights& w = **loaded;
-  MoeLayer layer(*loaded, kernels, &pool);
-  const int64_t hidden = w.spec.hidden;
+  std::vector<TypedLayer>& typed = *loaded;
+  for (auto& tl : typed) tl.layer = std::make_unique<MoeLayer>(tl.w, kernels, &pool);
+  const bool several = typed.size() > 1;
+  const MoeLayerWeights& w0 = *typed[0].w;
+  const int64_t hidden = w0.spec.hidden;
 
   const auto& cpu = DetectCpu();
   json report;
+  std::string names;
+  json dtype_names = json::array();
+  for (const auto& tl : typed) {
+    names += std::string(names.empty() ? "" : ",") + DTypeName(tl.w->dtype);
+    dtype_names.push_back(DTypeName(tl.w->dtype));
+  }
   report["bench"] = "layer";
-  report["layer"] = DescribeLayer(w);
+  report["layer"] = DescribeLayer(w0.spec, w0.layer, names);
   report["model"] = f.layer.model.empty() ? "preset:" + f.layer.preset : f.layer.model;
-  report["family"] = FamilyName(w.spec.family);
-  report["experts"] = w.spec.num_experts;
-  report["top_k"] = w.spec.top_k;
+  report["family"] = FamilyName(w0.spec.family);
+  report["experts"] = w0.spec.num_experts;
+  report["top_k"] = w0.spec.top_k;
   report["hidden"] = hidden;
-  report["expert_intermediate"] = w.spec.expert_inter;
-  report["weight_dtype"] = DTypeName(w.dtype);
+  report["expert_intermediate"] = w0.spec.expert_inter;
+  report["weight_dtype"] = names;
+  report["weight_dtypes"] = dtype_names;
   report["device"] = "cpu";
   report["cpu"] = cpu.brand;
   report["isa"] = IsaName(*isa);
@@ -100,97 +191,119 @@ int RunLayerBench(const LayerBenchFlags& f) {
   const double read_bps = MeasureReadBandwidth(&pool);
   report["memory_read_gbps"] = read_bps / 1e9;
 
-  std::vector<std::string> coretypes = CandidateCoreTypes();
+  // The sgemm baseline of every T first (its shape is the same for every weight type). Its best
+  // rate in the run is the compute floor's rate: at small T sgemm's rate is bound by reading its
+  // own f32 matrices, which is no floor for narrower weights.
+  std::map<int64_t, json> sgemm;
+  double peak_gflops = 0;
+  if (f.sgemm) {
+    const std::vector<std::string> coretypes = CandidateCoreTypes();
+    for (int64_t t : f.tokens) {
+      sgemm[t] = SgemmBaseline(w0, t, pool.size(), f.min_seconds, coretypes);
+      if (!sgemm[t].is_null()) {
+        peak_gflops = std::max(peak_gflops, sgemm[t]["best"]["gflops"].get<double>());
+      }
+    }
+  }
   for (int64_t t : f.tokens) {
     const std::vector<float> x = RandomInput(t, hidden, f.layer.seed + static_cast<uint64_t>(t));
-    std::vector<float> out(static_cast<size_t>(t * hidden));
-    Status st;
-    const Timing ours =
-        TimeIt([&] { st = layer.Forward(x.data(), t, out.data()); }, 3, f.min_seconds);
-    if (!st.ok()) return FailWith(st);
-    const double flops = layer.Flops(t);
-    std::set<int32_t> active(layer.last_routing().ids.begin(), layer.last_routing().ids.end());
-    size_t weight_bytes = w.shared ? w.shared->bytes() : 0;
-    for (int32_t e : active) weight_bytes += w.experts[static_cast<size_t>(e)].bytes();
+    const json& sgemm_block = sgemm[t];
+    const double sgemm_gflops =
+        sgemm_block.is_null() ? 0 : sgemm_block["best"]["gflops"].get<double>();
+    std::vector<json> rows;  // this T's results, one per weight type
+    for (TypedLayer& tl : typed) {
+      const MoeLayerWeights& w = *tl.w;
+      MoeLayer& layer = *tl.layer;
+      std::vector<float> out(static_cast<size_t>(t * hidden));
+      Status st;
+      const Timing ours =
+          TimeIt([&] { st = layer.Forward(x.data(), t, out.data()); }, 3, f.min_seconds);
+      if (!st.ok()) return FailWith(st);
+      const double flops = layer.Flops(t);
+      std::set<int32_t> active(layer.last_routing().ids.begin(), layer.last_routing().ids.end());
+      size_t weight_bytes = w.shared ? w.shared->bytes() : 0;
+      for (int32_t e : active) weight_bytes += w.experts[static_cast<size_t>(e)].bytes();
 
-    json r;
-    r["tokens"] = t;
-    r["ms"] = ours.median_ms;
-    r["min_ms"] = ours.min_ms;
-    r["reps"] = ours.reps;
-    r["tokens_per_s"] = static_cast<double>(t) / (ours.median_ms / 1e3);
-    r["gflops"] = flops / (ours.median_ms * 1e6);
-    r["experts_active"] = active.size();
-    r["weight_bytes"] = weight_bytes;
-    r["weight_read_gbps"] = static_cast<double>(weight_bytes) / (ours.median_ms * 1e6);
+      json r;
+      r["tokens"] = t;
+      r["weight_dtype"] = DTypeName(w.dtype);
+      r["ms"] = ours.median_ms;
+      r["min_ms"] = ours.min_ms;
+      r["reps"] = ours.reps;
+      r["tokens_per_s"] = static_cast<double>(t) / (ours.median_ms / 1e3);
+      r["gflops"] = flops / (ours.median_ms * 1e6);
+      r["experts_active"] = active.size();
+      r["weight_bytes"] = weight_bytes;
+      r["weight_read_gbps"] = static_cast<double>(weight_bytes) / (ours.median_ms * 1e6);
 
-    // The plain per-token reference on the first few tokens; its time scales linearly in T.
-    const int64_t rt = std::min<int64_t>(t, std::max(1, f.reference_tokens));
-    std::vector<float> ref(static_cast<size_t>(rt * hidden));
-    const Timing rtime = TimeIt([&] { ReferenceForward(w, x.data(), rt, ref.data()); }, 1, 0.0, 1);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-      const double d = static_cast<double>(out[i]) - ref[i];
-      num += d * d;
-      den += static_cast<double>(ref[i]) * ref[i];
-    }
-    const double ref_ms = rtime.median_ms / static_cast<double>(rt) * static_cast<double>(t);
-    r["reference"] = {{"what", "per-token loop, double accumulation"},
-                      {"tokens_timed", rt},
-                      {"ms", ref_ms},
-                      {"gflops", flops / (ref_ms * 1e6)}};
-    r["speedup_vs_reference"] = ref_ms / ours.median_ms;
-    r["check_rel_err_vs_reference"] = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-
-    double sgemm_gflops = 0;
-    std::string sgemm_line;
-    if (f.sgemm) {
-      json runs = json::array();
-      json best;
-      for (const auto& ct : coretypes) {
-        auto res = RunSgemmBaseline(LayerShapes(w, t), pool.size(), f.min_seconds, ct);
-        if (!res.ok()) {
-          spdlog::warn("sgemm baseline ({}): {}", ct.empty() ? "as installed" : ct,
-                       res.status().message());
-          continue;
-        }
-        runs.push_back(*res);
-        if (best.is_null() || (*res)["gflops"].get<double>() > best["gflops"].get<double>()) {
-          best = *res;
-        }
+      // The plain per-token reference on the first few tokens; its time scales linearly in T.
+      const int64_t rt = std::min<int64_t>(t, std::max(1, f.reference_tokens));
+      std::vector<float> ref(static_cast<size_t>(rt * hidden));
+      const Timing rtime =
+          TimeIt([&] { ReferenceForward(w, x.data(), rt, ref.data()); }, 1, 0.0, 1);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double d = static_cast<double>(out[i]) - ref[i];
+        num += d * d;
+        den += static_cast<double>(ref[i]) * ref[i];
       }
-      if (!best.is_null()) {
-        r["sgemm"] = {{"what",
-                       "OpenBLAS sgemm of the same total shape (experts' rows as one "
-                       "dense GEMM)"},
-                      {"best", best},
-                      {"runs", runs}};
-        sgemm_gflops = best["gflops"].get<double>();
+      const double ref_ms = rtime.median_ms / static_cast<double>(rt) * static_cast<double>(t);
+      r["reference"] = {{"what", "per-token loop, double accumulation"},
+                        {"tokens_timed", rt},
+                        {"ms", ref_ms},
+                        {"gflops", flops / (ref_ms * 1e6)}};
+      r["speedup_vs_reference"] = ref_ms / ours.median_ms;
+      r["check_rel_err_vs_reference"] = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+
+      std::string sgemm_line;
+      if (sgemm_gflops > 0) {
+        r["sgemm"] = sgemm_block;
         r["fraction_of_sgemm"] = r["gflops"].get<double>() / sgemm_gflops;
-        r["speedup_vs_sgemm"] = best["ms"].get<double>() / ours.median_ms;
+        r["speedup_vs_sgemm"] = sgemm_block["best"]["ms"].get<double>() / ours.median_ms;
         sgemm_line = fmt::format(" | sgemm {} {:.1f} GFLOP/s -> fraction {:.2f}",
-                                 best["corename"].get<std::string>(), best["gflops"].get<double>(),
+                                 sgemm_block["best"]["corename"].get<std::string>(), sgemm_gflops,
                                  r["fraction_of_sgemm"].get<double>());
       }
+      const double read_floor_ms = static_cast<double>(weight_bytes) / read_bps * 1e3;
+      const double compute_floor_ms = peak_gflops > 0 ? flops / (peak_gflops * 1e6) : 0;
+      const double floor_ms = std::max(read_floor_ms, compute_floor_ms);
+      r["floor"] = {{"what",
+                     "max(active expert weights as held (FP8/MXFP4: codes and scales) / memory "
+                     "read bandwidth, FLOPs / best sgemm rate at any T), both measured in this "
+                     "run"},
+                    {"read_ms", read_floor_ms},
+                    {"compute_gflops", peak_gflops},
+                    {"compute_ms", compute_floor_ms},
+                    {"ms", floor_ms}};
+      r["x_floor"] = ours.median_ms / floor_ms;
+      const std::string what =
+          several ? fmt::format("{} {}", IsaName(*isa), DTypeName(w.dtype)) : IsaName(*isa);
+      std::fprintf(stderr,
+                   "layer %s T=%lld: %.3f ms, %.0f tok/s, %.1f GFLOP/s, %.1f GB/s weights%s | "
+                   "x_floor %.2f | reference x%.0f\n",
+                   what.c_str(), static_cast<long long>(t), ours.median_ms,
+                   r["tokens_per_s"].get<double>(), r["gflops"].get<double>(),
+                   r["weight_read_gbps"].get<double>(), sgemm_line.c_str(),
+                   r["x_floor"].get<double>(), r["speedup_vs_reference"].get<double>());
+      rows.push_back(std::move(r));
     }
-    const double read_floor_ms = static_cast<double>(weight_bytes) / read_bps * 1e3;
-    const double compute_floor_ms = sgemm_gflops > 0 ? flops / (sgemm_gflops * 1e6) : 0;
-    const double floor_ms = std::max(read_floor_ms, compute_floor_ms);
-    r["floor"] = {{"what",
-                   "max(active expert weights / memory read bandwidth, FLOPs / best sgemm "
-                   "rate), both measured in this run"},
-                  {"read_ms", read_floor_ms},
-                  {"compute_ms", compute_floor_ms},
-                  {"ms", floor_ms}};
-    r["x_floor"] = ours.median_ms / floor_ms;
-    std::fprintf(stderr,
-                 "layer %s T=%lld: %.3f ms, %.0f tok/s, %.1f GFLOP/s, %.1f GB/s weights%s | "
-                 "x_floor %.2f | reference x%.0f\n",
-                 IsaName(*isa), static_cast<long long>(t), ours.median_ms,
-                 r["tokens_per_s"].get<double>(), r["gflops"].get<double>(),
-                 r["weight_read_gbps"].get<double>(), sgemm_line.c_str(),
-                 r["x_floor"].get<double>(), r["speedup_vs_reference"].get<double>());
-    report["results"].push_back(r);
+    // Each type against F32 and BF16 of the same run and T (types narrower than the baseline).
+    for (DType base : {DType::kF32, DType::kBF16}) {
+      const json* b = nullptr;
+      for (const json& r : rows) {
+        if (r["weight_dtype"] == DTypeName(base)) b = &r;
+      }
+      if (b == nullptr) continue;
+      const std::string key = std::string("speedup_vs_") + (base == DType::kF32 ? "f32" : "bf16");
+      for (json& r : rows) {
+        const std::string name = r["weight_dtype"].get<std::string>();
+        if (name == "F32" || (base == DType::kBF16 && name == "BF16")) continue;
+        r[key] = (*b)["ms"].get<double>() / r["ms"].get<double>();
+        std::fprintf(stderr, "layer %s T=%lld: %s %.2f\n", name.c_str(), static_cast<long long>(t),
+                     key.c_str(), r[key].get<double>());
+      }
+    }
+    for (json& r : rows) report["results"].push_back(std::move(r));
   }
   if (f.json) {
     std::printf("%s\n", report.dump(2).c_str());

@@ -2,8 +2,13 @@
 // per-token reference loop and the OpenBLAS sgemm of the same total shape. Prints JSON to stdout
 // (fields say their direction: speedup_vs_X = X's time / ours; fraction_of_X = our rate / X's)
 // and a one-line summary per token count to stderr. The layer's output is checked against the
-// reference on the tokens the reference ran. --device cuda times the CUDA layer instead, against
-// its physical floor and torch._grouped_mm (bench/cuda_layer_bench.h).
+// reference on the tokens the reference ran. With several weight types (--dtype f32,bf16,fp8) it
+// builds the same preset layer in each and times them in turn at every token count; each result
+// names its weight_dtype, its floor counts the bytes that type holds (FP8/MXFP4: codes and
+// scales), and the narrower types get speedup_vs_f32 and speedup_vs_bf16 (that type's time ÷
+// ours, same run). The floor's compute rate is the best sgemm rate of the run's token counts
+// (sgemm at a small T is bound by reading its own f32 matrices). --device cuda times the CUDA layer
+// instead, against its physical floor and torch._grouped_mm (bench/cuda_layer_bench.h).
 #pragma once
 
 #include <string>

@@ -32,7 +32,10 @@ int main(int argc, char** argv) {
         ->default_val(0.0);
     layer->add_option("--experts", lf.layer.experts,
                       "Preset expert count (default: fit 4 GB; --device cuda: all)");
-    layer->add_option("--dtype", lf.layer.dtype, "Preset weights: f32, bf16, f16")
+    layer
+        ->add_option("--dtype", lf.layer.dtype,
+                     "Preset weights: f32, bf16, f16, fp8, mxfp4; a comma-separated list "
+                     "(f32,bf16,fp8) times each in one run, on the same experts")
         ->default_val("f32");
     layer->add_option("--layer", lf.layer.layer, "Decoder layer (default: first MoE layer)");
     auto* tokens_opt =
@@ -119,7 +122,9 @@ int main(int argc, char** argv) {
                      "--verify: preset routing skew (as the server's preset.gate_skew)")
         ->default_val(0.0);
     serve->add_option("--experts", sf.layer.experts, "--verify: preset expert count");
-    serve->add_option("--weights-dtype", sf.layer.dtype, "--verify: preset weights f32, bf16")
+    serve
+        ->add_option("--weights-dtype", sf.layer.dtype,
+                     "--verify: preset weights f32, bf16, f16, fp8, mxfp4")
         ->default_val("f32");
     serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
