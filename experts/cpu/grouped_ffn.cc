@@ -18,25 +18,48 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // is what bounds small batches). Many rows: k blocks outermost, so a panel's k block stays in L1
 // across the m blocks. The order changes no result: each tile accumulates its k blocks in order
 // either way.
-template <typename Fn>
-void GroupedFfn::ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Fn&& fn) const {
+template <typename Prep, typename Fn>
+void GroupedFfn::ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Prep&& prepare,
+                             Fn&& fn) const {
+  auto panel_block = [&](int64_t k0, int p) {
+    const int64_t klen = std::min(kc, k - k0);
+    prepare(k0, klen, p);
+    for (int mb = 0; mb < mblocks; ++mb) fn(k0, klen, p, mb);
+  };
   if (static_cast<int64_t>(mblocks) * kernels_.mr * k * 4 <= kStreamMaxABytes) {
     for (int p = 0; p < panels; ++p) {
-      for (int64_t k0 = 0; k0 < k; k0 += kc) {
-        for (int mb = 0; mb < mblocks; ++mb) fn(k0, std::min(kc, k - k0), p, mb);
-      }
+      for (int64_t k0 = 0; k0 < k; k0 += kc) panel_block(k0, p);
     }
     return;
   }
   for (int64_t k0 = 0; k0 < k; k0 += kc) {
-    for (int p = 0; p < panels; ++p) {
-      for (int mb = 0; mb < mblocks; ++mb) fn(k0, std::min(kc, k - k0), p, mb);
-    }
+    for (int p = 0; p < panels; ++p) panel_block(k0, p);
   }
 }
 
 GroupedFfn::GroupedFfn(const CpuKernels& kernels, ThreadPool* pool)
-    : kernels_(kernels), pool_(pool), scratch_(static_cast<size_t>(pool->size())) {}
+    : kernels_(kernels),
+      pool_(pool),
+      scratch_(static_cast<size_t>(pool->size())),
+      decoded_(static_cast<size_t>(pool->size())) {}
+
+float* GroupedFfn::DecodeBuffer(const PackedMatrix& m, int mblocks, int worker) {
+  // Block-scaled weights over several m blocks: each panel block is decoded once to floats and
+  // read by every m block (the same bits as decoding in every tile).
+  if (!m.block_scaled() || mblocks < 2) return nullptr;
+  AlignedBuffer& buf = decoded_[static_cast<size_t>(worker)];
+  buf.Reserve(static_cast<size_t>(KcFor(kernels_, m.dtype()) * kernels_.nr) * sizeof(float));
+  return buf.as<float>();
+}
+
+void GroupedFfn::RunTile(const PackedMatrix& m, const float* dq, int rows, int64_t klen,
+                         const float* a, int64_t panel, int64_t k0, float* c, int64_t ldc) const {
+  if (dq != nullptr) {
+    kernels_.tile_decoded(rows, klen, a, dq, m.PanelAt(panel, k0), m.dtype(), c, ldc, k0 > 0);
+  } else {
+    kernels_.tile(rows, klen, a, m.PanelAt(panel, k0), m.dtype(), c, ldc, k0 > 0);
+  }
+}
 
 void GroupedFfn::BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm) {
   tasks_.clear();
@@ -111,14 +134,18 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     scratch.Reserve(static_cast<size_t>(kMBlocksPerTask) * mr * ldc * sizeof(float));
     float* c = scratch.as<float>();
     const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
-    ForEachTile(hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
-                [&](int64_t k0, int64_t klen, int p, int mb) {
-                  const int64_t gmb = t.mblock0 + mb;
-                  const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-                  kernels_.tile(rows, klen, a + (gmb * hidden + k0) * mr,
-                                w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(),
-                                c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc, k0 > 0);
-                });
+    float* dq = DecodeBuffer(w.w13, t.mblocks, worker);
+    ForEachTile(
+        hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
+        [&](int64_t k0, int64_t klen, int p) {
+          if (dq) kernels_.decode(klen, w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(), dq);
+        },
+        [&](int64_t k0, int64_t klen, int p, int mb) {
+          const int64_t gmb = t.mblock0 + mb;
+          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+          RunTile(w.w13, dq, rows, klen, a + (gmb * hidden + k0) * mr, 2 * t.panel0 + p, k0,
+                  c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc);
+        });
     float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
     const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
     for (int mb = 0; mb < t.mblocks; ++mb) {
@@ -133,21 +160,26 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
 
   // 3. Down projection straight into y.
   BuildTasks(groups, /*first_gemm=*/false);
-  pool_->ParallelFor(static_cast<int64_t>(tasks_.size()), [&](int64_t ti, int) {
+  pool_->ParallelFor(static_cast<int64_t>(tasks_.size()), [&](int64_t ti, int worker) {
     const Task& t = tasks_[static_cast<size_t>(ti)];
     const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
     const ExpertWeights& w = *grp.weights;
     const int64_t inter = w.inter;
     const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
     float* ybase = y + grp.first_row * ldy;
-    ForEachTile(inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
-                [&](int64_t k0, int64_t klen, int p, int mb) {
-                  const int64_t panel = t.panel0 + p;
-                  const int64_t gmb = t.mblock0 + mb;
-                  const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-                  kernels_.tile(rows, klen, a + (gmb * inter + k0) * mr, w.w2.PanelAt(panel, k0),
-                                w.w2.dtype(), ybase + gmb * mr * ldy + panel * nr, ldy, k0 > 0);
-                });
+    float* dq = DecodeBuffer(w.w2, t.mblocks, worker);
+    ForEachTile(
+        inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
+        [&](int64_t k0, int64_t klen, int p) {
+          if (dq) kernels_.decode(klen, w.w2.PanelAt(t.panel0 + p, k0), w.w2.dtype(), dq);
+        },
+        [&](int64_t k0, int64_t klen, int p, int mb) {
+          const int64_t panel = t.panel0 + p;
+          const int64_t gmb = t.mblock0 + mb;
+          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+          RunTile(w.w2, dq, rows, klen, a + (gmb * inter + k0) * mr, panel, k0,
+                  ybase + gmb * mr * ldy + panel * nr, ldy);
+        });
     if (!w.bias_down.empty()) {
       const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
       const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;

@@ -48,8 +48,14 @@ class GroupedFfn {
     int32_t panel0, panels;    // output panels (GEMM1: panel pairs)
   };
   void BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm);
-  template <typename Fn>
-  void ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Fn&& fn) const;
+  // Visits every (k block, panel, m block) tile of a task; prepare(k0, klen, p) runs before the
+  // m blocks of each (k block, panel).
+  template <typename Prep, typename Fn>
+  void ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Prep&& prepare, Fn&& fn) const;
+  // The worker's buffer for decoded panel blocks, or null where tiles decode codes themselves.
+  float* DecodeBuffer(const PackedMatrix& m, int mblocks, int worker);
+  void RunTile(const PackedMatrix& m, const float* dq, int rows, int64_t klen, const float* a,
+               int64_t panel, int64_t k0, float* c, int64_t ldc) const;
 
   const CpuKernels& kernels_;
   ThreadPool* pool_;
@@ -57,6 +63,7 @@ class GroupedFfn {
   std::vector<Task> tasks_;
   AlignedBuffer apack_, hpack_;
   std::vector<AlignedBuffer> scratch_;  // one per worker
+  std::vector<AlignedBuffer> decoded_;  // one per worker: a decoded panel block
 };
 
 }  // namespace moerun

@@ -58,6 +58,13 @@ struct CpuKernels {
 
   // y[i][0..n) += bias[0..n) for `rows` rows of stride ldy.
   void (*add_bias)(int rows, int64_t n, const float* bias, float* y, int64_t ldy);
+
+  // Block-scaled b only, for many rows over one panel: `decode` writes the values v of k rows of
+  // codes (b at a block start) to dq [k][nr] floats once; `tile_decoded` then computes exactly
+  // what `tile` computes (the same bits), reading v from dq and the scales from b's headers.
+  void (*decode)(int64_t k, const void* b, DType b_type, float* dq);
+  void (*tile_decoded)(int rows, int64_t k, const float* a, const float* dq, const void* b,
+                       DType b_type, float* c, int64_t ldc, bool accumulate);
 };
 
 const CpuKernels& KernelsFor(Isa isa);

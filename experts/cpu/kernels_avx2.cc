@@ -96,9 +96,10 @@ inline __m256 E8m0x8(const uint8_t* s) {
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(x, 23), zero));
 }
 
-template <int R, DType BT>
-void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc,
-                bool accumulate) {
+// kDecoded: the codes' values come from dq [k][kNr] (written by Decode) instead of the codes.
+template <int R, DType BT, bool kDecoded = false>
+void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
+                const float* dq = nullptr) {
   constexpr bool kFp8 = BT == DType::kF8E4M3;
   constexpr int kBk = kFp8 ? 128 : 32;
   constexpr int kHeader = kFp8 ? 64 : kNr;
@@ -112,7 +113,12 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
     const float* ak = a + k0 * kMr;
     for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
       __m256 b0, b1;
-      LoadCodes<BT>(codes, &b0, &b1);
+      if constexpr (kDecoded) {
+        b0 = _mm256_loadu_ps(dq + (k0 + kk) * kNr);
+        b1 = _mm256_loadu_ps(dq + (k0 + kk) * kNr + 8);
+      } else {
+        LoadCodes<BT>(codes, &b0, &b1);
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const __m256 av = _mm256_broadcast_ss(ak + i);
@@ -160,11 +166,53 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
   }
 }
 
+// Writes the values of k rows of one panel's codes (from a block start) to dq [k][kNr].
+template <DType BT>
+void DecodeT(int64_t k, const uint8_t* b, float* dq) {
+  constexpr bool kFp8 = BT == DType::kF8E4M3;
+  constexpr int kBk = kFp8 ? 128 : 32;
+  constexpr int kHeader = kFp8 ? 64 : kNr;
+  constexpr int kRowBytes = kFp8 ? kNr : kNr / 2;
+  for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
+    const int64_t len = std::min<int64_t>(kBk, k - k0);
+    const uint8_t* codes = b + kHeader;
+    for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes) {
+      __m256 b0, b1;
+      LoadCodes<BT>(codes, &b0, &b1);
+      _mm256_storeu_ps(dq + (k0 + kk) * kNr, b0);
+      _mm256_storeu_ps(dq + (k0 + kk) * kNr + 8, b1);
+    }
+  }
+}
+
+void Decode(int64_t k, const void* b, DType bt, float* dq) {
+  const auto* bb = static_cast<const uint8_t*>(b);
+  if (bt == DType::kF8E4M3) {
+    DecodeT<DType::kF8E4M3>(k, bb, dq);
+  } else {
+    DecodeT<DType::kF4>(k, bb, dq);
+  }
+}
+
+void TileDecoded(int rows, int64_t k, const float* a, const float* dq, const void* b, DType bt,
+                 float* c, int64_t ldc, bool accumulate) {
+  const auto* bb = static_cast<const uint8_t*>(b);
+  if (bt == DType::kF8E4M3) {
+    ForRows(rows, [&]<int R>() {
+      QuantTileT<R, DType::kF8E4M3, true>(k, a, bb, c, ldc, accumulate, dq);
+    });
+  } else {
+    ForRows(rows,
+            [&]<int R>() { QuantTileT<R, DType::kF4, true>(k, a, bb, c, ldc, accumulate, dq); });
+  }
+}
+
 }  // namespace
 
 const CpuKernels& Avx2Kernels() {
-  static const CpuKernels k{Isa::kAvx2,           kMr, kNr, 256, &Tile, &elementwise::Activate,
-                            &elementwise::AddBias};
+  static const CpuKernels k{
+      Isa::kAvx2, kMr,         kNr, 256, &Tile, &elementwise::Activate, &elementwise::AddBias,
+      &Decode,    &TileDecoded};
   return k;
 }
 

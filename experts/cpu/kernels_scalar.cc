@@ -46,13 +46,26 @@ const std::array<float, 256>& Fp8Values() {
   return t;
 }
 
+// The values of row kk's codes (one k row of a panel) into bv.
+void DecodeRow(bool fp8, const uint8_t* codes, float* bv) {
+  if (fp8) {
+    const std::array<float, 256>& fp8_values = Fp8Values();
+    for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[j]];
+  } else {
+    for (int j = 0; j < kNr / 2; ++j) {
+      bv[j] = E2m1ToF32(codes[j] & 0xF);
+      bv[j + kNr / 2] = E2m1ToF32(codes[j] >> 4);
+    }
+  }
+}
+
+// dq: null, or the codes' values [k][kNr] (written by Decode).
 void QuantTile(int rows, int64_t k, const float* a, const uint8_t* b, DType bt, float* c,
-               int64_t ldc, bool accumulate) {
+               int64_t ldc, bool accumulate, const float* dq = nullptr) {
   const bool fp8 = bt == DType::kF8E4M3;
   const int bk = fp8 ? 128 : 32;
   const int header = fp8 ? kFp8HeaderBytes : kNr;
   const int row_bytes = fp8 ? kNr : kNr / 2;
-  const std::array<float, 256>& fp8_values = Fp8Values();
   float scale[kNr], bv[kNr], s[kMr][kNr];
   for (int64_t k0 = 0; k0 < k; k0 += bk, b += header + bk * row_bytes) {
     const int64_t len = std::min<int64_t>(bk, k - k0);
@@ -68,13 +81,10 @@ void QuantTile(int rows, int64_t k, const float* a, const uint8_t* b, DType bt, 
     }
     const uint8_t* codes = b + header;
     for (int64_t kk = 0; kk < len; ++kk, codes += row_bytes) {
-      if (fp8) {
-        for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[j]];
+      if (dq != nullptr) {
+        std::memcpy(bv, dq + (k0 + kk) * kNr, sizeof bv);
       } else {
-        for (int j = 0; j < kNr / 2; ++j) {
-          bv[j] = E2m1ToF32(codes[j] & 0xF);
-          bv[j + kNr / 2] = E2m1ToF32(codes[j] >> 4);
-        }
+        DecodeRow(fp8, codes, bv);
       }
       const float* ak = a + (k0 + kk) * kMr;
       for (int i = 0; i < rows; ++i) {
@@ -100,11 +110,31 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
   }
 }
 
+void Decode(int64_t k, const void* b, DType bt, float* dq) {
+  const bool fp8 = bt == DType::kF8E4M3;
+  const int bk = fp8 ? 128 : 32;
+  const int header = fp8 ? kFp8HeaderBytes : kNr;
+  const int row_bytes = fp8 ? kNr : kNr / 2;
+  const auto* bb = static_cast<const uint8_t*>(b);
+  for (int64_t k0 = 0; k0 < k; k0 += bk, bb += header + bk * row_bytes) {
+    const int64_t len = std::min<int64_t>(bk, k - k0);
+    for (int64_t kk = 0; kk < len; ++kk) {
+      DecodeRow(fp8, bb + header + kk * row_bytes, dq + (k0 + kk) * kNr);
+    }
+  }
+}
+
+void TileDecoded(int rows, int64_t k, const float* a, const float* dq, const void* b, DType bt,
+                 float* c, int64_t ldc, bool accumulate) {
+  QuantTile(rows, k, a, static_cast<const uint8_t*>(b), bt, c, ldc, accumulate, dq);
+}
+
 }  // namespace
 
 const CpuKernels& ScalarKernels() {
-  static const CpuKernels k{Isa::kScalar,         kMr, kNr, 256, &Tile, &elementwise::Activate,
-                            &elementwise::AddBias};
+  static const CpuKernels k{
+      Isa::kScalar,          kMr,     kNr,         256, &Tile, &elementwise::Activate,
+      &elementwise::AddBias, &Decode, &TileDecoded};
   return k;
 }
 

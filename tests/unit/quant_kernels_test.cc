@@ -197,6 +197,15 @@ TEST(QuantKernelsTest, TileRowsAreIndependent) {
             << r;
         EXPECT_EQ(part[static_cast<size_t>(r * kern.nr)], -1.0f) << "wrote past its rows";
       }
+      // Decoding once and reading the floats gives the same bits as decoding in the tile.
+      std::vector<float> dq(static_cast<size_t>(k * kern.nr), -7.0f);
+      kern.decode(k, b.panel(0), t, dq.data());
+      for (int r = 1; r <= kern.mr; ++r) {
+        std::vector<float> dec(static_cast<size_t>(kern.mr * kern.nr), -1.0f);
+        kern.tile_decoded(r, k, apack.data(), dq.data(), b.panel(0), t, dec.data(), kern.nr, false);
+        EXPECT_EQ(std::memcmp(dec.data(), full.data(), static_cast<size_t>(r * kern.nr) * 4), 0)
+            << "decoded, " << r << " rows";
+      }
       // Splitting k at a block boundary into two accumulating calls gives the same bits.
       const int64_t k1 = BlockK(t) * 2;
       std::vector<float> split(static_cast<size_t>(kern.mr * kern.nr));
