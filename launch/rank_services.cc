@@ -8,6 +8,7 @@
 
 #include "base/log.h"
 #include "ep/router_layer.h"
+#include "experts/cpu/packed_matrix.h"
 #include "ranks/expert_rank.h"
 #include "ranks/router_rank.h"
 #include "router/placement_plan.h"
@@ -168,7 +169,8 @@ void RankServices::Attach(RouterLayer* layer) {
   ep_layers_.push_back(layer);
   layer->set_timing(dispatch_, combine_);
   const MoeLayerWeights& w = layer->weights();
-  expert_bytes_ = 3 * w.spec.hidden * w.spec.expert_inter * (DTypeBits(w.dtype) / 8);
+  expert_bytes_ = static_cast<int64_t>(
+      static_cast<double>(3 * w.spec.hidden * w.spec.expert_inter) * HeldBytesPerWeight(w.dtype));
   auto it = by_expert_.find(layer->weights().layer);
   if (it == by_expert_.end()) return;
   std::vector<Counter*>* counters = &it->second;

@@ -58,6 +58,13 @@ inline const char* HeldTypeName(DType t) {
       return DTypeName(t);
   }
 }
+// Bytes a weight costs as held (codes and scales; not the panels' padding or FP8's headers):
+// 4, 2, 2, 1 + 4 / 128^2 (FP8), 0.5 + 1 / 32 (MXFP4).
+inline double HeldBytesPerWeight(DType t) {
+  if (t == DType::kF8E4M3) return 1.0 + 4.0 / (128.0 * 128.0);
+  if (t == DType::kF4) return 0.5 + 1.0 / 32.0;
+  return DTypeBits(t) / 8.0;
+}
 // Rows of k per scale block (1 for the plain types).
 inline int BlockK(DType t) { return t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1; }
 inline constexpr int kFp8HeaderBytes = 64;
