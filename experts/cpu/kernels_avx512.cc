@@ -19,6 +19,7 @@
 
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/kernels.h"
+#include "experts/cpu/packed_matrix.h"
 
 namespace moerun::kernels_internal {
 namespace {
@@ -116,9 +117,9 @@ template <int R, DType BT, bool kDecoded = false>
 void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
                 const float* dq = nullptr) {
   constexpr bool kFp8 = BT == DType::kF8E4M3;
-  constexpr int kBk = kFp8 ? 128 : 32;
-  constexpr int kHeader = kFp8 ? 64 : kNr;
-  constexpr int kRowBytes = kFp8 ? kNr : kNr / 2;
+  constexpr int kBk = BlockK(BT);
+  constexpr int kHeader = QuantHeaderBytes(BT, kNr);
+  constexpr int kRowBytes = QuantRowBytes(BT, kNr);
   for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
     const int64_t len = std::min<int64_t>(kBk, k - k0);
     __m512 s0[R], s1[R];
@@ -186,10 +187,9 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
 // Writes the values of k rows of one panel's codes (from a block start) to dq [k][kNr].
 template <DType BT>
 void DecodeT(int64_t k, const uint8_t* b, float* dq) {
-  constexpr bool kFp8 = BT == DType::kF8E4M3;
-  constexpr int kBk = kFp8 ? 128 : 32;
-  constexpr int kHeader = kFp8 ? 64 : kNr;
-  constexpr int kRowBytes = kFp8 ? kNr : kNr / 2;
+  constexpr int kBk = BlockK(BT);
+  constexpr int kHeader = QuantHeaderBytes(BT, kNr);
+  constexpr int kRowBytes = QuantRowBytes(BT, kNr);
   for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
     const int64_t len = std::min<int64_t>(kBk, k - k0);
     const uint8_t* codes = b + kHeader;

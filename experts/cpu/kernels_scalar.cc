@@ -63,9 +63,9 @@ void DecodeRow(bool fp8, const uint8_t* codes, float* bv) {
 void QuantTile(int rows, int64_t k, const float* a, const uint8_t* b, DType bt, float* c,
                int64_t ldc, bool accumulate, const float* dq = nullptr) {
   const bool fp8 = bt == DType::kF8E4M3;
-  const int bk = fp8 ? 128 : 32;
-  const int header = fp8 ? kFp8HeaderBytes : kNr;
-  const int row_bytes = fp8 ? kNr : kNr / 2;
+  const int bk = BlockK(bt);
+  const int header = QuantHeaderBytes(bt, kNr);
+  const int row_bytes = QuantRowBytes(bt, kNr);
   float scale[kNr], bv[kNr], s[kMr][kNr];
   for (int64_t k0 = 0; k0 < k; k0 += bk, b += header + bk * row_bytes) {
     const int64_t len = std::min<int64_t>(bk, k - k0);
@@ -112,9 +112,9 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
 
 void Decode(int64_t k, const void* b, DType bt, float* dq) {
   const bool fp8 = bt == DType::kF8E4M3;
-  const int bk = fp8 ? 128 : 32;
-  const int header = fp8 ? kFp8HeaderBytes : kNr;
-  const int row_bytes = fp8 ? kNr : kNr / 2;
+  const int bk = BlockK(bt);
+  const int header = QuantHeaderBytes(bt, kNr);
+  const int row_bytes = QuantRowBytes(bt, kNr);
   const auto* bb = static_cast<const uint8_t*>(b);
   for (int64_t k0 = 0; k0 < k; k0 += bk, bb += header + bk * row_bytes) {
     const int64_t len = std::min<int64_t>(bk, k - k0);

@@ -13,9 +13,6 @@ namespace {
 
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-int HeaderBytes(DType t, int nr) { return t == DType::kF8E4M3 ? kFp8HeaderBytes : nr; }
-int RowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr : nr / 2; }
-
 }  // namespace
 
 PackedMatrix::PackedMatrix(DType dtype, int64_t n, int64_t k, int nr)
@@ -24,10 +21,10 @@ PackedMatrix::PackedMatrix(DType dtype, int64_t n, int64_t k, int nr)
   if (block_scaled()) {
     elem_bytes_ = 0;
     const int64_t bk = block_k();
-    block_bytes_ = HeaderBytes(dtype, nr) + bk * RowBytes(dtype, nr);
+    block_bytes_ = QuantHeaderBytes(dtype, nr) + bk * QuantRowBytes(dtype, nr);
     const int64_t rem = k % bk;
-    panel_bytes_ =
-        (k / bk) * block_bytes_ + (rem ? HeaderBytes(dtype, nr) + rem * RowBytes(dtype, nr) : 0);
+    panel_bytes_ = (k / bk) * block_bytes_ +
+                   (rem ? QuantHeaderBytes(dtype, nr) + rem * QuantRowBytes(dtype, nr) : 0);
     panel_bytes_ = RoundUp(panel_bytes_, 64);
   } else {
     elem_bytes_ = dtype == DType::kF32 ? 4 : 2;
@@ -66,8 +63,8 @@ void PackedMatrix::SetQuantRow(int64_t n, const uint8_t* codes, const float* sca
   const int64_t p = n / nr_;
   const int j = static_cast<int>(n % nr_);
   const int bk = block_k();
-  const int header = HeaderBytes(dtype_, nr_);
-  const int row_bytes = RowBytes(dtype_, nr_);
+  const int header = QuantHeaderBytes(dtype_, nr_);
+  const int row_bytes = QuantRowBytes(dtype_, nr_);
   uint8_t* base = MutablePanel(p);
   for (int64_t b = 0, k0 = 0; k0 < k_; ++b, k0 += bk) {
     uint8_t* block = base + b * block_bytes_;

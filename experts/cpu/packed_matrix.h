@@ -66,8 +66,13 @@ inline double HeldBytesPerWeight(DType t) {
   return DTypeBits(t) / 8.0;
 }
 // Rows of k per scale block (1 for the plain types).
-inline int BlockK(DType t) { return t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1; }
+constexpr int BlockK(DType t) { return t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1; }
 inline constexpr int kFp8HeaderBytes = 64;
+// Block-scaled panels of width nr: bytes of a k block's header and of one k row of codes.
+constexpr int QuantHeaderBytes(DType t, int nr) {
+  return t == DType::kF8E4M3 ? kFp8HeaderBytes : nr;
+}
+constexpr int QuantRowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr : nr / 2; }
 
 // Reads row n (output n) of a logical W [N][K] into out[0..K).
 using RowReader = std::function<void(int64_t n, float* out)>;
