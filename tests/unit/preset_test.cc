@@ -388,7 +388,7 @@ TEST(PresetQuantTest, BudgetCountsTheQuantizedBytes) {
     EXPECT_GT(d->num_experts, last);
     EXPECT_EQ(d->num_experts % 8, 0);
     const double per = t == DType::kF32 ? 4 : t == DType::kBF16 ? 2 : t == DType::kF4 ? 0.53125 : 1;
-    EXPECT_LE((d->num_experts + 1) * 3 * 7168 * 2048 * per, 4.0 * (1 << 30));  // + shared
+    EXPECT_LE((d->num_experts + 1) * 3.0 * 7168 * 2048 * per, 4.0 * (1 << 30));  // + shared
     EXPECT_NE(note.find(DTypeName(t)), std::string::npos) << note;
     last = d->num_experts;
   }
