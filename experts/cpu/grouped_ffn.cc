@@ -37,6 +37,12 @@ void GroupedFfn::ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Pre
   }
 }
 
+// One m block whose A fits in L2: all of a task's panels over all of k in one tile_panels call
+// (several panels' sums in flight; the same bits as tile by tile).
+bool GroupedFfn::StreamsOneBlock(int mblocks, int64_t k) const {
+  return mblocks == 1 && static_cast<int64_t>(kernels_.mr) * k * 4 <= kStreamMaxABytes;
+}
+
 GroupedFfn::GroupedFfn(const CpuKernels& kernels, ThreadPool* pool)
     : kernels_(kernels),
       pool_(pool),
@@ -135,17 +141,24 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     float* c = scratch.as<float>();
     const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
     float* dq = DecodeBuffer(w.w13, t.mblocks, worker);
-    ForEachTile(
-        hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
-        [&](int64_t k0, int64_t klen, int p) {
-          if (dq) kernels_.decode(klen, w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(), dq);
-        },
-        [&](int64_t k0, int64_t klen, int p, int mb) {
-          const int64_t gmb = t.mblock0 + mb;
-          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-          RunTile(w.w13, dq, rows, klen, a + (gmb * hidden + k0) * mr, 2 * t.panel0 + p, k0,
-                  c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc);
-        });
+    if (StreamsOneBlock(t.mblocks, hidden)) {
+      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - t.mblock0 * mr));
+      kernels_.tile_panels(rows, 2 * t.panels, hidden, a + t.mblock0 * hidden * mr,
+                           w.w13.panel(2 * t.panel0), w.w13.panel_bytes(), w.w13.dtype(), c, ldc,
+                           false);
+    } else {
+      ForEachTile(
+          hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
+          [&](int64_t k0, int64_t klen, int p) {
+            if (dq) kernels_.decode(klen, w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(), dq);
+          },
+          [&](int64_t k0, int64_t klen, int p, int mb) {
+            const int64_t gmb = t.mblock0 + mb;
+            const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+            RunTile(w.w13, dq, rows, klen, a + (gmb * hidden + k0) * mr, 2 * t.panel0 + p, k0,
+                    c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc);
+          });
+    }
     float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
     const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
     for (int mb = 0; mb < t.mblocks; ++mb) {
@@ -168,18 +181,26 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
     float* ybase = y + grp.first_row * ldy;
     float* dq = DecodeBuffer(w.w2, t.mblocks, worker);
-    ForEachTile(
-        inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
-        [&](int64_t k0, int64_t klen, int p) {
-          if (dq) kernels_.decode(klen, w.w2.PanelAt(t.panel0 + p, k0), w.w2.dtype(), dq);
-        },
-        [&](int64_t k0, int64_t klen, int p, int mb) {
-          const int64_t panel = t.panel0 + p;
-          const int64_t gmb = t.mblock0 + mb;
-          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-          RunTile(w.w2, dq, rows, klen, a + (gmb * inter + k0) * mr, panel, k0,
-                  ybase + gmb * mr * ldy + panel * nr, ldy);
-        });
+    if (StreamsOneBlock(t.mblocks, inter)) {
+      const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
+      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - r0));
+      kernels_.tile_panels(rows, t.panels, inter, a + r0 * inter, w.w2.panel(t.panel0),
+                           w.w2.panel_bytes(), w.w2.dtype(), ybase + r0 * ldy + t.panel0 * nr, ldy,
+                           false);
+    } else {
+      ForEachTile(
+          inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
+          [&](int64_t k0, int64_t klen, int p) {
+            if (dq) kernels_.decode(klen, w.w2.PanelAt(t.panel0 + p, k0), w.w2.dtype(), dq);
+          },
+          [&](int64_t k0, int64_t klen, int p, int mb) {
+            const int64_t panel = t.panel0 + p;
+            const int64_t gmb = t.mblock0 + mb;
+            const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+            RunTile(w.w2, dq, rows, klen, a + (gmb * inter + k0) * mr, panel, k0,
+                    ybase + gmb * mr * ldy + panel * nr, ldy);
+          });
+    }
     if (!w.bias_down.empty()) {
       const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
       const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;

@@ -65,6 +65,13 @@ struct CpuKernels {
   void (*decode)(int64_t k, const void* b, DType b_type, float* dq);
   void (*tile_decoded)(int rows, int64_t k, const float* a, const float* dq, const void* b,
                        DType b_type, float* c, int64_t ldc, bool accumulate);
+
+  // `npanels` panels side by side for few rows: panel p at b + p * panel_bytes (all at the same
+  // k offset), its columns at c + p * nr. Exactly `tile` per panel (the same bits); the SIMD
+  // variants keep several panels' sums in flight, since for one or two rows a lone panel's FMA
+  // chain, not memory, would bound a small batch.
+  void (*tile_panels)(int rows, int npanels, int64_t k, const float* a, const void* b,
+                      int64_t panel_bytes, DType b_type, float* c, int64_t ldc, bool accumulate);
 };
 
 const CpuKernels& KernelsFor(Isa isa);

@@ -41,29 +41,75 @@ inline void LoadB(const uint8_t* b, int64_t k, __m256* b0, __m256* b1) {
   }
 }
 
-template <int R, DType BT>
-void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate) {
-  __m256 c0[R], c1[R];
+// W panels side by side (panel w at b + w * pstride, its columns at c + w * kNr): each panel's
+// columns get exactly what a one-panel tile computes; W > 1 only keeps more FMA chains in flight.
+template <int R, DType BT, int W = 1>
+void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
+           int64_t pstride = 0) {
+  __m256 c0[W][R], c1[W][R];
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    c0[i] = accumulate ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
-    c1[i] = accumulate ? _mm256_loadu_ps(c + i * ldc + 8) : _mm256_setzero_ps();
-  }
-  for (int64_t kk = 0; kk < k; ++kk) {
-    __m256 b0, b1;
-    LoadB<BT>(b, kk, &b0, &b1);
-    const float* ak = a + kk * kMr;
+  for (int w = 0; w < W; ++w) {
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const __m256 av = _mm256_broadcast_ss(ak + i);
-      c0[i] = _mm256_fmadd_ps(av, b0, c0[i]);
-      c1[i] = _mm256_fmadd_ps(av, b1, c1[i]);
+      const float* cw = c + i * ldc + w * kNr;
+      c0[w][i] = accumulate ? _mm256_loadu_ps(cw) : _mm256_setzero_ps();
+      c1[w][i] = accumulate ? _mm256_loadu_ps(cw + 8) : _mm256_setzero_ps();
+    }
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* ak = a + kk * kMr;
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      __m256 b0, b1;
+      LoadB<BT>(b + w * pstride, kk, &b0, &b1);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256 av = _mm256_broadcast_ss(ak + i);
+        c0[w][i] = _mm256_fmadd_ps(av, b0, c0[w][i]);
+        c1[w][i] = _mm256_fmadd_ps(av, b1, c1[w][i]);
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(c + i * ldc, c0[i]);
-    _mm256_storeu_ps(c + i * ldc + 8, c1[i]);
+  for (int w = 0; w < W; ++w) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      _mm256_storeu_ps(c + i * ldc + w * kNr, c0[w][i]);
+      _mm256_storeu_ps(c + i * ldc + w * kNr + 8, c1[w][i]);
+    }
+  }
+}
+
+// MXFP4 codes to floats without arithmetic: e2m1 values are the f32 bit patterns hi << 24 |
+// lo << 16 (sign included), looked up by byte shuffles; F4Nibble's nr-16 order then puts each
+// vector's 8 columns in order after two 16-bit interleaves. `x` holds one k row (8 bytes, the
+// high half of x ignored: r1b0/r1b1 unused) or two (16 bytes: row 0 in bytes 0..7).
+inline void E2m1Rows(__m128i x, __m256* r0b0, __m256* r0b1, __m256* r1b0, __m256* r1b1) {
+  const __m256i hi =
+      _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF),
+                       char(0xBF), char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0), 0x00,
+                       0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF), char(0xBF),
+                       char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0));
+  const __m256i lo =
+      _mm256_setr_epi8(0x00, 0x00, char(0x80), char(0xC0), 0x00, 0x40, char(0x80), char(0xC0), 0x00,
+                       0x00, char(0x80), char(0xC0), 0x00, 0x40, char(0x80), char(0xC0), 0x00, 0x00,
+                       char(0x80), char(0xC0), 0x00, 0x40, char(0x80), char(0xC0), 0x00, 0x00,
+                       char(0x80), char(0xC0), 0x00, 0x40, char(0x80), char(0xC0));
+  // Lane 0: every byte's low nibble; lane 1: its high nibble.
+  const __m256i nib =
+      _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(x), _mm_srli_epi16(x, 4), 1),
+                       _mm256_set1_epi8(0x0F));
+  const __m256i h = _mm256_shuffle_epi8(hi, nib);
+  const __m256i l = _mm256_shuffle_epi8(lo, nib);
+  const __m256i zero = _mm256_setzero_si256();
+  // Row 0's 16-bit tops: lane 0 the low nibbles of bytes 0..7, lane 1 their high nibbles.
+  const __m256i w0 = _mm256_unpacklo_epi8(l, h);
+  *r0b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0));  // bytes 0..3: columns 0..7
+  *r0b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0));  // bytes 4..7: columns 8..15
+  if (r1b0 != nullptr) {
+    const __m256i w1 = _mm256_unpackhi_epi8(l, h);
+    *r1b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1));
+    *r1b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
   }
 }
 
@@ -78,14 +124,7 @@ inline void LoadCodes(const uint8_t* row, __m256* b0, __m256* b1) {
     *b0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     *b1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   } else {
-    // 8 bytes: column j in the low nibble of byte j, column j + 8 in its high nibble.
-    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m256i sign = _mm256_set1_epi32(int(0x80000000u));
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
-    const __m256 lo = _mm256_permutevar8x32_ps(mag, x);  // uses index bits 2..0
-    const __m256 hi = _mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(x, 4));
-    *b0 = _mm256_xor_ps(lo, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 28), sign)));
-    *b1 = _mm256_xor_ps(hi, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 24), sign)));
+    E2m1Rows(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)), b0, b1, nullptr, nullptr);
   }
 }
 
@@ -98,50 +137,105 @@ inline __m256 E8m0x8(const uint8_t* s) {
 }
 
 // kDecoded: the codes' values come from dq [k][kNr] (written by Decode) instead of the codes.
-template <int R, DType BT, bool kDecoded = false>
+// W panels side by side as in TileT (kDecoded: W = 1).
+template <int R, DType BT, bool kDecoded = false, int W = 1>
 void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
-                const float* dq = nullptr) {
+                const float* dq = nullptr, int64_t pstride = 0) {
+  static_assert(!kDecoded || W == 1);
   constexpr bool kFp8 = BT == DType::kF8E4M3;
   constexpr int kBk = BlockK(BT);
   constexpr int kHeader = QuantHeaderBytes(BT, kNr);
   constexpr int kRowBytes = QuantRowBytes(BT, kNr);
   for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
     const int64_t len = std::min<int64_t>(kBk, k - k0);
-    __m256 s0[R], s1[R];
+    __m256 s0[W][R], s1[W][R];
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm256_setzero_ps();
+    for (int w = 0; w < W; ++w) {
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) s0[w][i] = s1[w][i] = _mm256_setzero_ps();
+    }
     const uint8_t* codes = b + kHeader;
     const float* ak = a + k0 * kMr;
-    for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
-      __m256 b0, b1;
-      if constexpr (kDecoded) {
-        b0 = _mm256_loadu_ps(dq + (k0 + kk) * kNr);
-        b1 = _mm256_loadu_ps(dq + (k0 + kk) * kNr + 8);
-      } else {
-        LoadCodes<BT>(codes, &b0, &b1);
-      }
+    int64_t kk = 0;
+    if constexpr (BT == DType::kF4 && !kDecoded) {
+      // Two k rows per decode (one 16-byte load per panel), summed in k order.
+      for (; kk + 2 <= len; kk += 2, codes += 2 * kRowBytes, ak += 2 * kMr) {
 #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const __m256 av = _mm256_broadcast_ss(ak + i);
-        s0[i] = _mm256_fmadd_ps(av, b0, s0[i]);
-        s1[i] = _mm256_fmadd_ps(av, b1, s1[i]);
+        for (int w = 0; w < W; ++w) {
+          __m256 r0b0, r0b1, r1b0, r1b1;
+          E2m1Rows(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + w * pstride)), &r0b0,
+                   &r0b1, &r1b0, &r1b1);
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) {
+            const __m256 av = _mm256_broadcast_ss(ak + i);
+            s0[w][i] = _mm256_fmadd_ps(av, r0b0, s0[w][i]);
+            s1[w][i] = _mm256_fmadd_ps(av, r0b1, s1[w][i]);
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) {
+            const __m256 av = _mm256_broadcast_ss(ak + kMr + i);
+            s0[w][i] = _mm256_fmadd_ps(av, r1b0, s0[w][i]);
+            s1[w][i] = _mm256_fmadd_ps(av, r1b1, s1[w][i]);
+          }
+        }
       }
     }
-    __m256 q0, q1;
-    if constexpr (kFp8) {
-      q0 = q1 = _mm256_broadcast_ss(reinterpret_cast<const float*>(b));
-    } else {
-      q0 = E8m0x8(b);
-      q1 = E8m0x8(b + 8);
+    for (; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
+#pragma GCC unroll 8
+      for (int w = 0; w < W; ++w) {
+        __m256 b0, b1;
+        if constexpr (kDecoded) {
+          b0 = _mm256_loadu_ps(dq + (k0 + kk) * kNr);
+          b1 = _mm256_loadu_ps(dq + (k0 + kk) * kNr + 8);
+        } else {
+          LoadCodes<BT>(codes + w * pstride, &b0, &b1);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          const __m256 av = _mm256_broadcast_ss(ak + i);
+          s0[w][i] = _mm256_fmadd_ps(av, b0, s0[w][i]);
+          s1[w][i] = _mm256_fmadd_ps(av, b1, s1[w][i]);
+        }
+      }
     }
     const bool acc = accumulate || k0 > 0;
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m256 c0 = acc ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
-      const __m256 c1 = acc ? _mm256_loadu_ps(c + i * ldc + 8) : _mm256_setzero_ps();
-      _mm256_storeu_ps(c + i * ldc, _mm256_fmadd_ps(s0[i], q0, c0));
-      _mm256_storeu_ps(c + i * ldc + 8, _mm256_fmadd_ps(s1[i], q1, c1));
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* head = b + w * pstride;
+      __m256 q0, q1;
+      if constexpr (kFp8) {
+        q0 = q1 = _mm256_broadcast_ss(reinterpret_cast<const float*>(head));
+      } else {
+        q0 = E8m0x8(head);
+        q1 = E8m0x8(head + 8);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        float* cw = c + i * ldc + w * kNr;
+        const __m256 c0 = acc ? _mm256_loadu_ps(cw) : _mm256_setzero_ps();
+        const __m256 c1 = acc ? _mm256_loadu_ps(cw + 8) : _mm256_setzero_ps();
+        _mm256_storeu_ps(cw, _mm256_fmadd_ps(s0[w][i], q0, c0));
+        _mm256_storeu_ps(cw + 8, _mm256_fmadd_ps(s1[w][i], q1, c1));
+      }
     }
+  }
+}
+
+// W panels of one type for R rows.
+template <int R, int W>
+void WideTile(int64_t k, const float* a, const uint8_t* b, int64_t pstride, DType bt, float* c,
+              int64_t ldc, bool accumulate) {
+  switch (bt) {
+    case DType::kF8E4M3:
+      return QuantTileT<R, DType::kF8E4M3, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
+    case DType::kF4:
+      return QuantTileT<R, DType::kF4, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
+    case DType::kBF16:
+      return TileT<R, DType::kBF16, W>(k, a, b, c, ldc, accumulate, pstride);
+    case DType::kF16:
+      return TileT<R, DType::kF16, W>(k, a, b, c, ldc, accumulate, pstride);
+    default:
+      return TileT<R, DType::kF32, W>(k, a, b, c, ldc, accumulate, pstride);
   }
 }
 
@@ -165,6 +259,27 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
       ForRows(rows, [&]<int R>() { TileT<R, DType::kF32>(k, a, bb, c, ldc, accumulate); });
       break;
   }
+}
+
+// One row: four panels at a time (8 sums in flight instead of 2); two rows: two panels.
+void TilePanels(int rows, int npanels, int64_t k, const float* a, const void* b,
+                int64_t panel_bytes, DType bt, float* c, int64_t ldc, bool accumulate) {
+  const auto* bb = static_cast<const uint8_t*>(b);
+  int p = 0;
+  if (rows == 1) {
+    for (; p + 4 <= npanels; p += 4)
+      WideTile<1, 4>(k, a, bb + p * panel_bytes, panel_bytes, bt, c + p * kNr, ldc, accumulate);
+  }
+  if (rows <= 2) {
+    for (; p + 2 <= npanels; p += 2) {
+      if (rows == 1) {
+        WideTile<1, 2>(k, a, bb + p * panel_bytes, panel_bytes, bt, c + p * kNr, ldc, accumulate);
+      } else {
+        WideTile<2, 2>(k, a, bb + p * panel_bytes, panel_bytes, bt, c + p * kNr, ldc, accumulate);
+      }
+    }
+  }
+  for (; p < npanels; ++p) Tile(rows, k, a, bb + p * panel_bytes, bt, c + p * kNr, ldc, accumulate);
 }
 
 // Writes the values of k rows of one panel's codes (from a block start) to dq [k][kNr].
@@ -210,9 +325,16 @@ void TileDecoded(int rows, int64_t k, const float* a, const float* dq, const voi
 }  // namespace
 
 const CpuKernels& Avx2Kernels() {
-  static const CpuKernels k{
-      Isa::kAvx2, kMr,         kNr, 256, &Tile, &elementwise::Activate, &elementwise::AddBias,
-      &Decode,    &TileDecoded};
+  static const CpuKernels k{Isa::kAvx2,
+                            kMr,
+                            kNr,
+                            256,
+                            &Tile,
+                            &elementwise::Activate,
+                            &elementwise::AddBias,
+                            &Decode,
+                            &TileDecoded,
+                            &TilePanels};
   return k;
 }
 

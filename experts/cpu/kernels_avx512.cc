@@ -56,29 +56,42 @@ inline void LoadB(const uint8_t* b, int64_t k, __m512* b0, __m512* b1) {
   }
 }
 
-template <int R, DType BT>
-void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate) {
-  __m512 c0[R], c1[R];
+// W panels side by side (panel w at b + w * pstride, its columns at c + w * kNr): each panel's
+// columns get exactly what a one-panel tile computes; W > 1 only keeps more FMA chains in flight.
+template <int R, DType BT, int W = 1>
+void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
+           int64_t pstride = 0) {
+  __m512 c0[W][R], c1[W][R];
 #pragma GCC unroll 16
-  for (int i = 0; i < R; ++i) {
-    c0[i] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-    c1[i] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-  }
-  for (int64_t kk = 0; kk < k; ++kk) {
-    __m512 b0, b1;
-    LoadB<BT>(b, kk, &b0, &b1);
-    const float* ak = a + kk * kMr;
+  for (int w = 0; w < W; ++w) {
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      const __m512 av = _mm512_set1_ps(ak[i]);
-      c0[i] = _mm512_fmadd_ps(av, b0, c0[i]);
-      c1[i] = _mm512_fmadd_ps(av, b1, c1[i]);
+      const float* cw = c + i * ldc + w * kNr;
+      c0[w][i] = accumulate ? _mm512_loadu_ps(cw) : _mm512_setzero_ps();
+      c1[w][i] = accumulate ? _mm512_loadu_ps(cw + 16) : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* ak = a + kk * kMr;
+#pragma GCC unroll 16
+    for (int w = 0; w < W; ++w) {
+      __m512 b0, b1;
+      LoadB<BT>(b + w * pstride, kk, &b0, &b1);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512 av = _mm512_set1_ps(ak[i]);
+        c0[w][i] = _mm512_fmadd_ps(av, b0, c0[w][i]);
+        c1[w][i] = _mm512_fmadd_ps(av, b1, c1[w][i]);
+      }
     }
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(c + i * ldc, c0[i]);
-    _mm512_storeu_ps(c + i * ldc + 16, c1[i]);
+  for (int w = 0; w < W; ++w) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      _mm512_storeu_ps(c + i * ldc + w * kNr, c0[w][i]);
+      _mm512_storeu_ps(c + i * ldc + w * kNr + 16, c1[w][i]);
+    }
   }
 }
 
@@ -113,52 +126,83 @@ inline __m512 E8m0x16(const uint8_t* s) {
 }
 
 // kDecoded: the codes' values come from dq [k][kNr] (written by Decode) instead of the codes.
-template <int R, DType BT, bool kDecoded = false>
+// W panels side by side as in TileT (kDecoded: W = 1).
+template <int R, DType BT, bool kDecoded = false, int W = 1>
 void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
-                const float* dq = nullptr) {
+                const float* dq = nullptr, int64_t pstride = 0) {
+  static_assert(!kDecoded || W == 1);
   constexpr bool kFp8 = BT == DType::kF8E4M3;
   constexpr int kBk = BlockK(BT);
   constexpr int kHeader = QuantHeaderBytes(BT, kNr);
   constexpr int kRowBytes = QuantRowBytes(BT, kNr);
   for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
     const int64_t len = std::min<int64_t>(kBk, k - k0);
-    __m512 s0[R], s1[R];
+    __m512 s0[W][R], s1[W][R];
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) {
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) s0[w][i] = s1[w][i] = _mm512_setzero_ps();
+    }
     const uint8_t* codes = b + kHeader;
     const float* ak = a + k0 * kMr;
     for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
-      __m512 b0, b1;
-      if constexpr (kDecoded) {
-        b0 = _mm512_loadu_ps(dq + (k0 + kk) * kNr);
-        b1 = _mm512_loadu_ps(dq + (k0 + kk) * kNr + 16);
-      } else {
-        LoadCodes<BT>(codes, &b0, &b1);
-      }
 #pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) {
-        const __m512 av = _mm512_set1_ps(ak[i]);
-        s0[i] = _mm512_fmadd_ps(av, b0, s0[i]);
-        s1[i] = _mm512_fmadd_ps(av, b1, s1[i]);
+      for (int w = 0; w < W; ++w) {
+        __m512 b0, b1;
+        if constexpr (kDecoded) {
+          b0 = _mm512_loadu_ps(dq + (k0 + kk) * kNr);
+          b1 = _mm512_loadu_ps(dq + (k0 + kk) * kNr + 16);
+        } else {
+          LoadCodes<BT>(codes + w * pstride, &b0, &b1);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          const __m512 av = _mm512_set1_ps(ak[i]);
+          s0[w][i] = _mm512_fmadd_ps(av, b0, s0[w][i]);
+          s1[w][i] = _mm512_fmadd_ps(av, b1, s1[w][i]);
+        }
       }
-    }
-    __m512 q0, q1;
-    if constexpr (kFp8) {
-      float v;
-      std::memcpy(&v, b, 4);
-      q0 = q1 = _mm512_set1_ps(v);
-    } else {
-      q0 = E8m0x16(b);
-      q1 = E8m0x16(b + 16);
     }
     const bool acc = accumulate || k0 > 0;
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
-      const __m512 c0 = acc ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-      const __m512 c1 = acc ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-      _mm512_storeu_ps(c + i * ldc, _mm512_fmadd_ps(s0[i], q0, c0));
-      _mm512_storeu_ps(c + i * ldc + 16, _mm512_fmadd_ps(s1[i], q1, c1));
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* head = b + w * pstride;
+      __m512 q0, q1;
+      if constexpr (kFp8) {
+        float v;
+        std::memcpy(&v, head, 4);
+        q0 = q1 = _mm512_set1_ps(v);
+      } else {
+        q0 = E8m0x16(head);
+        q1 = E8m0x16(head + 16);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        float* cw = c + i * ldc + w * kNr;
+        const __m512 c0 = acc ? _mm512_loadu_ps(cw) : _mm512_setzero_ps();
+        const __m512 c1 = acc ? _mm512_loadu_ps(cw + 16) : _mm512_setzero_ps();
+        _mm512_storeu_ps(cw, _mm512_fmadd_ps(s0[w][i], q0, c0));
+        _mm512_storeu_ps(cw + 16, _mm512_fmadd_ps(s1[w][i], q1, c1));
+      }
     }
+  }
+}
+
+// W panels of one type for R rows.
+template <int R, int W>
+void WideTile(int64_t k, const float* a, const uint8_t* b, int64_t pstride, DType bt, float* c,
+              int64_t ldc, bool accumulate) {
+  switch (bt) {
+    case DType::kF8E4M3:
+      return QuantTileT<R, DType::kF8E4M3, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
+    case DType::kF4:
+      return QuantTileT<R, DType::kF4, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
+    case DType::kBF16:
+      return TileT<R, DType::kBF16, W>(k, a, b, c, ldc, accumulate, pstride);
+    case DType::kF16:
+      return TileT<R, DType::kF16, W>(k, a, b, c, ldc, accumulate, pstride);
+    default:
+      return TileT<R, DType::kF32, W>(k, a, b, c, ldc, accumulate, pstride);
   }
 }
 
@@ -182,6 +226,35 @@ void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c
       ForRows(rows, [&]<int R>() { TileT<R, DType::kF32>(k, a, bb, c, ldc, accumulate); });
       break;
   }
+}
+
+// One or two rows: four panels at a time (8 or 16 sums in flight instead of 2 or 4); three or
+// four rows: two panels.
+void TilePanels(int rows, int npanels, int64_t k, const float* a, const void* b,
+                int64_t panel_bytes, DType bt, float* c, int64_t ldc, bool accumulate) {
+  const auto* bb = static_cast<const uint8_t*>(b);
+  auto wide = [&]<int W>(int p) {
+    const uint8_t* bp = bb + p * panel_bytes;
+    float* cp = c + p * kNr;
+    switch (rows) {
+      case 1:
+        return WideTile<1, W>(k, a, bp, panel_bytes, bt, cp, ldc, accumulate);
+      case 2:
+        return WideTile<2, W>(k, a, bp, panel_bytes, bt, cp, ldc, accumulate);
+      case 3:
+        return WideTile<3, 2>(k, a, bp, panel_bytes, bt, cp, ldc, accumulate);
+      default:
+        return WideTile<4, 2>(k, a, bp, panel_bytes, bt, cp, ldc, accumulate);
+    }
+  };
+  int p = 0;
+  if (rows <= 2) {
+    for (; p + 4 <= npanels; p += 4) wide.template operator()<4>(p);
+  }
+  if (rows <= 4) {
+    for (; p + 2 <= npanels; p += 2) wide.template operator()<2>(p);
+  }
+  for (; p < npanels; ++p) Tile(rows, k, a, bb + p * panel_bytes, bt, c + p * kNr, ldc, accumulate);
 }
 
 // Writes the values of k rows of one panel's codes (from a block start) to dq [k][kNr].
@@ -228,8 +301,8 @@ void TileDecoded(int rows, int64_t k, const float* a, const float* dq, const voi
 
 const CpuKernels& MOERUN_AVX512_KERNELS() {
   static const CpuKernels k{
-      Isa::kAvx512,          kMr,     kNr,         192, &Tile, &elementwise::Activate,
-      &elementwise::AddBias, &Decode, &TileDecoded};
+      Isa::kAvx512,          kMr,     kNr,          192,        &Tile, &elementwise::Activate,
+      &elementwise::AddBias, &Decode, &TileDecoded, &TilePanels};
   return k;
 }
 

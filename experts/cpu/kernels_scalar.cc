@@ -52,9 +52,9 @@ void DecodeRow(bool fp8, const uint8_t* codes, float* bv) {
     const std::array<float, 256>& fp8_values = Fp8Values();
     for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[j]];
   } else {
-    for (int j = 0; j < kNr / 2; ++j) {
-      bv[j] = E2m1ToF32(codes[j] & 0xF);
-      bv[j + kNr / 2] = E2m1ToF32(codes[j] >> 4);
+    for (int j = 0; j < kNr; ++j) {
+      const int nibble = F4Nibble(kNr, j);
+      bv[j] = E2m1ToF32(static_cast<uint8_t>((codes[nibble / 2] >> ((nibble % 2) * 4)) & 0xF));
     }
   }
 }
@@ -129,12 +129,21 @@ void TileDecoded(int rows, int64_t k, const float* a, const float* dq, const voi
   QuantTile(rows, k, a, static_cast<const uint8_t*>(b), bt, c, ldc, accumulate, dq);
 }
 
+// The reference: one panel after another.
+void TilePanels(int rows, int npanels, int64_t k, const float* a, const void* b,
+                int64_t panel_bytes, DType bt, float* c, int64_t ldc, bool accumulate) {
+  for (int p = 0; p < npanels; ++p) {
+    Tile(rows, k, a, static_cast<const uint8_t*>(b) + p * panel_bytes, bt, c + p * kNr, ldc,
+         accumulate);
+  }
+}
+
 }  // namespace
 
 const CpuKernels& ScalarKernels() {
   static const CpuKernels k{
-      Isa::kScalar,          kMr,     kNr,         256, &Tile, &elementwise::Activate,
-      &elementwise::AddBias, &Decode, &TileDecoded};
+      Isa::kScalar,          kMr,     kNr,          256,        &Tile, &elementwise::Activate,
+      &elementwise::AddBias, &Decode, &TileDecoded, &TilePanels};
   return k;
 }
 

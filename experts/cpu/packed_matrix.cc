@@ -75,9 +75,9 @@ void PackedMatrix::SetQuantRow(int64_t n, const uint8_t* codes, const float* sca
       for (int64_t r = 0; r < len; ++r) block[header + r * row_bytes + j] = codes[k0 + r];
     } else {
       block[j] = static_cast<uint8_t>(F32ToE8m0(scales[b]));
-      const int half = nr_ / 2;
-      const int byte = j % half;
-      const int shift = j < half ? 0 : 4;
+      const int nibble = F4Nibble(nr_, j);
+      const int byte = nibble / 2;
+      const int shift = (nibble % 2) * 4;
       for (int64_t r = 0; r < len; ++r) {
         uint8_t& d = block[header + r * row_bytes + byte];
         d = static_cast<uint8_t>((d & ~(0xF << shift)) | ((codes[k0 + r] & 0xF) << shift));
@@ -92,9 +92,9 @@ uint8_t PackedMatrix::CodeAt(int64_t n, int64_t k) const {
   const int j = static_cast<int>(n % nr_);
   const int64_t r = k % bk;
   if (dtype_ == DType::kF8E4M3) return block[kFp8HeaderBytes + r * nr_ + j];
-  const int half = nr_ / 2;
-  const uint8_t byte = block[nr_ + r * half + j % half];
-  return j < half ? (byte & 0xF) : (byte >> 4);
+  const int nibble = F4Nibble(nr_, j);
+  const uint8_t byte = block[nr_ + r * (nr_ / 2) + nibble / 2];
+  return static_cast<uint8_t>((byte >> ((nibble % 2) * 4)) & 0xF);
 }
 
 float PackedMatrix::ScaleAt(int64_t n, int64_t k) const {

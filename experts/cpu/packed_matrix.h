@@ -16,8 +16,8 @@
 //                kernels widen a code to e4m3 x 2^-8 through the F16 converter), then len rows of
 //                nr codes, one byte per column, in column order. A panel lies inside one 128-row
 //                block of W (nr divides 128), so it has one scale per k block.
-//   MXFP4 block: nr bytes of e8m0 scales (column order), then len rows of nr/2 bytes: byte b holds
-//                column b in its low nibble and column b + nr/2 in its high nibble.
+//   MXFP4 block: nr bytes of e8m0 scales (column order), then len rows of nr/2 bytes, two codes a
+//                byte where F4Nibble puts them.
 // Resident bytes are the checkpoint's (1 byte or half a byte a weight) plus the scales and the
 // headers (FP8: 64 bytes per 128 x nr codes). Immutable after packing; thread-safe to read.
 #pragma once
@@ -74,6 +74,16 @@ constexpr int QuantHeaderBytes(DType t, int nr) {
 }
 constexpr int QuantRowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr : nr / 2; }
 
+// MXFP4 rows: the nibble holding column j (nibble 2b is byte b's low half, 2b + 1 its high half).
+// nr 16 (the scalar and AVX2 kernels): in each half of the row (8 columns, 4 bytes) byte i holds
+// column i low and column i + 4 high, so one byte shuffle and two 16-bit interleaves give a
+// vector's 8 columns in order. Other widths (32: AVX-512): byte b holds column b low and column
+// b + nr/2 high.
+constexpr int F4Nibble(int nr, int j) {
+  if (nr == 16) return 2 * (4 * (j / 8) + j % 4) + (j % 8) / 4;
+  return j < nr / 2 ? 2 * j : 2 * (j - nr / 2) + 1;
+}
+
 // Reads row n (output n) of a logical W [N][K] into out[0..K).
 using RowReader = std::function<void(int64_t n, float* out)>;
 // Reads row n of a block-scaled W: codes[0..K) one code a byte (MXFP4: 0..15), and scales[0..
@@ -98,6 +108,7 @@ class PackedMatrix {
   int block_k() const { return BlockK(dtype_); }
 
   const uint8_t* panel(int64_t p) const { return buf_.as<uint8_t>() + p * panel_bytes_; }
+  int64_t panel_bytes() const { return panel_bytes_; }
   // Where panel p's data for k rows from k0 on begin; k0 is a multiple of block_k().
   const uint8_t* PanelAt(int64_t p, int64_t k0) const {
     return panel(p) + (block_scaled() ? (k0 / block_k()) * block_bytes_ : k0 * nr_ * elem_bytes_);

@@ -217,5 +217,48 @@ TEST(QuantKernelsTest, TileRowsAreIndependent) {
   }
 }
 
+// tile_panels computes what `tile` computes panel by panel (the same bits, every type, every row
+// count, panel counts around the widths the variants group by), and writes only its panels.
+TEST(TilePanelsTest, SameBitsAsTileByTile) {
+  const int64_t k = 300;
+  std::mt19937 rng(21);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3, DType::kF4}) {
+    for (const auto& v : testing::TestVariants()) {
+      const CpuKernels& kern = *v.kernels;
+      SCOPED_TRACE(v.name + " " + DTypeName(t));
+      const int64_t n = 9 * kern.nr - 3;  // 9 panels, the last one partial
+      PackedMatrix b;
+      if (IsBlockScaled(t)) {
+        b = Pack(RandomQuant(t, n, k, 17), kern.nr);
+      } else {
+        b = PackedMatrix(t, n, k, kern.nr);
+        b.Fill([&](int64_t, float* row) {
+          for (int64_t j = 0; j < k; ++j) row[j] = d(rng);
+        });
+      }
+      std::vector<float> apack(static_cast<size_t>(kern.mr * k));
+      for (auto& x : apack) x = d(rng);
+      const int64_t ldc = b.n_padded() + 5;
+      for (int rows = 1; rows <= kern.mr; ++rows) {
+        for (int np : {1, 2, 3, 4, 5, 7, 9}) {
+          SCOPED_TRACE(std::to_string(rows) + " rows, " + std::to_string(np) + " panels");
+          for (bool accumulate : {false, true}) {
+            std::vector<float> want(static_cast<size_t>(kern.mr * ldc), 0.25f);
+            std::vector<float> got = want;
+            for (int p = 0; p < np; ++p) {
+              kern.tile(rows, k, apack.data(), b.panel(p), t, want.data() + p * kern.nr, ldc,
+                        accumulate);
+            }
+            kern.tile_panels(rows, np, k, apack.data(), b.panel(0), b.panel_bytes(), t, got.data(),
+                             ldc, accumulate);
+            ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << accumulate;
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moerun
