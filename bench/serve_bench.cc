@@ -134,6 +134,8 @@ struct Stats {
   std::map<std::string, int64_t> errors;
   std::map<std::string, std::string> first_error;
   std::vector<double> latency_ms;
+  std::vector<std::pair<Clock::time_point, double>> ok_at;  // completion, latency ms
+  std::vector<Clock::time_point> error_at;
   Clock::time_point last_done{};  // of a measured request
   int64_t warmup_requests = 0;
   int64_t warmup_errors = 0;
@@ -146,6 +148,7 @@ struct Stats {
       return;
     }
     ++requests;
+    error_at.push_back(Clock::now());
     if (errors[kind]++ == 0) first_error[kind] = why;
   }
   void Ok(bool measured, bool verified_answer, double ms, Clock::time_point done) {
@@ -157,6 +160,7 @@ struct Stats {
     ++ok;
     if (verified_answer) ++verified;
     latency_ms.push_back(ms);
+    ok_at.emplace_back(done, ms);
     last_done = std::max(last_done, done);
   }
   void Merge(const Stats& o) {
@@ -166,6 +170,8 @@ struct Stats {
     for (const auto& [k, n] : o.errors) errors[k] += n;
     for (const auto& [k, why] : o.first_error) first_error.emplace(k, why);
     latency_ms.insert(latency_ms.end(), o.latency_ms.begin(), o.latency_ms.end());
+    ok_at.insert(ok_at.end(), o.ok_at.begin(), o.ok_at.end());
+    error_at.insert(error_at.end(), o.error_at.begin(), o.error_at.end());
     last_done = std::max(last_done, o.last_done);
     warmup_requests += o.warmup_requests;
     if (warmup_errors == 0) first_warmup_error = o.first_warmup_error;
@@ -556,6 +562,33 @@ int RunServeBench(const ServeBenchFlags& f) {
                         {"p99", Percentile(all.latency_ms, 0.99)},
                         {"max", all.latency_ms.empty() ? 0.0 : all.latency_ms.back()},
                         {"mean", mean}};
+  // Per second of the measured run: answers, errors and latency of what completed in it (what a
+  // fault's recovery looks like over time).
+  json timeline = json::array();
+  {
+    const auto second = [&](Clock::time_point t) {
+      return static_cast<int64_t>(std::chrono::duration<double>(t - s.measure).count());
+    };
+    std::map<int64_t, std::vector<double>> lat;
+    std::map<int64_t, int64_t> errs;
+    for (const auto& [t, ms] : all.ok_at) lat[second(t)].push_back(ms);
+    for (const auto& t : all.error_at) ++errs[second(t)];
+    const int64_t last =
+        std::max(lat.empty() ? 0 : lat.rbegin()->first, errs.empty() ? 0 : errs.rbegin()->first);
+    for (int64_t i = 0; i <= last; ++i) {
+      std::vector<double>& v = lat[i];
+      std::sort(v.begin(), v.end());
+      timeline.push_back({{"t_s", i},
+                          {"ok", v.size()},
+                          {"errors", errs[i]},
+                          {"p50_ms", Percentile(v, 0.50)},
+                          {"p99_ms", Percentile(v, 0.99)},
+                          {"max_ms", v.empty() ? 0.0 : v.back()}});
+    }
+  }
+  const double measure_unix_s =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count() -
+      std::chrono::duration<double>(Clock::now() - s.measure).count();
   const double rps = static_cast<double>(all.ok) / wall_s;
   const double tps = static_cast<double>(all.ok * w.tokens) / wall_s;
 
@@ -583,6 +616,8 @@ int RunServeBench(const ServeBenchFlags& f) {
   report["verify"] = f.verify;
   report["verified"] = all.verified;
   report["warmup"] = {{"requests", all.warmup_requests}, {"errors", all.warmup_errors}};
+  report["measure_start_unix_s"] = measure_unix_s;
+  report["timeline"] = timeline;
   if (f.json) std::printf("%s\n", report.dump(2).c_str());
 
   std::fprintf(

@@ -8,7 +8,9 @@
 //     flight per connection, skipped sends count as "client_backlog" errors.
 // With --verify every answer must be bitwise equal to the local MoE layer's output for its input,
 // computed once before the run (the layer is batch-invariant and identical on every ISA).
-// Prints a human summary on stderr and, with --json, a JSON report on stdout. Requests sent
+// Prints a human summary on stderr and, with --json, a JSON report on stdout (with a per-second
+// "timeline" of answers, errors and latency, and the measured run's start as a Unix time, so that
+// a fault injected at a known time can be read off it). Requests sent
 // during the warmup are left out of the statistics (their errors still fail the run).
 // Exit code: 0 all answers OK (and verified), 1 any error or mismatch, 2 bad flags.
 #pragma once

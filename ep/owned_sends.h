@@ -31,13 +31,20 @@ class OwnedSends {
     q_.push_back(std::move(o));
     return Status::Ok();
   }
-  // Frees the sends that have completed, oldest first.
-  Status Poll(Transport* t) {
+  // Frees the sends that have completed, oldest first. A send that fails to a peer `gone` says
+  // is dead is dropped (nobody will read it); other failures are returned.
+  template <typename Gone>
+  Status Poll(Transport* t, const Gone& gone) {
     while (!q_.empty()) {
       bool all = true;
       for (Request& r : q_.front()->reqs) {
         if (!r.valid()) continue;
-        MOERUN_ASSIGN_OR_RETURN(const bool done, t->Test(r));
+        Result<bool> tested = t->Test(r);
+        if (!tested.ok() && gone(r.peer)) {
+          r = Request{};
+          continue;
+        }
+        MOERUN_ASSIGN_OR_RETURN(const bool done, std::move(tested));
         if (done) {
           r = Request{};
         } else {
@@ -48,6 +55,9 @@ class OwnedSends {
       q_.pop_front();
     }
     return Status::Ok();
+  }
+  Status Poll(Transport* t) {
+    return Poll(t, [](int) { return false; });
   }
   // Waits for the rest until `until`; what is still in flight then is withdrawn (its peer has
   // stopped listening).

@@ -14,6 +14,7 @@ PeerHealth::PeerHealth(Transport* transport, const Placement& placement, size_t 
       opts_(options),
       state_(static_cast<size_t>(placement.num_ranks())),
       ping_headers_(static_cast<size_t>(placement.num_ranks())),
+      dead_(static_cast<size_t>(placement.num_ranks()), false),
       started_(SteadyClock::now()) {
   const auto now = SteadyClock::now();
   for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
@@ -76,6 +77,7 @@ Status PeerHealth::SendProbe(int rank) {
   h.seq = ++seq_;
   std::memcpy(hdr, &h, sizeof h);
   MOERUN_ASSIGN_OR_RETURN(s.pong_recv, t_->Irecv(rank, kTagPong, &s.pong_in, sizeof s.pong_in));
+  s.ping_sent = SteadyClock::now();
   s.ping_deadline = DeadlineIn(opts_.probe_deadline);
   Result<Request> sent = t_->Isend(rank, kTagHeader, hdr, header_bytes_);
   if (!sent.ok()) {
@@ -97,7 +99,7 @@ void PeerHealth::Poll() {
       if (!r.valid()) continue;
       Result<bool> done = t_->Test(r);
       if (!done.ok() || *done) {
-        if (!done.ok())
+        if (!done.ok() && !dead(r.peer))
           spdlog::warn("a stranded transfer with rank {} failed: {}", r.peer,
                        done.status().ToString());
         --state_[static_cast<size_t>(r.peer)].stranded;
@@ -117,6 +119,21 @@ void PeerHealth::Poll() {
   // Probes.
   for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
     State& s = state_[static_cast<size_t>(r)];
+    if (!dead(r) && t_->peer_failed(r)) {
+      MarkDead(r,
+               "the transport reports its endpoint failed (the process died or its "
+               "connection broke)");
+      changed = true;
+    }
+    if (dead(r)) {
+      // Nothing more is sent; what is in flight is only tested so that it is released.
+      for (Request* q : {&s.ping_send, &s.pong_recv}) {
+        if (!q->valid()) continue;
+        Result<bool> done = t_->Test(*q);
+        if (!done.ok() || *done) *q = Request{};
+      }
+      continue;
+    }
     if (s.ping_send.valid()) {
       Result<bool> done = t_->Test(s.ping_send);
       if (!done.ok() || *done) s.ping_send = Request{};
@@ -125,7 +142,13 @@ void PeerHealth::Poll() {
       Result<bool> done = t_->Test(s.pong_recv);
       if (!done.ok()) {
         s.pong_recv = Request{};
+        if (t_->peer_failed(r)) {
+          MarkDead(r, "its probe failed: " + done.status().ToString());
+          changed = true;
+          continue;
+        }
         spdlog::warn("probe of rank {} failed: {}", r, done.status().ToString());
+        s.next_probe = now + opts_.probe_interval;
       } else if (*done) {
         s.pong_recv = Request{};
         s.pong = s.pong_in;
@@ -139,6 +162,11 @@ void PeerHealth::Poll() {
         changed = true;
         spdlog::warn("rank {} did not answer a probe within {} ms", r,
                      opts_.probe_deadline.count());
+      }
+      if (s.late && opts_.dead_after.count() > 0 && now - s.ping_sent >= opts_.dead_after) {
+        MarkDead(r, "no answer to a probe for " + std::to_string(opts_.dead_after.count()) + " ms");
+        changed = true;
+        continue;
       }
     }
     if (probing_ && !s.pong_recv.valid() && !s.ping_send.valid() && now >= s.next_probe) {
@@ -163,10 +191,32 @@ void PeerHealth::Poll() {
 }
 
 bool PeerHealth::idle() const {
-  if (!strands_.empty()) return false;
-  for (const State& s : state_) {
-    if (s.ping_send.valid() || s.pong_recv.valid()) return false;
+  // What is in flight to a dead rank may never finish: it does not count.
+  for (const Strands& st : strands_) {
+    for (const Request& r : st.requests) {
+      if (r.valid() && !dead(r.peer)) return false;
+    }
   }
+  for (size_t i = 0; i < state_.size(); ++i) {
+    const State& s = state_[i];
+    if ((s.ping_send.valid() || s.pong_recv.valid()) && !dead(static_cast<int>(i))) return false;
+  }
+  return true;
+}
+
+bool PeerHealth::MarkDead(int rank, const std::string& why) {
+  if (rank < placement_.num_routers() || rank >= placement_.num_ranks() || dead(rank)) {
+    return false;
+  }
+  dead_[static_cast<size_t>(rank)] = true;
+  state_[static_cast<size_t>(rank)].dead_why = why;
+  ++dead_generation_;
+  dead_count_.fetch_add(1, std::memory_order_relaxed);
+  spdlog::error(
+      "rank {} is dead ({}): it gets no more work; its experts are served by their "
+      "other copies or re-placed",
+      rank, why);
+  Refresh();
   return true;
 }
 
@@ -185,17 +235,21 @@ void PeerHealth::Refresh() {
   for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
     State& s = state_[static_cast<size_t>(r)];
     const bool was = s.usable;
-    s.usable = !s.late && s.stranded == 0;
-    if (was && !s.usable && s.stranded > 0 && !s.late) {
-      spdlog::warn("rank {} missed a deadline: requests that need it fail until it catches up", r);
-    } else if (!was && s.usable) {
+    const bool is_dead = dead(r);
+    s.usable = !is_dead && !s.late && s.stranded == 0;
+    if (!is_dead && was && !s.usable && s.stranded > 0 && !s.late) {
+      spdlog::warn("rank {} missed a deadline: its late transfers stay posted until it catches up",
+                   r);
+    } else if (!is_dead && !was && s.usable) {
       spdlog::info("rank {} is answering again", r);
     }
-    all = all && s.usable;
+    all = all && (s.usable || is_dead);
     PeerView v;
     v.rank = r;
     v.answering = s.usable;
     v.stranded = s.stranded > 0;
+    v.dead = is_dead;
+    v.dead_why = s.dead_why;
     v.last_seen_s = std::chrono::duration<double>(now - s.last_pong).count();
     v.microbatches = s.pong.microbatches;
     v.rows = s.pong.rows;

@@ -1,15 +1,21 @@
 // What a router knows of each expert rank's liveness, and the transfers it had to give up on.
 //
-// A router probes every expert rank (EpKind::kPing → EpPong) when a probe is due, at most one in
+// A router probes every expert rank (EpKind::kPing -> EpPong) when a probe is due, at most one in
 // flight per rank. A rank is "answering" while its last probe came back within probe_deadline
 // and no abandoned transfer to or from it is outstanding. When a microbatch misses its deadline,
 // its transfers are not cancelled (MPI cannot withdraw a send, and a cancelled receive would
 // leave the late answer to be matched by the next one): they stay posted, with their buffers,
 // here ("stranded") until they complete, so that a rank that wakes up drains them in order and
-// the channel stays in step. A stranded rank is not answering; requests that need it fail fast.
+// the channel stays in step (its late answers land in the stranded buffers and are dropped).
 //
-// Threads: Poll, Strand, Probe and usable belong to the router thread (it owns the transport);
-// Snapshot and all_answering may be called from any thread (HTTP, control).
+// A rank is "dead" once the transport says its endpoint failed (ucx: the process died), once a
+// probe has gone unanswered for dead_after, or once a caller says so (MarkDead: a microbatch
+// missed the expert-parallel deadline). Death is final for this job: a dead rank gets no more
+// work, probes or control messages, and answers it sends later are discarded. Its experts are
+// served by their other copies, or re-placed (the router's control does that).
+//
+// Threads: Poll, Strand, MarkDead, dead and usable belong to the router thread (it owns the
+// transport); Snapshot, all_answering and dead_count may be called from any thread.
 #pragma once
 
 #include <atomic>
@@ -29,12 +35,17 @@ namespace moerun {
 struct PeerHealthOptions {
   std::chrono::milliseconds probe_interval{1000};
   std::chrono::milliseconds probe_deadline{2000};
+  // A probe unanswered for this long marks the rank dead (0: never; deaths then come from the
+  // transport and MarkDead only).
+  std::chrono::milliseconds dead_after{0};
 };
 
 struct PeerView {
   int rank = 0;
   bool answering = true;
-  bool stranded = false;      // transfers of a missed deadline still outstanding
+  bool stranded = false;  // transfers of a missed deadline still outstanding
+  bool dead = false;      // given up on for the rest of the job
+  std::string dead_why;
   double last_seen_s = 0;     // since its last pong (or since start, before the first)
   uint64_t microbatches = 0;  // as it reported
   uint64_t rows = 0;
@@ -65,6 +76,19 @@ class PeerHealth {
   // The first expert rank among `ranks_with_rows` (per rank row counts) that is not usable, or -1.
   int FirstUnusable(const int64_t* rows_per_rank) const;
 
+  // Marks `rank` dead for the rest of the job (logged with `why`); true if it was not yet.
+  bool MarkDead(int rank, const std::string& why);
+  bool dead(int rank) const {
+    return rank >= 0 && static_cast<size_t>(rank) < dead_.size() &&
+           dead_[static_cast<size_t>(rank)];
+  }
+  // Indexed by rank: which are dead.
+  const std::vector<bool>& dead_mask() const { return dead_; }
+  // Grows by one with every death (what callers compare to notice a new one).
+  uint64_t dead_generation() const { return dead_generation_; }
+  int dead_count() const { return dead_count_.load(std::memory_order_relaxed); }
+
+  // Every expert rank that is not dead answers.
   bool all_answering() const { return all_answering_.load(std::memory_order_relaxed); }
   std::vector<PeerView> Snapshot() const;
   // The same into *out, reusing its memory (no allocation once it has held a view).
@@ -77,8 +101,10 @@ class PeerHealth {
     Deadline ping_deadline{};
     SteadyClock::time_point last_pong{}, next_probe{};
     int stranded = 0;
+    SteadyClock::time_point ping_sent{};
     bool late = false;
     bool usable = true;
+    std::string dead_why;
   };
   struct Strands {
     std::vector<Request> requests;
@@ -96,6 +122,9 @@ class PeerHealth {
   std::vector<Strands> strands_;
   uint32_t seq_ = 0;
   bool probing_ = true;
+  std::vector<bool> dead_;
+  uint64_t dead_generation_ = 0;
+  std::atomic<int> dead_count_{0};
   const SteadyClock::time_point started_;
   std::atomic<bool> all_answering_{true};
   mutable std::mutex view_mu_;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "base/log.h"
 #include "ep/protocol.h"
 #include "ep/registered_buffer.h"
 #include "router/combine.h"
@@ -19,7 +20,8 @@ struct RouterLayer::Stage {
   AlignedBuffer rows_out, rows_in, shared_y, headers;
   std::vector<Request> reqs;
   std::vector<double> rows_to;  // per rank, to release from in_flight_
-  Deadline deadline;
+  Deadline deadline;            // the call's or the expert-parallel one, whichever is first
+  Deadline ep_deadline;         // the expert-parallel one: missing it marks a rank dead
   bool active = false;
 };
 
@@ -63,31 +65,100 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
                                    std::to_string(w_->layer));
   }
   if (tokens < 0 || tokens > (int64_t{1} << 24)) return Status::InvalidArgument("bad batch size");
+  waiting_for_copies_ = false;
   if (tokens == 0) return Status::Ok();
-  const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : tokens;
-  const int64_t n = (tokens + mb - 1) / mb;
   call_deadline_ = deadline;
+  int64_t done = 0;
+  while (true) {
+    const uint64_t generation = health_ != nullptr ? health_->dead_generation() : 0;
+    RefreshLive();
+    if (orphans_ > 0) MOERUN_RETURN_IF_ERROR(CheckOrphans(x, done, tokens));
+    late_.clear();
+    const Status status = ForwardFrom(x, done, tokens, out, &done);
+    if (status.ok()) return status;
+    const int abandoned = Abandon(status);
+    if (health_ == nullptr) return status;
+    // Whoever failed its transfers or missed the expert-parallel deadline is dead.
+    for (int r : late_) {
+      health_->MarkDead(r, "it missed the " + std::to_string(opts_.deadline.count()) +
+                               " ms deadline of " + what_);
+    }
+    for (int r = placement_->num_routers(); r < placement_->num_ranks(); ++r) {
+      if (t_->peer_failed(r)) health_->MarkDead(r, "its transfers failed: " + status.ToString());
+    }
+    if (health_->dead_generation() == generation || SteadyClock::now() >= call_deadline_) {
+      return status;
+    }
+    ++stats_.retried_calls;
+    stats_.retried_microbatches += static_cast<uint64_t>(abandoned);
+    spdlog::warn(
+        "{}: {} microbatch(es) in flight abandoned ({}); dispatching tokens {}..{} again "
+        "to the live copies",
+        what_, abandoned, status.ToString(), done, tokens);
+  }
+}
+
+Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t tokens, float* out,
+                                int64_t* done) {
+  const int64_t left = tokens - from;
+  if (left <= 0) return Status::Ok();
+  const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : left;
+  const int64_t n = (left + mb - 1) / mb;
   Status status;
   for (int64_t i = 0; i <= n && status.ok(); ++i) {
     // Dispatch microbatch i, then collect i - 1 while the expert ranks work on i.
     if (i < n) {
       Stage& st = *stages_[i % 2];
       const auto t0 = SteadyClock::now();
-      status = Dispatch(st, x, i * mb, std::min(mb, tokens - i * mb));
+      status = Dispatch(st, x, from + i * mb, std::min(mb, left - i * mb));
       if (dispatch_hist_ && status.ok()) {
         dispatch_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
       }
     }
     if (status.ok() && i > 0) {
       const auto t0 = SteadyClock::now();
-      status = Collect(*stages_[(i - 1) % 2], out);
+      Stage& st = *stages_[(i - 1) % 2];
+      status = Collect(st, out);
+      if (status.ok()) *done = st.t0 + st.tokens;
       if (combine_hist_ && status.ok()) {
         combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
       }
     }
   }
-  if (!status.ok()) Abandon(status);
   return status;
+}
+
+void RouterLayer::RefreshLive() {
+  if (health_ == nullptr) {
+    orphans_ = 0;
+    return;
+  }
+  if (live_for_ == lp_ && live_generation_ == health_->dead_generation()) return;
+  live_ = LiveLayer(*lp_, health_->dead_mask(), &orphans_);
+  live_for_ = lp_;
+  live_generation_ = health_->dead_generation();
+}
+
+Status RouterLayer::CheckOrphans(const float* x, int64_t from, int64_t tokens) {
+  const int64_t hidden = w_->spec.hidden;
+  const int k = w_->spec.top_k;
+  if (from >= tokens) return Status::Ok();
+  const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : tokens - from;
+  Gating& gating = stages_[0]->gating;
+  for (int64_t t0 = from; t0 < tokens; t0 += mb) {
+    const int64_t n = std::min(mb, tokens - t0);
+    gating.Run(x + t0 * hidden, n);
+    const int32_t* ids = gating.ids().data();
+    for (int64_t i = 0; i < n * k; ++i) {
+      if (live_.replicas[static_cast<size_t>(ids[i])].empty()) {
+        waiting_for_copies_ = true;
+        return Status::Unavailable(what_ + ": expert " + std::to_string(ids[i]) +
+                                   " has no live copy (its rank died); waiting for it to be "
+                                   "re-placed");
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 Status RouterLayer::SetPlacement(std::shared_ptr<const Placement> placement) {
@@ -108,15 +179,18 @@ Status RouterLayer::SetPlacement(std::shared_ptr<const Placement> placement) {
   }
   placement_ = std::move(placement);
   lp_ = lp;
+  live_for_ = nullptr;  // rebuilt on the next call
   return Status::Ok();
 }
 
-void RouterLayer::Abandon(const Status& why) {
+int RouterLayer::Abandon(const Status& why) {
   // With a PeerHealth, whatever is still in flight stays posted (whatever failed: another
   // microbatch may be on its way to healthy ranks); without one, it is cancelled.
   (void)why;
   const bool strand = health_ != nullptr;
+  int abandoned = 0;
   for (auto& s : stages_) {
+    if (s->active) ++abandoned;
     if (strand &&
         std::any_of(s->reqs.begin(), s->reqs.end(), [](const Request& r) { return r.valid(); })) {
       // The late transfers keep their buffers; this stage starts over with new ones.
@@ -141,6 +215,7 @@ void RouterLayer::Abandon(const Status& why) {
       s->active = false;
     }
   }
+  return abandoned;
 }
 
 Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens) {
@@ -156,17 +231,18 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   st.gating.Run(xs, tokens);
   std::fill(st.rows_to.begin(), st.rows_to.end(), 0.0);
   std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
-  st.plan.Build(st.gating.ids().data(), tokens, k, *lp_, st.rows_to);  // rows_to: load after
-  if (health_ != nullptr) {
-    for (int d = placement_->num_routers(); d < ranks; ++d) {
-      if (st.plan.rows_to(d) > 0 && !health_->usable(d)) health_->Poll();  // still late?
-      if (st.plan.rows_to(d) > 0 && !health_->usable(d)) {
-        return Status::Unavailable("expert rank " + std::to_string(d) +
-                                   " is not answering; requests that need its experts fail "
-                                   "until it catches up");
+  const LayerPlacement& lp = Live();
+  if (orphans_ > 0) {
+    const int32_t* ids = st.gating.ids().data();
+    for (int64_t i = 0; i < tokens * k; ++i) {
+      if (lp.replicas[static_cast<size_t>(ids[i])].empty()) {
+        waiting_for_copies_ = true;
+        return Status::Unavailable(what_ + ": expert " + std::to_string(ids[i]) +
+                                   " has no live copy");
       }
     }
   }
+  st.plan.Build(st.gating.ids().data(), tokens, k, lp, st.rows_to);  // rows_to: load after
   if (routing_observer_) routing_observer_(st.gating.ids().data(), tokens, k);
   for (int d = 0; d < ranks; ++d) {
     st.rows_to[static_cast<size_t>(d)] = static_cast<double>(st.plan.rows_to(d));
@@ -194,7 +270,8 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
 
   // Post the receives first, then send header and rows to every rank that gets rows.
   st.reqs.clear();
-  st.deadline = std::min(DeadlineIn(opts_.deadline), call_deadline_);
+  st.ep_deadline = DeadlineIn(opts_.deadline);
+  st.deadline = std::min(st.ep_deadline, call_deadline_);
   float* recv = st.rows_in.as<float>();
   for (int d = placement_->num_routers(); d < ranks; ++d) {
     const int64_t n = st.plan.rows_to(d);
@@ -211,12 +288,12 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     h.seq = seq_;
     h.rows = n;
     h.hidden = static_cast<int32_t>(hidden);
-    const auto& slots = lp_->rank_slots[static_cast<size_t>(d)];
+    const auto& slots = lp.rank_slots[static_cast<size_t>(d)];
     h.slots = static_cast<int32_t>(slots.size());
     std::memcpy(hdr, &h, sizeof h);
     EpEntry* entries = HeaderEntries(hdr);
     for (size_t i = 0; i < slots.size(); ++i) {
-      entries[i].expert = lp_->slots[static_cast<size_t>(slots[i])].expert;
+      entries[i].expert = lp.slots[static_cast<size_t>(slots[i])].expert;
       entries[i].rows = st.plan.slot_rows[static_cast<size_t>(slots[i])];
     }
     MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
@@ -251,7 +328,17 @@ Status RouterLayer::Collect(Stage& st, float* out) {
   const int64_t hidden = w.spec.hidden;
   const int k = w.spec.top_k;
   // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
-  MOERUN_RETURN_IF_ERROR(t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false));
+  const Status waited = t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false);
+  if (!waited.ok()) {
+    if (waited.code() == StatusCode::kDeadlineExceeded && SteadyClock::now() >= st.ep_deadline) {
+      for (const Request& r : st.reqs) {
+        if (r.valid() && std::find(late_.begin(), late_.end(), r.peer) == late_.end()) {
+          late_.push_back(r.peer);
+        }
+      }
+    }
+    return waited;
+  }
   st.reqs.clear();
   for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
   st.active = false;

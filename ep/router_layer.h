@@ -8,6 +8,14 @@
 // kernels are batch-invariant and combine sums in a fixed order). Every wait has a deadline; a
 // rank that does not answer fails the call with an error naming it. Buffers grow to the largest
 // microbatch and are reused. Not reentrant: one Forward at a time.
+//
+// With a PeerHealth (serving), a dead expert rank does not fail the call: the rank is marked dead
+// (the transport failed its endpoint, or it missed the expert-parallel deadline), the
+// microbatches in flight are abandoned (their transfers stranded: late answers are dropped) and
+// everything not yet combined is dispatched again to the live copies. The MoE forward is
+// idempotent, so the answer is the same bits. An expert whose every copy is dead makes the call
+// fail with kUnavailable and waiting_for_copies() true until a placement that re-places it is
+// switched to (the caller polls the control and calls again).
 #pragma once
 
 #include <chrono>
@@ -35,6 +43,8 @@ struct EpOptions {
 
 struct EpStats {
   uint64_t microbatches = 0;
+  uint64_t retried_calls = 0;         // calls that re-dispatched after a death
+  uint64_t retried_microbatches = 0;  // microbatches abandoned in flight and dispatched again
   uint64_t rows_sent = 0;
   std::vector<uint64_t> rows_per_rank;  // assignments sent to each rank, cumulative
 };
@@ -74,12 +84,28 @@ class RouterLayer {
   const MoeLayerWeights& weights() const { return *w_; }
   // Rows in flight per rank (what replica choice balances).
   const std::vector<double>& in_flight() const { return in_flight_; }
+  // The last Forward failed because an expert it needed has no live copy (its ranks died) yet.
+  bool waiting_for_copies() const { return waiting_for_copies_; }
+  // Experts of this layer with no live copy now (0 without a PeerHealth).
+  int orphans() {
+    RefreshLive();
+    return orphans_;
+  }
 
  private:
   struct Stage;
+  // Microbatches from token `from` on; *done: tokens whose output is final.
+  Status ForwardFrom(const float* x, int64_t from, int64_t tokens, float* out, int64_t* done);
   Status Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens);
   Status Collect(Stage& st, float* out);
-  void Abandon(const Status& why);
+  // Strands or cancels what is in flight; returns the microbatches that were.
+  int Abandon(const Status& why);
+  // Rebuilds live_ after a death or a placement switch.
+  void RefreshLive();
+  // Fails with kUnavailable if a token of x [from, tokens) is routed to an expert with no copy.
+  Status CheckOrphans(const float* x, int64_t from, int64_t tokens);
+  // The placement dispatch uses: lp_ without the dead ranks' slots (lp_ without a PeerHealth).
+  const LayerPlacement& Live() const { return health_ != nullptr ? live_ : *lp_; }
 
   Transport* t_;
   std::shared_ptr<const Placement> placement_;
@@ -100,6 +126,12 @@ class RouterLayer {
   Histogram* dispatch_hist_ = nullptr;
   Histogram* combine_hist_ = nullptr;
   Deadline call_deadline_ = Deadline::max();
+  LayerPlacement live_;
+  const LayerPlacement* live_for_ = nullptr;
+  uint64_t live_generation_ = ~uint64_t{0};
+  int orphans_ = 0;
+  bool waiting_for_copies_ = false;
+  std::vector<int> late_;  // ranks whose transfers missed the expert-parallel deadline
   std::function<void(const int32_t*, int64_t, int)> routing_observer_;
 };
 

@@ -107,6 +107,13 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placem
         m.AddGauge("moerun_queue_depth_requests", "Requests waiting in the router's batcher");
     rs->queue_tokens_ =
         m.AddGauge("moerun_queue_depth_tokens", "Tokens waiting in the router's batcher");
+    rs->ranks_dead_ = m.AddGauge("moerun_ranks_dead",
+                                 "Expert ranks given up on (dead, or frozen past the deadline)");
+    rs->retried_counter_ =
+        m.AddCounter("moerun_microbatches_retried_total",
+                     "Microbatches abandoned in flight to a dead rank and dispatched again");
+    rs->replaced_counter_ = m.AddCounter("moerun_experts_replaced_total",
+                                         "Expert copies re-placed on survivors after a death");
     for (int r = 0; r < placement.num_ranks(); ++r) {
       rs->answering_by_rank_.push_back(
           r < placement.num_routers()
@@ -157,7 +164,7 @@ bool RankServices::Ready(std::string* why) const {
     std::lock_guard<std::mutex> lock(mu_);
     std::string list;
     for (const PeerView& p : peers_) {
-      if (!p.answering) list += (list.empty() ? "" : ", ") + std::to_string(p.rank);
+      if (!p.answering && !p.dead) list += (list.empty() ? "" : ", ") + std::to_string(p.rank);
     }
     *why = "expert rank(s) " + list + " not answering";
     return false;
@@ -253,9 +260,18 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
       if (Gauge* g = answering_by_rank_[static_cast<size_t>(p.rank)]) g->Set(p.answering ? 1 : 0);
     }
     answering_ = health->all_answering();
+    ranks_dead_->Set(static_cast<double>(health->dead_count()));
     std::lock_guard<std::mutex> lock(mu_);
     peers_ = peers_scratch_;  // element-wise: no allocation once the sizes are reached
   }
+}
+
+void RankServices::CountRecovery(uint64_t retried_total, uint64_t replaced_total) {
+  if (!router_) return;
+  const uint64_t r = retried_.exchange(retried_total);
+  if (retried_total > r) retried_counter_->Inc(retried_total - r);
+  const uint64_t p = replaced_.exchange(replaced_total);
+  if (replaced_total > p) replaced_counter_->Inc(replaced_total - p);
 }
 
 moerun::v1::StatusResponse RankServices::Status() const {
@@ -275,6 +291,12 @@ moerun::v1::StatusResponse RankServices::Status() const {
     std::lock_guard<std::mutex> lock(mu_);
     peers = peers_;
   }
+  int dead = 0;
+  for (const PeerView& p : peers) dead += p.dead ? 1 : 0;
+  s.set_ranks_dead(dead);
+  s.set_health(dead > 0 ? "degraded" : "ok");
+  s.set_microbatches_retried(retried_.load());
+  s.set_experts_replaced(replaced_.load());
   for (int r = 0; r < placement->num_ranks(); ++r) {
     moerun::v1::RankStatus* rs = s.add_ranks();
     rs->set_rank(r);
@@ -297,7 +319,11 @@ moerun::v1::StatusResponse RankServices::Status() const {
       rs->set_rows_served(p.rows);
       rs->set_resident_bytes(p.resident_bytes);
       rs->set_last_seen_s(p.last_seen_s);
-      if (!p.answering) rs->set_state(p.stranded ? "late (catching up)" : "not answering");
+      if (p.dead) {
+        rs->set_state("dead");
+      } else if (!p.answering) {
+        rs->set_state(p.stranded ? "late (catching up)" : "not answering");
+      }
     }
     uint64_t assigned = 0;
     for (int layer : layers_) {

@@ -59,6 +59,9 @@ class RankServices : public PlanSource {
   // Routers: called from the router thread between batches and when idle.
   void Refresh(const PeerHealth* health, int64_t queued_requests, int64_t queued_tokens);
   void CountBatch() { requests_.fetch_add(1, std::memory_order_relaxed); }
+  // Routers: the totals since the start of microbatches dispatched again after a death and
+  // (router 0) of expert copies recoveries re-placed (the metrics follow them).
+  void CountRecovery(uint64_t retried_total, uint64_t replaced_total);
 
   // The placement in use (routers: switched by migrations).
   std::shared_ptr<const Placement> Current() const;
@@ -105,6 +108,10 @@ class RankServices : public PlanSource {
   Gauge* queue_requests_ = nullptr;
   Gauge* queue_tokens_ = nullptr;
   std::vector<Gauge*> answering_by_rank_;
+  Gauge* ranks_dead_ = nullptr;
+  Counter* retried_counter_ = nullptr;
+  Counter* replaced_counter_ = nullptr;
+  std::atomic<uint64_t> retried_{0}, replaced_{0};
   mutable std::mutex mu_;
   std::vector<PeerView> peers_;  // under mu_
   // Refresh's scratch (router thread), so that a refresh allocates nothing.

@@ -101,8 +101,11 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c, const JobLaunch& launch) 
   MOERUN_ASSIGN_OR_RETURN(o.source.dtype, ParseWeightDType(c.dtype));
   o.threads = c.threads;
   MOERUN_ASSIGN_OR_RETURN(o.isa, ChooseIsa(c.isa));
+  // A rank silent for the expert-parallel deadline is dead (as one that misses it with a
+  // microbatch): the job serves on without it.
   o.router.health = PeerHealthOptions{std::chrono::milliseconds(c.serving.probe_interval_ms),
-                                      std::chrono::milliseconds(c.serving.probe_deadline_ms)};
+                                      std::chrono::milliseconds(c.serving.probe_deadline_ms),
+                                      std::chrono::milliseconds(c.deadline_ms)};
   o.router.control = true;
   return o;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include "base/log.h"
 #include "base/metrics.h"
@@ -115,6 +116,7 @@ void RouterServer::StartPlacementControl() {
   if (rc == nullptr) return;
   RankServices* rs = &rs_;
   rc->set_on_switch([rs](std::shared_ptr<const Placement> p) { rs->SetPlacement(std::move(p)); });
+  rc->set_expert_bytes(rs_.expert_bytes());
   version_ = rs_.metrics().AddGauge("moerun_placement_version",
                                     "Version of the placement this router uses");
   version_->Set(static_cast<double>(rc->placement()->version()));
@@ -151,7 +153,27 @@ Status RouterServer::Start() {
 
 Status RouterServer::Forward(int layer, const float* x, int64_t tokens, float* out,
                              Deadline deadline) {
-  const Status s = router_.Forward(layer, x, tokens, out, deadline);
+  Status s = router_.Forward(layer, x, tokens, out, deadline);
+  // Experts whose every copy died are being re-placed (router 0's recovery migration): the batch
+  // waits for them, bounded by its deadline; the control moves on meanwhile (no microbatch of
+  // this router is in flight between two calls).
+  RouterLayer* l = router_.layer(layer);
+  if (!s.ok() && l != nullptr && l->waiting_for_copies()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    spdlog::warn("router {}: a batch of {} token(s) waits for re-placed experts ({})",
+                 router_.rank(), tokens, s.ToString());
+    while (!s.ok() && l->waiting_for_copies() && SteadyClock::now() < deadline &&
+           control_failed_.ok() && !stop_.load()) {
+      Refresh();
+      if (l->orphans() > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      s = router_.Forward(layer, x, tokens, out, deadline);
+    }
+    spdlog::info("router {}: the batch waited {:.3f} s for re-placed experts: {}", router_.rank(),
+                 SecondsSince(t0), s.ok() ? "answered" : s.ToString());
+  }
   batches_->Inc();
   batch_tokens_->Inc(static_cast<uint64_t>(tokens));
   if (s.ok()) rs_.CountBatch();
@@ -195,6 +217,9 @@ void RouterServer::Refresh() {
   if (version_ != nullptr) {
     version_->Set(static_cast<double>(router_.control()->placement()->version()));
   }
+  uint64_t retried = 0;
+  for (const auto& [number, l] : router_.layers()) retried += l->stats().retried_microbatches;
+  rs_.CountRecovery(retried, router_.control() ? router_.control()->experts_replaced() : 0);
   const BatcherStats st = batcher_.stats();
   rs_.Refresh(router_.health(), static_cast<int64_t>(st.queued_requests), st.queued_tokens);
 }

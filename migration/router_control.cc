@@ -27,6 +27,15 @@ std::set<int> ExpertsOn(const LayerPlacement& lp, int rank) {
   return out;
 }
 
+// "2,5": the ranks a mask marks.
+std::string RankList(const std::vector<bool>& mask) {
+  std::vector<int> ranks;
+  for (size_t r = 0; r < mask.size(); ++r) {
+    if (mask[r]) ranks.push_back(static_cast<int>(r));
+  }
+  return fmt::format("{}", fmt::join(ranks, ","));
+}
+
 std::vector<int> Minus(const std::set<int>& a, const std::set<int>& b) {
   std::vector<int> out;
   for (int x : a) {
@@ -57,6 +66,27 @@ RouterControl::RouterControl(Transport* transport, std::shared_ptr<const Placeme
   const int n = t_->size();
   in_headers_.resize(static_cast<size_t>(n));
   in_reqs_.resize(static_cast<size_t>(n));
+  dead_.assign(static_cast<size_t>(n), false);
+}
+
+bool RouterControl::Gone(int rank) const {
+  return (rank >= 0 && static_cast<size_t>(rank) < dead_.size() &&
+          dead_[static_cast<size_t>(rank)]) ||
+         t_->peer_failed(rank);
+}
+
+std::vector<int> RouterControl::dead_ranks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> out;
+  for (size_t r = 0; r < dead_.size(); ++r) {
+    if (dead_[r]) out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+uint64_t RouterControl::experts_replaced() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return experts_replaced_;
 }
 
 RouterControl::~RouterControl() {
@@ -84,8 +114,11 @@ Status RouterControl::SendToExpert(int rank, const std::string& op, ReplyFn on_r
   h.seq = id;
   h.rows = static_cast<int64_t>(body.size());
   std::memcpy(header.data(), &h, sizeof h);
-  MOERUN_RETURN_IF_ERROR(
-      outgoing_.Send(t_, rank, kTagHeader, kTagRows, std::move(header), std::move(body)));
+  // To a dead rank nothing is sent: the operation fails at the next Poll (ExpireSilent).
+  if (!Gone(rank)) {
+    MOERUN_RETURN_IF_ERROR(
+        outgoing_.Send(t_, rank, kTagHeader, kTagRows, std::move(header), std::move(body)));
+  }
   pending_[id] = PendingOp{std::move(on_reply), rank, std::chrono::steady_clock::now()};
   return Status::Ok();
 }
@@ -96,14 +129,33 @@ Status RouterControl::SendToRouter(int rank, const std::string& body) {
 
 Status RouterControl::PollReceives() {
   const int me = t_->rank();
+  // A failure on a dead rank's channel only closes that channel.
+  auto lost = [&](int p, const Status& why) {
+    if (!Gone(p)) return false;
+    if (health_ != nullptr) health_->MarkDead(p, "its control channel failed: " + why.ToString());
+    dead_[static_cast<size_t>(p)] = true;
+    return true;
+  };
   for (int p = 0; p < t_->size(); ++p) {
     if (p == me) continue;
     Request& r = in_reqs_[static_cast<size_t>(p)];
     EpControlHeader& h = in_headers_[static_cast<size_t>(p)];
-    if (!r.valid()) {
-      MOERUN_ASSIGN_OR_RETURN(r, t_->Irecv(p, kTagControl, &h, sizeof h));
+    if (Gone(p)) {
+      if (r.valid()) (void)t_->Cancel(r);
+      r = Request{};
+      continue;
     }
-    MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(r));
+    if (!r.valid()) {
+      Result<Request> posted = t_->Irecv(p, kTagControl, &h, sizeof h);
+      if (!posted.ok() && lost(p, posted.status())) continue;
+      MOERUN_ASSIGN_OR_RETURN(r, std::move(posted));
+    }
+    Result<bool> tested = t_->Test(r);
+    if (!tested.ok() && lost(p, tested.status())) {
+      r = Request{};
+      continue;
+    }
+    MOERUN_ASSIGN_OR_RETURN(const bool done, std::move(tested));
     if (!done) continue;
     r = Request{};
     if (h.magic != kEpMagic || h.bytes == 0 || h.bytes > kMaxControlBytes) {
@@ -111,12 +163,14 @@ Status RouterControl::PollReceives() {
                              std::to_string(p));
     }
     std::string body(static_cast<size_t>(h.bytes), '\0');
-    MOERUN_RETURN_IF_ERROR(
-        t_->Recv(p, kTagControlBody, body.data(), body.size(), DeadlineIn(deadline_)));
+    const Status got =
+        t_->Recv(p, kTagControlBody, body.data(), body.size(), DeadlineIn(deadline_));
+    if (!got.ok() && lost(p, got)) continue;
+    MOERUN_RETURN_IF_ERROR(got);
     MOERUN_ASSIGN_OR_RETURN(r, t_->Irecv(p, kTagControl, &h, sizeof h));
     MOERUN_RETURN_IF_ERROR(OnMessage(p, body));
   }
-  return outgoing_.Poll(t_);
+  return outgoing_.Poll(t_, [this](int peer) { return Gone(peer); });
 }
 
 Status RouterControl::OnMessage(int from, const std::string& body) {
@@ -211,7 +265,7 @@ Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> ne
   if (before != nullptr && after != nullptr) {
     for (int d = next->num_routers(); d < next->num_ranks(); ++d) {
       const std::vector<int> gone = Minus(ExpertsOn(*before, d), ExpertsOn(*after, d));
-      if (gone.empty()) continue;
+      if (gone.empty() || Gone(d)) continue;  // a dead rank's copies went with it
       ReplyFn fn = done;
       if (!fn) {
         fn = [me, d, layer](int, const RouterControlReply& r) {
@@ -241,15 +295,18 @@ Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> ne
 void RouterControl::ExpireSilent() {
   const auto now = std::chrono::steady_clock::now();
   for (auto it = pending_.begin(); it != pending_.end();) {
-    if (now - it->second.last < deadline_) {
+    const bool gone = Gone(it->second.rank);
+    if (now - it->second.last < deadline_ && !gone) {
       ++it;
       continue;
     }
     RouterControlReply r;
     r.ok = false;
-    r.error = "no answer for " +
-              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(deadline_).count()) +
-              " s";
+    r.error = gone ? std::string("the rank is dead")
+                   : "no answer for " +
+                         std::to_string(
+                             std::chrono::duration_cast<std::chrono::seconds>(deadline_).count()) +
+                         " s";
     const int rank = it->second.rank;
     ReplyFn fn = std::move(it->second.fn);
     it = pending_.erase(it);
@@ -261,11 +318,52 @@ void RouterControl::ExpireSilent() {
 
 Status RouterControl::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (health_ != nullptr && health_->dead_generation() != dead_generation_) {
+    dead_generation_ = health_->dead_generation();
+    const std::vector<bool>& dead = health_->dead_mask();
+    for (size_t r = 0; r < dead.size() && r < dead_.size(); ++r) dead_[r] = dead_[r] || dead[r];
+  }
   MOERUN_RETURN_IF_ERROR(PollReceives());
   ExpireSilent();
   if (t_->rank() != 0) return Status::Ok();
   MOERUN_RETURN_IF_ERROR(StepUpdates());
-  return StepMigration();
+  MOERUN_RETURN_IF_ERROR(StepMigration());
+  return Recover();
+}
+
+Status RouterControl::Recover() {
+  if (health_ == nullptr || recovered_generation_ == dead_generation_) return Status::Ok();
+  if (migration_ && migration_->view.state == "running") return Status::Ok();  // it fails first
+  if (!placement_->UsesAny(dead_)) {
+    recovered_generation_ = dead_generation_;
+    return Status::Ok();
+  }
+  int replaced = 0;
+  Result<Placement> target = placement_->WithoutRanks(dead_, placement_->version() + 1, &replaced);
+  if (!target.ok()) {
+    recovered_generation_ = dead_generation_;
+    spdlog::error("recovery: {}", target.status().ToString());
+    return Status::Ok();  // the job serves what it still can; requests for the rest fail
+  }
+  const std::string ranks = RankList(dead_);
+  MigrationOptions o;
+  o.trigger = "recovery";
+  o.note = "dead rank(s) " + ranks + ": " + std::to_string(replaced) + " expert cop" +
+           (replaced == 1 ? "y" : "ies") + " re-placed on the survivors";
+  o.expert_bytes = recovery_expert_bytes_;
+  Result<MigrationView> started = ApplyLocked(*target, o);
+  if (!started.ok()) {  // an expert update in progress: tried again at the next Poll
+    if (recovery_blocked_ != dead_generation_) {
+      recovery_blocked_ = dead_generation_;
+      spdlog::error("recovery waits: {}", started.status().ToString());
+    }
+    return Status::Ok();
+  }
+  recovered_generation_ = dead_generation_;
+  experts_replaced_ += static_cast<uint64_t>(replaced);
+  spdlog::warn("recovery: migration {} to the placement without rank(s) {}: {}", started->id, ranks,
+               o.note);
+  return Status::Ok();
 }
 
 void RouterControl::Fail(const std::string& why) {
@@ -388,6 +486,15 @@ Status RouterControl::StepMigration() {
 Result<MigrationView> RouterControl::Apply(const Placement& target,
                                            const MigrationOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (target.UsesAny(dead_)) {
+    return Status::InvalidArgument("the placement puts experts on dead rank(s) " + RankList(dead_) +
+                                   ": leave them out");
+  }
+  return ApplyLocked(target, options);
+}
+
+Result<MigrationView> RouterControl::ApplyLocked(const Placement& target,
+                                                 const MigrationOptions& options) {
   if (migration_ && migration_->view.state == "running") {
     return Status::Unavailable("migration " + std::to_string(migration_->view.id) +
                                " is still running (moectl placement progress)");

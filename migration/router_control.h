@@ -17,6 +17,12 @@
 //   3. the next layer.
 // A failed load frees what the layer loaded and ends the migration; switched layers stay
 // switched, the others keep the old placement. Each switched layer makes a new placement version.
+//
+// With a PeerHealth (set_health), an expert rank that dies gets no more control messages (the
+// operations awaiting it fail at once), and router 0 recovers: once no migration runs, it
+// migrates to the placement without the dead ranks (Placement::WithoutRanks: experts left with
+// no copy are loaded on the survivors with the fewest slots, unthrottled; trigger "recovery").
+// Placements that put experts on a dead rank are refused.
 #pragma once
 
 #include <chrono>
@@ -31,6 +37,7 @@
 
 #include "base/status.h"
 #include "ep/owned_sends.h"
+#include "ep/peer_health.h"
 #include "ep/protocol.h"
 #include "ep/router_layer.h"
 #include "router/placement.h"
@@ -90,6 +97,10 @@ class RouterControl {
   void set_on_switch(std::function<void(std::shared_ptr<const Placement>)> f) {
     on_switch_ = std::move(f);
   }
+  // The router's view of the expert ranks (deaths); before the first Poll.
+  void set_health(PeerHealth* health) { health_ = health; }
+  // One expert's bytes, for what a recovery's migration reports it moves.
+  void set_expert_bytes(int64_t bytes) { recovery_expert_bytes_ = bytes; }
 
   // Router 0, any thread.
   // Starts moving to `target` (checked against the job first); an error if it does not fit, or
@@ -102,6 +113,9 @@ class RouterControl {
   // action: promote | rollback. The answer is the state before the action completes.
   Result<ExpertUpdateView> Act(const std::string& action, int layer, int expert);
   std::vector<ExpertUpdateView> Updates() const;
+  // Any thread: the ranks known dead, and the expert copies recoveries re-placed so far.
+  std::vector<int> dead_ranks() const;
+  uint64_t experts_replaced() const;
 
  private:
   using ReplyFn = std::function<void(int rank, const struct RouterControlReply&)>;
@@ -143,8 +157,13 @@ class RouterControl {
   Status StartLayer(LayerStep& step);
   Status StepUpdates();
   void Fail(const std::string& why);  // the migration (under mu_)
+  Result<MigrationView> ApplyLocked(const Placement& target, const MigrationOptions& options);
+  // Router thread: takes in the deaths PeerHealth saw; on router 0 starts the recovery.
+  Status Recover();
+  bool Gone(int rank) const;  // dead (under mu_)
 
   Transport* t_;
+  PeerHealth* health_ = nullptr;
   std::map<int, RouterLayer*> layers_;
   size_t header_bytes_;
   std::chrono::milliseconds deadline_;
@@ -173,6 +192,12 @@ class RouterControl {
   std::map<std::pair<int, int>, UpdateState> updates_;
   std::deque<std::pair<std::string, std::pair<int, int>>> actions_;  // (action, (layer, expert))
   std::map<std::pair<int, int>, std::string> promoted_;  // weights that replaced the checkpoint's
+  std::vector<bool> dead_;                               // by rank
+  uint64_t dead_generation_ = 0;                         // PeerHealth's, when dead_ was taken
+  uint64_t recovered_generation_ = 0;                    // the deaths the last recovery covered
+  uint64_t recovery_blocked_ = 0;  // the generation whose recovery had to wait (logged)
+  uint64_t experts_replaced_ = 0;
+  int64_t recovery_expert_bytes_ = 0;
 };
 
 }  // namespace moerun

@@ -1,6 +1,7 @@
 #include "ranks/router_rank.h"
 
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "base/log.h"
@@ -25,6 +26,7 @@ RouterRank::RouterRank(Transport* transport, std::shared_ptr<const Placement> pl
   if (options.control) {
     control_ =
         std::make_unique<RouterControl>(t_, placement_, by_number_, header_bytes_, ep_.deadline);
+    control_->set_health(health_.get());
   }
 }
 
@@ -60,6 +62,7 @@ Status RouterRank::Finish() {
   control_.reset();
   by_number_.clear();
   owned_.clear();
+  std::vector<bool> dead;
   if (health_) {
     // Late transfers and probes finish before the shutdown message queues behind them.
     health_->StopProbing();
@@ -68,25 +71,43 @@ Status RouterRank::Finish() {
       health_->Poll();
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    dead = health_->dead_mask();
     health_.reset();
   }
-  MOERUN_RETURN_IF_ERROR(SendShutdown(t_, *placement_, header_bytes_, ep_.deadline));
+  MOERUN_RETURN_IF_ERROR(SendShutdown(t_, *placement_, header_bytes_, ep_.deadline, dead));
   LogTransportCounters(*t_);
   return Status::Ok();
 }
 
 Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
-                    std::chrono::milliseconds deadline) {
-  std::vector<char> header(header_bytes, 0);
+                    std::chrono::milliseconds deadline, const std::vector<bool>& dead) {
+  // The buffer outlives a send to a frozen rank that cannot be withdrawn (ucx, mpi).
+  static std::mutex parked_mu;
+  static std::vector<std::unique_ptr<std::vector<char>>> parked;
+  auto header = std::make_unique<std::vector<char>>(header_bytes, 0);
   EpHeaderFixed h;
   h.kind = static_cast<uint32_t>(EpKind::kShutdown);
-  std::memcpy(header.data(), &h, sizeof h);
-  std::vector<Request> reqs;
+  std::memcpy(header->data(), &h, sizeof h);
+  std::vector<Request> live, gone;
   for (int d = p.num_routers(); d < p.num_ranks(); ++d) {
-    MOERUN_ASSIGN_OR_RETURN(Request r, t->Isend(d, kTagHeader, header.data(), header.size()));
-    reqs.push_back(r);
+    const bool is_dead = static_cast<size_t>(d) < dead.size() && dead[static_cast<size_t>(d)];
+    if (is_dead && t->peer_failed(d)) continue;  // its process is gone
+    Result<Request> r = t->Isend(d, kTagHeader, header->data(), header->size());
+    if (!r.ok() && is_dead) continue;
+    MOERUN_ASSIGN_OR_RETURN(Request req, std::move(r));
+    (is_dead ? gone : live).push_back(req);
   }
-  return t->WaitAll(reqs, DeadlineIn(deadline), "shutdown");
+  // A dead rank that is in fact frozen ends too once it runs again, if the job still stands.
+  Status s = t->WaitAll(live, DeadlineIn(deadline), "shutdown");
+  if (!gone.empty()) {
+    (void)t->WaitAll(gone, DeadlineIn(std::chrono::milliseconds(200)), "shutdown of a dead rank",
+                     /*cancel_late=*/true);
+    if (!t->can_withdraw_sends()) {
+      std::lock_guard<std::mutex> lock(parked_mu);
+      parked.push_back(std::move(header));
+    }
+  }
+  return s;
 }
 
 void LogTransportCounters(const Transport& t) {

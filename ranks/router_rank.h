@@ -71,9 +71,11 @@ class RouterRank {
   bool finished_ = false;
 };
 
-// Tells every expert rank that router `t->rank()` stops (a kShutdown header).
+// Tells every expert rank that router `t->rank()` stops (a kShutdown header). Ranks `dead` marks
+// (by rank) are not waited for: one whose process is gone is skipped, one that may be frozen gets
+// the message on a short wait.
 Status SendShutdown(Transport* t, const Placement& placement, size_t header_bytes,
-                    std::chrono::milliseconds deadline);
+                    std::chrono::milliseconds deadline, const std::vector<bool>& dead = {});
 
 // What the transport moved and how (RDMA backends), in the log: the zero-copy evidence of a run.
 void LogTransportCounters(const Transport& t);

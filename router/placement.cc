@@ -87,6 +87,75 @@ Result<Placement> Placement::WithLayer(int layer, const Placement& from, uint64_
   return p;
 }
 
+LayerPlacement LiveLayer(const LayerPlacement& lp, const std::vector<bool>& dead, int* orphans) {
+  auto is_dead = [&](int rank) {
+    return rank >= 0 && static_cast<size_t>(rank) < dead.size() && dead[static_cast<size_t>(rank)];
+  };
+  LayerPlacement live = lp;
+  int lost = 0;
+  for (auto& reps : live.replicas) {
+    const bool had = !reps.empty();
+    std::erase_if(reps, [&](int s) { return is_dead(lp.slots[static_cast<size_t>(s)].rank); });
+    if (had && reps.empty()) ++lost;
+  }
+  for (size_t r = 0; r < live.rank_slots.size(); ++r) {
+    if (is_dead(static_cast<int>(r))) live.rank_slots[r].clear();
+  }
+  if (orphans != nullptr) *orphans = lost;
+  return live;
+}
+
+bool Placement::UsesAny(const std::vector<bool>& dead) const {
+  for (const auto& [layer, lp] : layers_) {
+    for (const Slot& s : lp.slots) {
+      if (static_cast<size_t>(s.rank) < dead.size() && dead[static_cast<size_t>(s.rank)]) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+Result<Placement> Placement::WithoutRanks(const std::vector<bool>& dead, uint64_t version,
+                                          int* replaced) const {
+  auto is_dead = [&](int rank) {
+    return static_cast<size_t>(rank) < dead.size() && dead[static_cast<size_t>(rank)];
+  };
+  int survivors = 0;
+  for (int r = num_routers_; r < num_ranks_; ++r) survivors += is_dead(r) ? 0 : 1;
+  if (survivors == 0) {
+    return Status::Unavailable("no expert rank survives: the experts cannot be re-placed");
+  }
+  Placement p = *this;
+  p.version_ = version;
+  int added = 0;
+  for (const auto& [layer, lp] : layers_) {
+    std::vector<Slot> slots;
+    std::vector<int> count(static_cast<size_t>(num_ranks_), 0);
+    std::vector<bool> held(static_cast<size_t>(num_experts_), false);
+    for (const Slot& s : lp.slots) {
+      if (is_dead(s.rank)) continue;
+      slots.push_back(s);
+      ++count[static_cast<size_t>(s.rank)];
+      held[static_cast<size_t>(s.expert)] = true;
+    }
+    for (int e = 0; e < num_experts_; ++e) {
+      if (held[static_cast<size_t>(e)]) continue;
+      int best = -1;
+      for (int r = num_routers_; r < num_ranks_; ++r) {
+        if (is_dead(r)) continue;
+        if (best < 0 || count[static_cast<size_t>(r)] < count[static_cast<size_t>(best)]) best = r;
+      }
+      slots.push_back(Slot{best, e});
+      ++count[static_cast<size_t>(best)];
+      ++added;
+    }
+    MOERUN_RETURN_IF_ERROR(p.AddLayer(layer, std::move(slots), "placement without dead ranks"));
+  }
+  if (replaced != nullptr) *replaced = added;
+  return p;
+}
+
 bool Placement::SameSlots(const LayerPlacement& a, const LayerPlacement& b) {
   if (a.slots.size() != b.slots.size()) return false;
   for (size_t i = 0; i < a.slots.size(); ++i) {

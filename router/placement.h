@@ -34,6 +34,12 @@ struct LayerPlacement {
   int MaxSlotsPerRank() const;
 };
 
+// `lp` without the slots on the ranks `dead` marks (indexed by rank): the same slot numbers, the
+// dead ranks' slots left out of `replicas` and `rank_slots`. An expert whose every copy was on a
+// dead rank has no replica left (an orphan): *orphans, if given, counts them.
+LayerPlacement LiveLayer(const LayerPlacement& lp, const std::vector<bool>& dead,
+                         int* orphans = nullptr);
+
 class Placement {
  public:
   static constexpr int kMaxSlotsPerRank = 4096;
@@ -51,6 +57,15 @@ class Placement {
   std::string ToJson() const;
   // A copy whose entry for `layer` is `from`'s placement of that layer, with `version`.
   Result<Placement> WithLayer(int layer, const Placement& from, uint64_t version) const;
+  // A copy, with `version`, in which the ranks `dead` marks (indexed by rank) hold nothing: their
+  // slots are dropped, and an expert left with no copy gets one on the surviving expert rank with
+  // the fewest slots in that layer (the lowest rank among equals), so that the survivors share the
+  // orphans evenly. *replaced, if given, counts those new copies over all layer entries. Fails
+  // when no expert rank survives.
+  Result<Placement> WithoutRanks(const std::vector<bool>& dead, uint64_t version,
+                                 int* replaced = nullptr) const;
+  // Whether any slot of any layer entry is on a rank `dead` marks.
+  bool UsesAny(const std::vector<bool>& dead) const;
   // Whether two layer placements have the same slots in the same order.
   static bool SameSlots(const LayerPlacement& a, const LayerPlacement& b);
 

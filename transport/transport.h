@@ -60,6 +60,10 @@ class Transport {
   // treat the (peer, tag) channel as unusable (the runtime ends the job after such a failure).
   virtual Status Cancel(Request r) = 0;
   virtual bool can_withdraw_sends() const { return true; }
+  // True once the backend knows `peer` is gone (ucx: its endpoint failed: the process died or
+  // its connection broke); its requests then fail with kUnavailable. Backends that cannot tell
+  // (mpi, inproc) say false: there a dead peer shows only as a missed deadline.
+  virtual bool peer_failed(int /*peer*/) const { return false; }
   // RDMA backends (ucx) register [p, p + bytes) once so that receives into it are written
   // directly by the peer; others treat it as a no-op. The memory stays registered until
   // UnregisterMemory(p) (call it before freeing the memory), a registration that overlaps it, or

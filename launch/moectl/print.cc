@@ -32,6 +32,16 @@ void PrintStatus(const v1::StatusResponse& s) {
               static_cast<unsigned long long>(s.placement_version()),
               s.ready() ? "ready" : "NOT READY", s.uptime_s(),
               static_cast<unsigned long long>(s.batches()));
+  if (s.health() == "degraded") {
+    std::printf(
+        "health: degraded: %d expert rank%s dead (serving without them), %llu "
+        "microbatch%s re-dispatched, %llu expert cop%s re-placed\n",
+        s.ranks_dead(), s.ranks_dead() == 1 ? "" : "s",
+        static_cast<unsigned long long>(s.microbatches_retried()),
+        s.microbatches_retried() == 1 ? "" : "es",
+        static_cast<unsigned long long>(s.experts_replaced()),
+        s.experts_replaced() == 1 ? "y" : "ies");
+  }
   if (s.has_migration() && s.migration().id() != 0) {
     const auto& m = s.migration();
     std::printf("migration %llu (%s): %s, v%llu -> v%llu, %s of %s MiB loaded, %.1f s%s%s\n",

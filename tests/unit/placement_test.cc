@@ -482,5 +482,45 @@ TEST(PlacementTest, MakeBySpecAndFromFile) {
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
 }
 
+// The placement without dead ranks: their slots go; an expert with a surviving replica keeps
+// only it; an orphan goes to the survivor with the fewest slots (lowest rank among equals).
+TEST(PlacementTest, WithoutRanksReplacesOrphansOnTheLeastLoaded) {
+  // 1 router, expert ranks 1..3; 6 experts round robin (1: 0,3  2: 1,4  3: 2,5) plus a replica
+  // of expert 2 on rank 1.
+  const std::string doc = R"({"format": "moerun-placement-v1", "version": 4, "num_experts": 6,
+    "num_ranks": 4, "num_routers": 1,
+    "layers": {"*": [[1,0],[2,1],[3,2],[1,3],[2,4],[3,5],[1,2]]}})";
+  const Result<Placement> p = Placement::FromJson(doc, "test");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  const std::vector<bool> dead = {false, false, false, true};
+  EXPECT_TRUE(p->UsesAny(dead));
+  int replaced = -1;
+  const Result<Placement> q = p->WithoutRanks(dead, 5, &replaced);
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->version(), 5u);
+  EXPECT_FALSE(q->UsesAny(dead));
+  EXPECT_EQ(replaced, 1);  // expert 5 (expert 2 keeps its copy on rank 1)
+  const LayerPlacement* lp = q->Layer(7);
+  ASSERT_NE(lp, nullptr);
+  EXPECT_TRUE(lp->rank_slots[3].empty());
+  for (int e = 0; e < 6; ++e) EXPECT_FALSE(lp->replicas[static_cast<size_t>(e)].empty()) << e;
+  // Rank 1 holds 3 slots, rank 2 holds 2: the orphan goes to rank 2.
+  EXPECT_EQ(lp->slots[static_cast<size_t>(lp->replicas[5][0])].rank, 2);
+
+  // LiveLayer keeps the slot numbers and leaves the dead ranks' slots out.
+  int orphans = -1;
+  const LayerPlacement live = LiveLayer(*p->Layer(0), dead, &orphans);
+  EXPECT_EQ(orphans, 1);
+  EXPECT_EQ(live.slots.size(), p->Layer(0)->slots.size());
+  EXPECT_TRUE(live.replicas[5].empty());
+  EXPECT_EQ(live.replicas[2], std::vector<int>{6});
+  EXPECT_TRUE(live.rank_slots[3].empty());
+
+  // No survivor: a clear error.
+  const Result<Placement> none = p->WithoutRanks({false, true, true, true}, 6);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace moerun

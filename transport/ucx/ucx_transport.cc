@@ -154,6 +154,9 @@ class UcxTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   bool can_withdraw_sends() const override { return false; }
+  bool peer_failed(int peer) const override {
+    return peer >= 0 && peer < size_ && failed_[static_cast<size_t>(peer)] != UCS_OK;
+  }
   int idle_spins() const override { return 16; }
 
   Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) override;
@@ -888,7 +891,7 @@ Result<bool> UcxTransport::AdvancePutSend(uint32_t index, Op& op) {
 Result<bool> UcxTransport::Advance(uint32_t index) {
   Op& op = *ops_[index];
   Result<bool> out = false;
-  const ucs_status_t peer_failed = failed_[static_cast<size_t>(op.peer)];
+  const ucs_status_t peer_status = failed_[static_cast<size_t>(op.peer)];
   switch (op.kind) {
     case Kind::kEagerSend:
       if (Poll(op.data_req, &op.data_done, &op.data_status)) {
@@ -941,9 +944,9 @@ Result<bool> UcxTransport::Advance(uint32_t index) {
       }
       break;
   }
-  if (out.ok() && !*out && peer_failed != UCS_OK) {
+  if (out.ok() && !*out && peer_status != UCS_OK) {
     out = Status::Unavailable("ucx: rank " + std::to_string(op.peer) + " failed (" +
-                              UcsError(peer_failed) + ")");
+                              UcsError(peer_status) + ")");
   }
   return out;
 }
