@@ -205,19 +205,20 @@ for b in tl:
         break
 after = [b for b in tl if death_s <= b["t_s"] < death_s + 3]
 p99_after = max((b["p99_ms"] for b in after), default=0)
+max_after = max((b["max_ms"] for b in after), default=0)
 p99_before = max((b["p99_ms"] for b in tl if b["t_s"] + 1 <= death_s and b["t_s"] >= 1), default=0)
 fmt = lambda t: "-" if t is None else f"{t - t_death:.2f} s"
 print(f"{case}: {bench['ok']} answers, 0 failed, all verified; death -> detected {fmt(t_detect)}, "
       f"re-dispatch {fmt(t_redispatch)}, re-placed {fmt(t_replaced)}, full throughput "
       f"{'-' if full is None else f'{full:.1f} s'} ({rate:.0f} answers/s before); p99 {p99_before:.1f} ms "
-      f"before, {p99_after:.1f} ms over the 3 s after; {retried} microbatches re-dispatched, "
+      f"before, {p99_after:.1f} ms over the 3 s after (slowest {max_after:.0f} ms); {retried} microbatches re-dispatched, "
       f"{replaced} experts re-placed")
 json.dump({"case": case, "answers": bench["ok"], "failed": 0,
            "detect_s": t_detect - t_death,
            "redispatch_s": None if t_redispatch is None else t_redispatch - t_death,
            "replaced_s": None if t_replaced is None else t_replaced - t_death,
            "full_throughput_s": full, "answers_per_s_before": rate, "p99_ms_before": p99_before,
-           "p99_ms_after": p99_after, "microbatches_retried": retried,
+           "p99_ms_after": p99_after, "max_ms_after": max_after, "microbatches_retried": retried,
            "experts_replaced": replaced}, open(sys.argv[1] + ".summary", "w"))
 PY
   cat "$WORK/bench.json.summary" >>"$WORK/summaries"

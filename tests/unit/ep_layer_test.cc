@@ -259,7 +259,7 @@ TEST(EpLayerTest, FrozenRankIsDeadAfterTheDeadlineAndReplicasAnswer) {
     const uint64_t to_two = l->stats().rows_per_rank[2];
     for (int i = 0; i < 3; ++i) {
       std::fill(out.begin(), out.end(), 0.0f);
-      router.Poll();
+      EXPECT_TRUE(router.Poll().ok());
       s = l->Forward(x.data(), tokens, out.data());
       EXPECT_TRUE(s.ok()) << s.ToString();
       EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);

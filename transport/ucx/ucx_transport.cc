@@ -793,11 +793,11 @@ Result<ucp_rkey_h> UcxTransport::RkeyFor(Op& op) {
 Status UcxTransport::StartPut(Op& op) {
   MOERUN_ASSIGN_OR_RETURN(ucp_rkey_h rkey, RkeyFor(op));
   const auto pi = static_cast<size_t>(op.peer);
+  // The source buffer's memory handle is not passed (UCP_OP_ATTR_FIELD_MEMH): UCX 1.13 crashed
+  // (SIGSEGV in ucp_request_memory_dereg, from ucp_ep_set_failed purging the pending puts of a
+  // shared-memory endpoint) when a peer died with such puts queued. UCX registers the source
+  // itself (its registration cache makes that one lookup per put after the first).
   ucp_request_param_t param{};
-  if (const Region* r = FindRegion(op.buf, op.bytes)) {
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = r->memh;
-  }
   void* req = ucp_put_nbx(eps_[pi], op.buf, op.bytes, op.rtr.addr, rkey, &param);
   if (UCS_PTR_IS_ERR(req)) {
     return Status::Unavailable("ucx: put to rank " + std::to_string(op.peer) + ": " +
