@@ -334,7 +334,9 @@ Status RouterControl::Poll() {
 Status RouterControl::Recover() {
   if (health_ == nullptr || recovered_generation_ == dead_generation_) return Status::Ok();
   if (migration_ && migration_->view.state == "running") return Status::Ok();  // it fails first
-  if (!placement_->UsesAny(dead_)) {
+  std::vector<int> served;
+  for (const auto& [layer, ep] : layers_) served.push_back(layer);
+  if (!placement_->UsesAny(dead_, served)) {
     recovered_generation_ = dead_generation_;
     return Status::Ok();
   }
@@ -486,7 +488,9 @@ Status RouterControl::StepMigration() {
 Result<MigrationView> RouterControl::Apply(const Placement& target,
                                            const MigrationOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (target.UsesAny(dead_)) {
+  std::vector<int> served;
+  for (const auto& [layer, ep] : layers_) served.push_back(layer);
+  if (target.UsesAny(dead_, served)) {
     return Status::InvalidArgument("the placement puts experts on dead rank(s) " + RankList(dead_) +
                                    ": leave them out");
   }

@@ -116,6 +116,19 @@ bool Placement::UsesAny(const std::vector<bool>& dead) const {
   return false;
 }
 
+bool Placement::UsesAny(const std::vector<bool>& dead, const std::vector<int>& layers) const {
+  for (int l : layers) {
+    const LayerPlacement* lp = Layer(l);
+    if (lp == nullptr) continue;
+    for (const Slot& s : lp->slots) {
+      if (static_cast<size_t>(s.rank) < dead.size() && dead[static_cast<size_t>(s.rank)]) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 Result<Placement> Placement::WithoutRanks(const std::vector<bool>& dead, uint64_t version,
                                           int* replaced) const {
   auto is_dead = [&](int rank) {

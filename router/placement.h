@@ -64,8 +64,10 @@ class Placement {
   // when no expert rank survives.
   Result<Placement> WithoutRanks(const std::vector<bool>& dead, uint64_t version,
                                  int* replaced = nullptr) const;
-  // Whether any slot of any layer entry is on a rank `dead` marks.
+  // Whether a slot of any layer entry (or, given `layers`, of the entries those layers use) is on
+  // a rank `dead` marks.
   bool UsesAny(const std::vector<bool>& dead) const;
+  bool UsesAny(const std::vector<bool>& dead, const std::vector<int>& layers) const;
   // Whether two layer placements have the same slots in the same order.
   static bool SameSlots(const LayerPlacement& a, const LayerPlacement& b);
 
