@@ -209,7 +209,6 @@ bool PeerHealth::MarkDead(int rank, const std::string& why) {
     return false;
   }
   dead_[static_cast<size_t>(rank)] = true;
-  state_[static_cast<size_t>(rank)].dead_why = why;
   ++dead_generation_;
   dead_count_.fetch_add(1, std::memory_order_relaxed);
   spdlog::error(
@@ -249,7 +248,6 @@ void PeerHealth::Refresh() {
     v.answering = s.usable;
     v.stranded = s.stranded > 0;
     v.dead = is_dead;
-    v.dead_why = s.dead_why;
     v.last_seen_s = std::chrono::duration<double>(now - s.last_pong).count();
     v.microbatches = s.pong.microbatches;
     v.rows = s.pong.rows;

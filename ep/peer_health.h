@@ -43,9 +43,8 @@ struct PeerHealthOptions {
 struct PeerView {
   int rank = 0;
   bool answering = true;
-  bool stranded = false;  // transfers of a missed deadline still outstanding
-  bool dead = false;      // given up on for the rest of the job
-  std::string dead_why;
+  bool stranded = false;      // transfers of a missed deadline still outstanding
+  bool dead = false;          // given up on for the rest of the job
   double last_seen_s = 0;     // since its last pong (or since start, before the first)
   uint64_t microbatches = 0;  // as it reported
   uint64_t rows = 0;
@@ -104,7 +103,6 @@ class PeerHealth {
     SteadyClock::time_point ping_sent{};
     bool late = false;
     bool usable = true;
-    std::string dead_why;
   };
   struct Strands {
     std::vector<Request> requests;

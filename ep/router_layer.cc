@@ -148,14 +148,19 @@ Status RouterLayer::CheckOrphans(const float* x, int64_t from, int64_t tokens) {
   for (int64_t t0 = from; t0 < tokens; t0 += mb) {
     const int64_t n = std::min(mb, tokens - t0);
     gating.Run(x + t0 * hidden, n);
-    const int32_t* ids = gating.ids().data();
-    for (int64_t i = 0; i < n * k; ++i) {
-      if (live_.replicas[static_cast<size_t>(ids[i])].empty()) {
-        waiting_for_copies_ = true;
-        return Status::Unavailable(what_ + ": expert " + std::to_string(ids[i]) +
-                                   " has no live copy (its rank died); waiting for it to be "
-                                   "re-placed");
-      }
+    MOERUN_RETURN_IF_ERROR(NoOrphans(gating.ids().data(), n * k));
+  }
+  return Status::Ok();
+}
+
+Status RouterLayer::NoOrphans(const int32_t* ids, int64_t n) {
+  const LayerPlacement& lp = Live();
+  for (int64_t i = 0; i < n; ++i) {
+    if (lp.replicas[static_cast<size_t>(ids[i])].empty()) {
+      waiting_for_copies_ = true;
+      return Status::Unavailable(what_ + ": expert " + std::to_string(ids[i]) +
+                                 " has no live copy (its rank died); waiting for it to be "
+                                 "re-placed");
     }
   }
   return Status::Ok();
@@ -232,16 +237,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   std::fill(st.rows_to.begin(), st.rows_to.end(), 0.0);
   std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
   const LayerPlacement& lp = Live();
-  if (orphans_ > 0) {
-    const int32_t* ids = st.gating.ids().data();
-    for (int64_t i = 0; i < tokens * k; ++i) {
-      if (lp.replicas[static_cast<size_t>(ids[i])].empty()) {
-        waiting_for_copies_ = true;
-        return Status::Unavailable(what_ + ": expert " + std::to_string(ids[i]) +
-                                   " has no live copy");
-      }
-    }
-  }
+  if (orphans_ > 0) MOERUN_RETURN_IF_ERROR(NoOrphans(st.gating.ids().data(), tokens * k));
   st.plan.Build(st.gating.ids().data(), tokens, k, lp, st.rows_to);  // rows_to: load after
   if (routing_observer_) routing_observer_(st.gating.ids().data(), tokens, k);
   for (int d = 0; d < ranks; ++d) {

@@ -104,6 +104,9 @@ class RouterLayer {
   void RefreshLive();
   // Fails with kUnavailable if a token of x [from, tokens) is routed to an expert with no copy.
   Status CheckOrphans(const float* x, int64_t from, int64_t tokens);
+  // Fails with kUnavailable (and sets waiting_for_copies_) if one of the n gate choices `ids`
+  // names an expert with no live copy.
+  Status NoOrphans(const int32_t* ids, int64_t n);
   // The placement dispatch uses: lp_ without the dead ranks' slots (lp_ without a PeerHealth).
   const LayerPlacement& Live() const { return health_ != nullptr ? live_ : *lp_; }
 

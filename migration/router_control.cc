@@ -67,6 +67,7 @@ RouterControl::RouterControl(Transport* transport, std::shared_ptr<const Placeme
   in_headers_.resize(static_cast<size_t>(n));
   in_reqs_.resize(static_cast<size_t>(n));
   dead_.assign(static_cast<size_t>(n), false);
+  for (const auto& [layer, ep] : layers_) served_.push_back(layer);
 }
 
 bool RouterControl::Gone(int rank) const {
@@ -334,9 +335,7 @@ Status RouterControl::Poll() {
 Status RouterControl::Recover() {
   if (health_ == nullptr || recovered_generation_ == dead_generation_) return Status::Ok();
   if (migration_ && migration_->view.state == "running") return Status::Ok();  // it fails first
-  std::vector<int> served;
-  for (const auto& [layer, ep] : layers_) served.push_back(layer);
-  if (!placement_->UsesAny(dead_, served)) {
+  if (!placement_->UsesAny(dead_, served_)) {
     recovered_generation_ = dead_generation_;
     return Status::Ok();
   }
@@ -488,9 +487,7 @@ Status RouterControl::StepMigration() {
 Result<MigrationView> RouterControl::Apply(const Placement& target,
                                            const MigrationOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int> served;
-  for (const auto& [layer, ep] : layers_) served.push_back(layer);
-  if (target.UsesAny(dead_, served)) {
+  if (target.UsesAny(dead_, served_)) {
     return Status::InvalidArgument("the placement puts experts on dead rank(s) " + RankList(dead_) +
                                    ": leave them out");
   }

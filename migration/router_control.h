@@ -165,6 +165,7 @@ class RouterControl {
   Transport* t_;
   PeerHealth* health_ = nullptr;
   std::map<int, RouterLayer*> layers_;
+  std::vector<int> served_;  // the layer numbers of layers_
   size_t header_bytes_;
   std::chrono::milliseconds deadline_;
   std::function<void(std::shared_ptr<const Placement>)> on_switch_;
