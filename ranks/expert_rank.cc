@@ -1,15 +1,16 @@
 #include "ranks/expert_rank.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <thread>
+#include <vector>
 
 #include "base/log.h"
-
-#include <unistd.h>
 #include "base/metrics.h"
 #include "ep/registered_buffer.h"
 
@@ -38,11 +39,27 @@ void ExpertRank::set_compute(ExpertCompute f) {
 }
 
 ExpertRank::~ExpertRank() {
+  // Serve may have ended on an error with transfers still posted (a result send to a router
+  // that stopped reading): every one is withdrawn before its buffer is freed.
+  bool sends_left = false;
   for (auto& r : routers_) {
     if (r.rows_req.valid()) (void)t_->Cancel(r.rows_req);
     if (r.header_req.valid()) (void)t_->Cancel(r.header_req);
+    for (Request* q : {&r.out_req[0], &r.out_req[1], &r.pong_req}) {
+      if (!q->valid()) continue;
+      (void)t_->Cancel(*q);
+      sends_left = true;
+    }
     for (AlignedBuffer& b : r.out) Unregister(t_, b);
     for (AlignedBuffer& b : r.in) Unregister(t_, b);
+  }
+  if (sends_left && !t_->can_withdraw_sends()) {
+    // A peer may still read them (mpi): their buffers (results, pongs) live as long as the
+    // process. The vector's elements keep their addresses when it is moved.
+    static std::mutex parked_mu;
+    static std::vector<std::vector<RouterState>> parked;
+    std::lock_guard<std::mutex> lock(parked_mu);
+    parked.push_back(std::move(routers_));
   }
 }
 
