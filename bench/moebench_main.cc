@@ -97,7 +97,11 @@ int main(int argc, char** argv) {
     moerun::bench::ServeBenchFlags sf;
     CLI::App* serve = app.add_subcommand(
         "serve", "Load a router's serving endpoint (closed or open loop), optionally verified");
-    serve->add_option("--target", sf.target, "HOST:PORT of a router")->required();
+    serve
+        ->add_option("--target", sf.target,
+                     "HOST:PORT of a router; HOST:PORT,HOST:PORT,... several routers of one "
+                     "job: a request whose router dies is sent once more to the next")
+        ->required();
     serve->add_option("--concurrency", sf.concurrency, "Connections")->default_val(1);
     serve->add_option("--duration", sf.duration_s, "Measured seconds")->default_val(10);
     serve->add_option("--tokens-per-request", sf.tokens_per_request, "Tokens per request")

@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "base/thread_pool.h"
 #include "layer/moe_layer.h"
+#include "serving/failover_client.h"
 #include "serving/frame.h"
 #include "serving/serve_client.h"
 
@@ -36,7 +37,7 @@ constexpr auto kReceivePoll = milliseconds(100);
 // concatenation of its fields, so "id field + body" is the whole request), and with --verify the
 // exact answer data expected for each.
 struct Workload {
-  std::string target;
+  std::vector<std::string> targets;  // one router, or several to fail over between
   int64_t tokens = 0;
   int64_t hidden = 0;
   v1::DType dtype = v1::F32;
@@ -140,6 +141,8 @@ struct Stats {
   int64_t warmup_requests = 0;
   int64_t warmup_errors = 0;
   std::string first_warmup_error;
+  int64_t failovers = 0;  // moves to another router (closed loop, several targets)
+  int64_t retried = 0;    // requests sent again after their router's connection broke
 
   void Error(bool measured, const std::string& kind, const std::string& why) {
     if (!measured) {
@@ -164,6 +167,8 @@ struct Stats {
     last_done = std::max(last_done, done);
   }
   void Merge(const Stats& o) {
+    failovers += o.failovers;
+    retried += o.retried;
     requests += o.requests;
     ok += o.ok;
     verified += o.verified;
@@ -192,43 +197,42 @@ int InputOf(const Workload& w, int conn, uint64_t seq) {
   return static_cast<int>((seq + static_cast<uint64_t>(conn) * 7919u) % w.bodies.size());
 }
 
-Result<std::unique_ptr<ServeConnection>> Reconnect(const Workload& w) {
-  ClientOptions o;
-  o.connect_timeout = milliseconds(2000);
-  return ServeConnection::Connect(w.target, o);
+FailoverOptions ClientFailover() {
+  FailoverOptions o;
+  o.client.connect_timeout = milliseconds(2000);
+  return o;
 }
 
 // Closed loop: one request in flight; a broken connection is replaced (each failed attempt
-// counts as a request with a "connect" error).
-void ClosedLoop(const Workload& w, const Schedule& s, int c, std::unique_ptr<ServeConnection> conn,
-                Stats* st) {
+// counts as a request with a "connect" error). With several targets a request whose router's
+// connection broke is sent once more to the next router.
+void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* client, Stats* st) {
   v1::InferResponse resp;
   for (uint64_t seq = 0;; ++seq) {
     const auto t0 = Clock::now();
     if (t0 >= s.end) break;
     const bool measured = t0 >= s.measure;
-    if (!conn) {
-      auto r = Reconnect(w);
-      if (!r.ok()) {
-        st->Error(measured, "connect", r.status().message());
+    if (!client->connected()) {
+      const Status cs = client->Connect();
+      if (!cs.ok()) {
+        st->Error(measured, "connect", cs.message());
         std::this_thread::sleep_for(kReconnectPause);
         continue;
       }
-      conn = std::move(r).value();
     }
     const uint64_t id = RequestId(c, seq);
     const int input = InputOf(w, c, seq);
     const Deadline deadline = t0 + w.wait;
-    Status status = SendRequest(conn.get(), id, w.bodies[static_cast<size_t>(input)], deadline);
-    if (status.ok()) status = conn->Receive(&resp, deadline);
-    if (status.ok() && resp.id() != id) {
-      status = Status::Corrupt("answer for id " + std::to_string(resp.id()) + " to request " +
-                               std::to_string(id));
-    }
+    const std::string& body = w.bodies[static_cast<size_t>(input)];
+    const Status status = client->Call(
+        [&](ServeConnection* conn, Deadline d) { return SendRequest(conn, id, body, d); }, id,
+        &resp, deadline);
+    st->failovers = static_cast<int64_t>(client->failovers());
+    st->retried = static_cast<int64_t>(client->retried());
     if (!status.ok()) {
       st->Error(measured, status.code() == StatusCode::kDeadlineExceeded ? "client_timeout" : "io",
                 status.message());
-      conn.reset();  // a late answer must not be taken for the next request's
+      client->Drop();  // a late answer must not be taken for the next request's
       continue;
     }
     const auto done = Clock::now();
@@ -403,6 +407,10 @@ double Percentile(const std::vector<double>& sorted, double q) {
 Status Validate(const ServeBenchFlags& f) {
   const auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (f.target.empty()) return bad("--target HOST:PORT is required");
+  MOERUN_ASSIGN_OR_RETURN(const std::vector<std::string> targets, ParseTargets(f.target));
+  if (targets.size() > 1 && f.rate > 0) {
+    return bad("several --target routers (failover) need the closed loop: drop --rate");
+  }
   if (f.concurrency < 1 || f.concurrency > 1024) return bad("--concurrency must be in 1..1024");
   if (!std::isfinite(f.duration_s) || f.duration_s <= 0 || f.duration_s > 86400) {
     return bad("--duration must be in (0, 86400] seconds");
@@ -503,19 +511,20 @@ Status BuildWorkload(const ServeBenchFlags& f, Workload* w) {
 int RunServeBench(const ServeBenchFlags& f) {
   if (Status s = Validate(f); !s.ok()) return FailWith(s);
   Workload w;
-  w.target = f.target;
+  w.targets = *ParseTargets(f.target);  // checked by Validate
   {
     // Fail fast on an unreachable target, before loading a layer.
-    auto probe = ServeConnection::Connect(f.target);
-    if (!probe.ok()) return FailWith(probe.status());
+    FailoverClient probe(w.targets);
+    if (Status s = probe.Connect(); !s.ok()) return FailWith(s);
   }
   if (Status s = BuildWorkload(f, &w); !s.ok()) return FailWith(s);
 
-  std::vector<std::unique_ptr<ServeConnection>> conns;
+  // Connection c starts at router c % targets (several: the load is spread over them).
+  std::vector<std::unique_ptr<FailoverClient>> clients;
   for (int c = 0; c < f.concurrency; ++c) {
-    auto conn = ServeConnection::Connect(f.target);
-    if (!conn.ok()) return FailWith(conn.status());
-    conns.push_back(std::move(conn).value());
+    clients.push_back(
+        std::make_unique<FailoverClient>(w.targets, static_cast<size_t>(c), ClientFailover()));
+    if (Status st = clients.back()->Connect(); !st.ok()) return FailWith(st);
   }
   const bool open = f.rate > 0;
   spdlog::info(
@@ -534,14 +543,15 @@ int RunServeBench(const ServeBenchFlags& f) {
   std::vector<std::thread> threads;
   for (int c = 0; c < f.concurrency; ++c) {
     Stats* st = &stats[static_cast<size_t>(c)];
-    std::unique_ptr<ServeConnection> conn = std::move(conns[static_cast<size_t>(c)]);
-    threads.emplace_back([&w, &s, &f, c, st, open, conn = std::move(conn)]() mutable {
+    FailoverClient* client = clients[static_cast<size_t>(c)].get();
+    threads.emplace_back([&w, &s, &f, c, st, open, client]() {
       if (!open) {
-        ClosedLoop(w, s, c, std::move(conn), st);
+        ClosedLoop(w, s, c, client, st);
         return;
       }
       const double interval = static_cast<double>(f.concurrency) / f.rate;
-      OpenLoopConnection loop(w, s, c, interval, static_cast<double>(c) / f.rate, std::move(conn));
+      OpenLoopConnection loop(w, s, c, interval, static_cast<double>(c) / f.rate,
+                              client->TakeConnection());
       loop.Run(st);
     });
   }
@@ -616,6 +626,9 @@ int RunServeBench(const ServeBenchFlags& f) {
   report["verify"] = f.verify;
   report["verified"] = all.verified;
   report["warmup"] = {{"requests", all.warmup_requests}, {"errors", all.warmup_errors}};
+  report["targets"] = w.targets;
+  report["failovers"] = all.failovers;
+  report["retried"] = all.retried;
   report["measure_start_unix_s"] = measure_unix_s;
   report["timeline"] = timeline;
   if (f.json) std::printf("%s\n", report.dump(2).c_str());

@@ -23,7 +23,7 @@
 namespace moerun::bench {
 
 struct ServeBenchFlags {
-  std::string target;              // --target HOST:PORT
+  std::string target;              // --target HOST:PORT[,HOST:PORT...] (failover)
   int concurrency = 1;             // --concurrency: connections
   double duration_s = 10;          // --duration: measured seconds
   int64_t tokens_per_request = 1;  // --tokens-per-request

@@ -91,6 +91,7 @@ const ExpertWeights* ExpertControl::CanaryRows(int layer, int expert, int64_t fi
 }
 
 Status ExpertControl::Reply(int router, const std::string& body) {
+  if (t_->peer_failed(router)) return Status::Ok();  // it died: nobody reads the reply
   return outgoing_.Send(t_, router, kTagControl, kTagControlBody, ControlHeaderFor(body), body);
 }
 
@@ -311,11 +312,12 @@ Status ExpertControl::StartNextJob() {
 }
 
 Status ExpertControl::Poll() {
-  MOERUN_RETURN_IF_ERROR(outgoing_.Poll(t_));
+  // A reply to a router that died is dropped: nobody reads it.
+  MOERUN_RETURN_IF_ERROR(outgoing_.Poll(t_, [this](int peer) { return t_->peer_failed(peer); }));
   if (!running_) return Status::Ok();
   const auto now = std::chrono::steady_clock::now();
   if (result_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    if (now - last_progress_ >= std::chrono::seconds(1)) {  // progress, not final
+    if (now - last_progress_ >= std::chrono::seconds(1)) {
       last_progress_ = now;
       MOERUN_RETURN_IF_ERROR(Reply(
           running_->router,

@@ -281,6 +281,7 @@ Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> ne
   }
   if (tell_routers) {
     for (int r = 1; r < next->num_routers(); ++r) {
+      if (Gone(r)) continue;  // a router that died serves no layer
       const uint32_t id = next_id_++;
       pending_[id] = PendingOp{done, r, std::chrono::steady_clock::now()};
       MOERUN_RETURN_IF_ERROR(SendToRouter(

@@ -63,8 +63,81 @@ ExpertRank::~ExpertRank() {
   }
 }
 
-Status ExpertRank::Serve() {
+Status ExpertRank::ServeRouter(int r, bool* progressed) {
   const int me = t_->rank();
+  RouterState& rs = routers_[static_cast<size_t>(r)];
+  // A header taken ahead comes first (its successor's receive is already posted).
+  const char* hdr = rs.header.as<char>();
+  if (rs.have_ahead) {
+    rs.have_ahead = false;
+    hdr = rs.ahead.as<char>();
+  } else {
+    if (!rs.header_req.valid()) return Status::Ok();
+    MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
+    if (!done) return Status::Ok();
+    rs.header_req = Request{};
+  }
+  *progressed = true;
+  EpHeaderFixed h;
+  std::memcpy(&h, hdr, sizeof h);
+  if (h.magic != kEpMagic) {
+    return Status::Corrupt("rank " + std::to_string(me) + ": bad header from router " +
+                           std::to_string(r));
+  }
+  if (h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
+    rs.done = true;
+    return Status::Ok();
+  }
+  if (h.kind == static_cast<uint32_t>(EpKind::kPing)) {
+    if (!rs.header_req.valid()) {
+      MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                              t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+    }
+    MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
+    return Status::Ok();
+  }
+  if (h.kind == static_cast<uint32_t>(EpKind::kControl)) {
+    if (!rs.header_req.valid()) {
+      MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                              t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+    }
+    MOERUN_RETURN_IF_ERROR(control_.OnMessage(r, h));
+    return Status::Ok();
+  }
+  if (h.kind != static_cast<uint32_t>(EpKind::kDispatch)) {
+    return Status::Corrupt("rank " + std::to_string(me) + ": header of unknown kind " +
+                           std::to_string(h.kind) + " from router " + std::to_string(r));
+  }
+  if (!SlotsFit(h)) {
+    return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
+                           std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
+  }
+  const EpEntry* entries = HeaderEntries(hdr);
+  entries_.assign(entries, entries + h.slots);
+  // The next header may land while this microbatch is computed.
+  if (!rs.header_req.valid()) {
+    MOERUN_ASSIGN_OR_RETURN(rs.header_req,
+                            t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
+  }
+  return Handle(r, h, entries_.data());
+}
+
+void ExpertRank::DropRouter(int r, const Status& why) {
+  spdlog::error(
+      "expert rank {}: router {} is gone ({}): what it had in flight is dropped; the "
+      "other routers are served",
+      t_->rank(), r, why.ToString());
+  RouterState& rs = routers_[static_cast<size_t>(r)];
+  for (Request* q : {&rs.header_req, &rs.rows_req, &rs.out_req[0], &rs.out_req[1], &rs.pong_req}) {
+    if (q->valid()) (void)t_->Cancel(*q);  // sends too: only a backend that can tell withdraws
+    *q = Request{};
+  }
+  rs.have_ahead = false;
+  rs.pre = -1;
+  rs.done = true;
+}
+
+Status ExpertRank::Serve() {
   for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
     RouterState& rs = routers_[static_cast<size_t>(r)];
     MOERUN_ASSIGN_OR_RETURN(rs.header_req,
@@ -77,61 +150,15 @@ Status ExpertRank::Serve() {
     bool progressed = false;
     for (int r = 0; r < static_cast<int>(routers_.size()); ++r) {
       RouterState& rs = routers_[static_cast<size_t>(r)];
-      // A header taken ahead comes first (its successor's receive is already posted).
-      const char* hdr = rs.header.as<char>();
-      if (rs.have_ahead) {
-        rs.have_ahead = false;
-        hdr = rs.ahead.as<char>();
-      } else {
-        if (!rs.header_req.valid()) continue;
-        MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
-        if (!done) continue;
-        rs.header_req = Request{};
+      if (rs.done) continue;
+      // A router whose process died (its endpoint failed: ucx) is dropped; the others go on.
+      Status s = t_->peer_failed(r) ? Status::Unavailable("its endpoint failed")
+                                    : ServeRouter(r, &progressed);
+      if (!s.ok()) {
+        if (!t_->peer_failed(r)) return s;
+        DropRouter(r, s);
       }
-      progressed = true;
-      EpHeaderFixed h;
-      std::memcpy(&h, hdr, sizeof h);
-      if (h.magic != kEpMagic) {
-        return Status::Corrupt("rank " + std::to_string(me) + ": bad header from router " +
-                               std::to_string(r));
-      }
-      if (h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
-        rs.done = true;
-        --alive;
-        continue;
-      }
-      if (h.kind == static_cast<uint32_t>(EpKind::kPing)) {
-        if (!rs.header_req.valid()) {
-          MOERUN_ASSIGN_OR_RETURN(rs.header_req,
-                                  t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
-        }
-        MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
-        continue;
-      }
-      if (h.kind == static_cast<uint32_t>(EpKind::kControl)) {
-        if (!rs.header_req.valid()) {
-          MOERUN_ASSIGN_OR_RETURN(rs.header_req,
-                                  t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
-        }
-        MOERUN_RETURN_IF_ERROR(control_.OnMessage(r, h));
-        continue;
-      }
-      if (h.kind != static_cast<uint32_t>(EpKind::kDispatch)) {
-        return Status::Corrupt("rank " + std::to_string(me) + ": header of unknown kind " +
-                               std::to_string(h.kind) + " from router " + std::to_string(r));
-      }
-      if (!SlotsFit(h)) {
-        return Status::Corrupt("rank " + std::to_string(me) + ": header from router " +
-                               std::to_string(r) + " has " + std::to_string(h.slots) + " slots");
-      }
-      const EpEntry* entries = HeaderEntries(hdr);
-      entries_.assign(entries, entries + h.slots);
-      // The next header may land while this microbatch is computed.
-      if (!rs.header_req.valid()) {
-        MOERUN_ASSIGN_OR_RETURN(rs.header_req,
-                                t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
-      }
-      MOERUN_RETURN_IF_ERROR(Handle(r, h, entries_.data()));
+      if (rs.done) --alive;
     }
     if (progressed) {
       idle = 0;

@@ -87,6 +87,10 @@ class ExpertRank {
     bool done = false;
   };
 
+  // One step of the serving loop for `router`: its next header, if one has come, handled.
+  Status ServeRouter(int router, bool* progressed);
+  // A router whose process died: its transfers are withdrawn and it is served no more.
+  void DropRouter(int router, const Status& why);
   Status Handle(int router, const EpHeaderFixed& h, const EpEntry* entries);
   // Whether the header's entry count fits this job's header (its entries can be read).
   bool SlotsFit(const EpHeaderFixed& h) const;

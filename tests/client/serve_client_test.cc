@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "base/dtype.h"
+#include "serving/failover_client.h"
 
 namespace moerun {
 namespace {
@@ -352,17 +353,21 @@ TEST(ServeConnectionTest, AnswerOverTheClientLimitIsCorrupt) {
   EXPECT_NE(st.message().find("over the limit of 256"), std::string::npos) << st.message();
 }
 
-TEST(ServeConnectionTest, ConnectToAClosedPortFails) {
-  // A port that was just free: bind, read it, close.
+// A port that was just free: bind, read it, close.
+std::string ClosedPort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
   socklen_t len = sizeof a;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   ::close(fd);
-  const std::string target = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+}
+
+TEST(ServeConnectionTest, ConnectToAClosedPortFails) {
+  const std::string target = ClosedPort();
   ClientOptions o;
   o.connect_timeout = milliseconds(2000);
   auto c = ServeConnection::Connect(target, o);
@@ -379,6 +384,94 @@ TEST(ServeConnectionTest, BadAddressesAreInvalidArguments) {
     EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument)
         << bad << ": " << c.status().ToString();
   }
+}
+
+// --- FailoverClient: several routers of one job
+// ------------------------------------------------------------------
+
+TEST(FailoverClientTest, ParseTargetsChecksEveryAddress) {
+  auto one = ParseTargets("127.0.0.1:5000");
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(*one, std::vector<std::string>{"127.0.0.1:5000"});
+  auto two = ParseTargets("10.0.0.1:5000,[::1]:6000");
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  EXPECT_EQ(two->size(), 2u);
+  for (const char* bad :
+       {"", ",", "127.0.0.1:5000,", "127.0.0.1:5000,,127.0.0.1:6000", "127.0.0.1:5000,localhost"}) {
+    auto r = ParseTargets(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+// The router that takes the request closes the connection (it died): the request is sent once
+// more to the next router, which answers it.
+TEST(FailoverClientTest, ARequestWhoseRouterDiesIsAnsweredByTheNext) {
+  TestServer dying(TestServer::Mode::kCloseAfterOne);
+  TestServer alive(TestServer::Mode::kEcho);
+  FailoverClient client({dying.address(), alive.address()});
+  const v1::InferRequest req = MakeRequest(7, 2, 4);
+  v1::InferResponse resp;
+  const Status s = client.Call(req, &resp, DeadlineIn(milliseconds(5000)));
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(resp.id(), 7u);
+  EXPECT_EQ(resp.data(), req.data());
+  EXPECT_EQ(dying.requests(), 1);
+  EXPECT_EQ(alive.requests(), 1);
+  EXPECT_EQ(client.retried(), 1u);
+  EXPECT_EQ(client.failovers(), 1u);
+  EXPECT_EQ(client.target(), alive.address());
+  // The next request stays with the router that answers.
+  ASSERT_TRUE(client.Call(MakeRequest(8, 1, 4), &resp, DeadlineIn(milliseconds(5000))).ok());
+  EXPECT_EQ(alive.requests(), 2);
+  EXPECT_EQ(client.retried(), 1u);
+}
+
+TEST(FailoverClientTest, ARouterThatRefusesIsSkippedAtConnect) {
+  TestServer alive(TestServer::Mode::kEcho);
+  FailoverClient client({ClosedPort(), alive.address()});
+  ASSERT_TRUE(client.Connect().ok());
+  EXPECT_EQ(client.target(), alive.address());
+  v1::InferResponse resp;
+  EXPECT_TRUE(client.Call(MakeRequest(1, 1, 4), &resp, DeadlineIn(milliseconds(5000))).ok());
+  EXPECT_EQ(client.retried(), 0u);
+}
+
+// Retried once, not more: two routers that both die with the request give its error.
+TEST(FailoverClientTest, RetriedOnceOnly) {
+  TestServer a(TestServer::Mode::kCloseAfterOne);
+  TestServer b(TestServer::Mode::kCloseAfterOne);
+  FailoverClient client({a.address(), b.address()});
+  v1::InferResponse resp;
+  const Status s = client.Call(MakeRequest(3, 1, 4), &resp, DeadlineIn(milliseconds(5000)));
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_EQ(a.requests() + b.requests(), 2);
+  EXPECT_EQ(client.retried(), 1u);
+  EXPECT_FALSE(client.connected());
+}
+
+// A deadline is the caller's: not retried elsewhere (the router may still be computing it).
+TEST(FailoverClientTest, ADeadlineIsNotRetried) {
+  TestServer silent(TestServer::Mode::kSilent);
+  TestServer alive(TestServer::Mode::kEcho);
+  FailoverClient client({silent.address(), alive.address()});
+  v1::InferResponse resp;
+  const Status s = client.Call(MakeRequest(4, 1, 4), &resp, DeadlineIn(milliseconds(150)));
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_EQ(alive.requests(), 0);
+  EXPECT_EQ(client.retried(), 0u);
+}
+
+TEST(FailoverClientTest, NoRouterAnsweringNamesEveryOneTried) {
+  const std::string a = ClosedPort(), b = ClosedPort();
+  FailoverOptions o;
+  o.client.connect_timeout = milliseconds(2000);
+  FailoverClient client({a, b}, 0, o);
+  const Status s = client.Connect();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("no router answers"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(a), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(b), std::string::npos) << s.message();
 }
 
 }  // namespace

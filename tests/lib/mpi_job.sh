@@ -21,10 +21,11 @@ rank_pid() {
   done
 }
 
-# Kills every process of the run (resuming stopped ones first), then removes WORK.
+# Kills every process of the run (resuming stopped ones first), then removes WORK (kept with
+# KEEP_WORK=1).
 cleanup_job() {
   local p
   for p in $(tagged_pids); do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
   if [[ -n "$MPI_PID" ]]; then kill -KILL "$MPI_PID" 2>/dev/null; wait "$MPI_PID" 2>/dev/null; fi
-  rm -rf "$WORK"
+  if [[ -n ${KEEP_WORK:-} ]]; then echo "work folder kept: $WORK" >&2; else rm -rf "$WORK"; fi
 }

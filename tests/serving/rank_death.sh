@@ -10,23 +10,33 @@
 #   3. frozen:    no replicas; `kill -STOP` of rank 2 for longer than the deadline: declared dead
 #                 after it, handled as 2.; then `kill -CONT`: its late answers are discarded and
 #                 nothing it sends changes an answer.
+#   4. host:      two network-namespace "hosts" on a veth pair (needs root): ranks 0-2 on the
+#                 first, expert ranks 3 and 4 on the second (ucx over TCP between them, as
+#                 tests/multihost/netns_golden.sh); every expert on two ranks as in 1.; `kill -9`
+#                 of every rank of the second host at once: the experts with a copy on the first
+#                 host are answered by it, the ones whose copies were both there are re-placed.
+#   5. router:    2 routers + 4 expert ranks, moebench with both routers (--target R1,R0);
+#                 `kill -9` of router 1: the expert ranks drop it and serve router 0; the
+#                 clients on router 1 move to router 0 and send the request in flight again.
 # Each case asserts: 0 failed requests, every answer bitwise right, /health/ready 200, moectl
-# status "health: degraded" with rank 2 "dead", moerun_ranks_dead 1 and the retry counters; and
+# status "health: degraded" with the killed ranks "dead", moerun_ranks_dead and the retry
+# counters; and
 # prints one line of figures: death -> detection -> re-dispatch -> re-placed -> full throughput
 # (the first second after the death with at least 80% of the answers per second before it), the
 # p99 latency over the 3 s after the death, and the steady p99 before it.
 #
 #   rank_death.sh MOERUN MOECTL MOEBENCH DATA_DIR [CASES]
 #
-# CASES: a comma list of replicas,orphans,frozen (default all). Exit 0 on success, 1 on failure,
-# 77 (skip) without mpirun, python3, curl or the ucx transport.
+# CASES: a comma list of replicas,orphans,frozen,host,router (default all; host needs root and
+# network namespaces, skipped without). Exit 0 on success, 1 on failure, 77
+# (skip) without mpirun, python3 or curl.
 set -uo pipefail
 [[ $# -ge 4 ]] || { echo "usage: rank_death.sh MOERUN MOECTL MOEBENCH DATA_DIR [CASES]" >&2; exit 2; }
 MOERUN=$(realpath "$1")
 MOECTL=$(realpath "$2")
 MOEBENCH=$(realpath "$3")
 DATA=$(realpath "$4")
-CASES=${5:-replicas,orphans,frozen}
+CASES=${5:-replicas,orphans,frozen,host,router}
 HERE=$(cd "$(dirname "$0")" && pwd)
 for tool in mpirun python3 curl; do
   command -v "$tool" >/dev/null || { echo "SKIP: $tool is not installed"; exit 77; }
@@ -39,13 +49,21 @@ export MOERUN_TEST_TAG=$TAG
 MPI_PID=""
 SERVE_PID=""
 BENCH_PID=""
+MADE_NS=()
+IN_HOST=()  # the prefix that runs a client command where the router listens
 source "$HERE/ports.sh"
 # shellcheck source=../lib/mpi_job.sh
 source "$HERE/../lib/mpi_job.sh"
 cleanup() {
+  local rc=$? p ns
   [[ -n "$BENCH_PID" ]] && kill -KILL "$BENCH_PID" 2>/dev/null
+  for ns in "${MADE_NS[@]}"; do
+    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
+  done
   MPI_PID=$SERVE_PID
   cleanup_job
+  for ns in "${MADE_NS[@]}"; do ip netns del "$ns" 2>/dev/null; done
+  exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM
@@ -79,7 +97,7 @@ write_config() {
 model: $MODEL
 layers: [0]
 transport: ucx
-routers: 1
+routers: $ROUTERS
 placement: $PLACEMENT
 threads: 1
 microbatch_tokens: 16
@@ -93,6 +111,32 @@ serving:
   probe_interval_ms: 200
   probe_deadline_ms: 1000
 EOC
+}
+
+# Two namespace hosts joined by a veth pair (H1 runs mpirun, the router and the clients).
+# Returns 1 where namespaces cannot be made here.
+make_hosts() {
+  local suffix
+  suffix=$(printf '%04x%02x' $((RANDOM)) $(($$ % 256)))
+  H1="moe-d1-$suffix" H2="moe-d2-$suffix" V1="md1-$suffix" V2="md2-$suffix"
+  local net=$((RANDOM % 250 + 1))
+  SUBNET="10.233.$net.0/24"
+  [[ $(id -u) -eq 0 ]] || { echo "not root"; return 1; }
+  ip netns add "$H1" || return 1
+  MADE_NS+=("$H1")
+  ip netns add "$H2" || return 1
+  MADE_NS+=("$H2")
+  # Made here and then moved: UCX does not see a veth made inside a namespace from outside it.
+  ip link add "$V1" type veth peer name "$V2" || return 1
+  ip link set "$V1" netns "$H1" || { ip link del "$V1"; return 1; }
+  ip link set "$V2" netns "$H2" || { ip link del "$V2" 2>/dev/null; return 1; }
+  ip -n "$H1" addr add "10.233.$net.1/24" dev "$V1"
+  ip -n "$H2" addr add "10.233.$net.2/24" dev "$V2"
+  local pair
+  for pair in "$H1:$V1" "$H2:$V2"; do
+    ip -n "${pair%%:*}" link set lo up
+    ip -n "${pair%%:*}" link set "${pair#*:}" up
+  done
 }
 
 now() { date +%s.%N; }
@@ -115,53 +159,97 @@ PY
 
 run_case() {
   CASE=$1
+  DEAD=(2)
+  IN_HOST=()
+  ROUTERS=1
+  local targets
+  local mpirun=(mpirun --enable-recovery --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
   case $CASE in
     replicas) PLACEMENT=$WORK/replicas.json ;;
     orphans | frozen) PLACEMENT=round_robin ;;
+    host)
+      PLACEMENT=$WORK/replicas.json
+      DEAD=(3 4)
+      if ! make_hosts >"$WORK/netns.err" 2>&1; then
+        echo "SKIP (host): network namespaces are unusable here: $(tail -1 "$WORK/netns.err")"
+        return 0
+      fi
+      IN_HOST=(ip netns exec "$H1")
+      # Between namespaces UCX would pick shared memory (one kernel): TCP on the veth pair.
+      mpirun=(ip netns exec "$H1" unshare --uts env UCX_TLS=tcp,self UCX_NET_DEVICES="$V1,$V2"
+        /bin/bash -c "hostname $H1; exec \"\$@\"" -- "${mpirun[@]}"
+        --mca plm_rsh_agent "$HERE/../lib/nsexec.sh" --host "$H1:3,$H2:2" --mca oob_tcp_if_include
+        "$SUBNET" --mca btl_tcp_if_include "$SUBNET" --mca btl tcp,self
+        -x UCX_TLS -x UCX_NET_DEVICES -x MOERUN_UCX_PUT_MIN -x MOERUN_TEST_TAG)
+      ;;
+    router)
+      PLACEMENT=round_robin
+      ROUTERS=2
+      DEAD=(1)
+      ;;
     *) echo "unknown case $CASE" >&2; exit 2 ;;
   esac
-  start_serving write_config mpirun --enable-recovery --oversubscribe --bind-to none \
-    --mca mpi_yield_when_idle 1 -np 5 "$MOERUN" serve --config "$WORK/serve.yaml" \
+  start_serving write_config "${mpirun[@]}" -np $((ROUTERS + 4)) "$MOERUN" serve --config "$WORK/serve.yaml" \
     --ready-file "$WORK/ready" || fail "serve did not get ready"
   local ctl=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
-  "$MOEBENCH" serve --target "127.0.0.1:$PORT" --duration 14 --warmup 1 --concurrency 4 \
-    --tokens-per-request 8 --model "$MODEL" --verify --json >"$WORK/bench.json" \
+  targets="127.0.0.1:$PORT"
+  # Router r listens on PORT + r; the clients start on router c % 2 and fail over.
+  [[ $ROUTERS == 2 ]] && targets="127.0.0.1:$((PORT + 1)),127.0.0.1:$PORT"
+  "${IN_HOST[@]}" "$MOEBENCH" serve --target "$targets" --duration 14 --warmup 1 \
+    --concurrency 4 --tokens-per-request 8 --model "$MODEL" --verify --json >"$WORK/bench.json" \
     2>"$WORK/bench.log" &
   BENCH_PID=$!
   sleep 5
-  local pid
-  pid=$(rank_pid 2)
-  [[ -n "$pid" && $(wc -w <<<"$pid") -eq 1 ]] || fail "cannot find expert rank 2's process ($pid)"
+  local pids=() d pid
+  for d in "${DEAD[@]}"; do
+    pid=$(rank_pid "$d")
+    [[ -n "$pid" && $(wc -w <<<"$pid") -eq 1 ]] || fail "cannot find expert rank $d's process ($pid)"
+    pids+=("$pid")
+  done
+  if [[ $CASE == host ]]; then
+    for pid in "${pids[@]}"; do
+      [[ $(readlink "/proc/$pid/ns/net") == "$(ip netns exec "$H2" readlink /proc/self/ns/net)" ]] ||
+        fail "rank process $pid does not run on the second host"
+    done
+  fi
   local t_death
   t_death=$(now)
   if [[ $CASE == frozen ]]; then
-    kill -STOP "$pid" || fail "kill -STOP"
+    kill -STOP "${pids[@]}" || fail "kill -STOP"
     sleep 4  # twice the deadline
-    kill -CONT "$pid"
+    kill -CONT "${pids[@]}"
   else
-    kill -KILL "$pid" || fail "kill -9"
+    kill -KILL "${pids[@]}" || fail "kill -9"
   fi
   wait "$BENCH_PID"
   local bench_rc=$?
   BENCH_PID=""
   [[ $bench_rc -eq 0 ]] || fail "moebench serve failed (exit $bench_rc): $(tail -5 "$WORK/bench.log")"
-  "$MOECTL" "${ctl[@]}" status >"$WORK/status.txt" || fail "moectl status"
-  "$MOECTL" "${ctl[@]}" status --json >"$WORK/status.json" || fail "moectl status --json"
-  local ready
-  ready=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 "http://127.0.0.1:$((PORT + 200))/health/ready")
-  curl -s --max-time 5 "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.txt"
+  "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" status >"$WORK/status.txt" || fail "moectl status"
+  "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" status --json >"$WORK/status.json" ||
+    fail "moectl status --json"
+  local ready n=${#DEAD[@]}
+  ready=$("${IN_HOST[@]}" curl -s -o /dev/null -w '%{http_code}' --max-time 5 \
+    "http://127.0.0.1:$((PORT + 200))/health/ready")
+  "${IN_HOST[@]}" curl -s --max-time 5 "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.txt"
   [[ $ready == 200 ]] || fail "/health/ready is $ready after the death"
-  grep -q "^health: degraded: 1 expert rank dead" "$WORK/status.txt" ||
-    fail "moectl status does not say degraded: $(head -3 "$WORK/status.txt")"
-  grep -Eq '^moerun_ranks_dead(\{[^}]*\})? 1$' "$WORK/metrics.txt" ||
-    fail "moerun_ranks_dead is not 1: $(grep ranks_dead "$WORK/metrics.txt")"
   local t_detect t_redispatch t_replaced
-  t_detect=$(log_time "rank 2 is dead")
+  if [[ $CASE == router ]]; then
+    t_detect=$(log_time "router 1 is gone")
+    [[ $(grep -c "router 1 is gone" "$WORK/serve.log") -eq 4 ]] ||
+      fail "not every expert rank dropped router 1: $(grep "router 1 is gone" "$WORK/serve.log")"
+  else
+    grep -q "^health: degraded: $n expert rank" "$WORK/status.txt" ||
+      fail "moectl status does not say degraded ($n dead): $(head -3 "$WORK/status.txt")"
+    grep -Eq "^moerun_ranks_dead(\{[^}]*\})? $n\$" "$WORK/metrics.txt" ||
+      fail "moerun_ranks_dead is not $n: $(grep ranks_dead "$WORK/metrics.txt")"
+    t_detect=$(log_time "rank ($(IFS='|'; echo "${DEAD[*]}")) is dead")
+  fi
   t_redispatch=$(log_time "dispatching tokens .* again")
   t_replaced=$(log_time "migration [0-9]+ done")
-  [[ -n "$t_detect" ]] || fail "the router never declared rank 2 dead"
+  [[ -n "$t_detect" ]] || fail "the router never declared rank(s) ${DEAD[*]} dead"
   python3 - "$WORK/bench.json" "$WORK/status.json" "$WORK/metrics.txt" "$CASE" "$t_death" \
-    "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" <<'PY' || fail "checks failed"
+    "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" "$(IFS=,; echo "${DEAD[*]}")" <<'PY' || fail "checks failed"
 import json, sys, re
 bench = json.load(open(sys.argv[1]))
 status = json.load(open(sys.argv[2]))
@@ -169,6 +257,8 @@ metrics = open(sys.argv[3]).read()
 case, t_death, t_detect = sys.argv[4], float(sys.argv[5]), float(sys.argv[6])
 t_redispatch = float(sys.argv[7]) if sys.argv[7] else None
 t_replaced = float(sys.argv[8]) if sys.argv[8] else None
+dead = [int(d) for d in sys.argv[9].split(",")]
+killed = sys.argv[9]
 def check(cond, what):
     if not cond:
         print("check failed:", what, file=sys.stderr)
@@ -178,12 +268,22 @@ check(bench["error_count"] == 0 and bench["warmup"]["errors"] == 0,
 check(bench["ok"] > 0 and bench["verified"] == bench["ok"],
       f"verified {bench['verified']} of {bench['ok']}")
 ranks = {r["rank"]: r for r in status["ranks"]}
-check(ranks[2]["state"] == "dead", f"rank 2 is {ranks[2]['state']}")
-check(status.get("ranks_dead") == 1 and status.get("health") == "degraded", "status fields")
-placement_rank2 = [e for l in ranks[2].get("layers", []) for e in l.get("experts", [])]
-check(not placement_rank2, f"rank 2 still holds experts {placement_rank2}")
+if case == "router":
+    check(bench["retried"] > 0 and bench["failovers"] > 0,
+          f"no request moved to router 0 (retried {bench['retried']}, failovers {bench['failovers']})")
+    check(all(st["state"] != "dead" for st in ranks.values()), "an expert rank is dead")
+    check(int(status.get("experts_replaced", 0)) == 0, "experts re-placed")
+    dead = []
+for d in dead:
+    check(ranks[d]["state"] == "dead", f"rank {d} is {ranks[d]['state']}")
+    held = [e for l in ranks[d].get("layers", []) for e in l.get("experts", [])]
+    check(not held, f"rank {d} still holds experts {held}")
+for r, st in ranks.items():
+    check(r in dead or st["state"] != "dead", f"rank {r} is dead too")
+check(status.get("ranks_dead", 0) == len(dead) and
+      status.get("health") == ("degraded" if dead else "ok"), "status fields")
 replaced = int(status.get("experts_replaced", 0))
-if case == "replicas":
+if case in ("replicas", "router"):
     check(replaced == 0, f"{replaced} experts re-placed although every expert had a replica")
 else:
     check(replaced > 0, "no expert was re-placed")
@@ -208,11 +308,12 @@ p99_after = max((b["p99_ms"] for b in after), default=0)
 max_after = max((b["max_ms"] for b in after), default=0)
 p99_before = max((b["p99_ms"] for b in tl if b["t_s"] + 1 <= death_s and b["t_s"] >= 1), default=0)
 fmt = lambda t: "-" if t is None else f"{t - t_death:.2f} s"
-print(f"{case}: {bench['ok']} answers, 0 failed, all verified; death -> detected {fmt(t_detect)}, "
+print(f"{case} (rank {killed} killed): {bench['ok']} answers, 0 failed, all verified; death -> detected {fmt(t_detect)}, "
       f"re-dispatch {fmt(t_redispatch)}, re-placed {fmt(t_replaced)}, full throughput "
       f"{'-' if full is None else f'{full:.1f} s'} ({rate:.0f} answers/s before); p99 {p99_before:.1f} ms "
       f"before, {p99_after:.1f} ms over the 3 s after (slowest {max_after:.0f} ms); {retried} microbatches re-dispatched, "
-      f"{replaced} experts re-placed")
+      f"{replaced} experts re-placed" +
+      (f"; {bench['retried']} requests sent again to router 0" if case == "router" else ""))
 json.dump({"case": case, "answers": bench["ok"], "failed": 0,
            "detect_s": t_detect - t_death,
            "redispatch_s": None if t_redispatch is None else t_redispatch - t_death,
@@ -234,6 +335,11 @@ PY
   SERVE_PID=""
   grep -q "router 0 stopping" "$WORK/serve.log" || fail "router 0 did not stop cleanly"
   cp "$WORK/serve.log" "$WORK/serve-$CASE.log"
+  for ns in "${MADE_NS[@]}"; do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+  done
+  MADE_NS=()
 }
 
 IFS=, read -ra list <<<"$CASES"
