@@ -334,8 +334,20 @@ Status RouterControl::Poll() {
 }
 
 Status RouterControl::Recover() {
-  if (health_ == nullptr || recovered_generation_ == dead_generation_) return Status::Ok();
+  if (health_ == nullptr) return Status::Ok();
+  if (recovery_id_ != 0 && migration_ && migration_->view.id == recovery_id_ &&
+      migration_->view.state != "running") {
+    // Failed (a load error, a rank that died meanwhile): tried again shortly. (Done: counted
+    // where it is marked done.)
+    recovered_generation_ = dead_generation_ - 1;
+    recovery_retry_at_ = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    spdlog::error("recovery: migration {} {}: trying again in 1 s", recovery_id_,
+                  migration_->view.state);
+    recovery_id_ = 0;
+  }
+  if (recovered_generation_ == dead_generation_) return Status::Ok();
   if (migration_ && migration_->view.state == "running") return Status::Ok();  // it fails first
+  if (std::chrono::steady_clock::now() < recovery_retry_at_) return Status::Ok();
   if (!placement_->UsesAny(dead_, served_)) {
     recovered_generation_ = dead_generation_;
     return Status::Ok();
@@ -362,7 +374,12 @@ Status RouterControl::Recover() {
     return Status::Ok();
   }
   recovered_generation_ = dead_generation_;
-  experts_replaced_ += static_cast<uint64_t>(replaced);
+  if (started->state == "done") {
+    experts_replaced_ += static_cast<uint64_t>(replaced);
+  } else {
+    recovery_id_ = started->id;
+    recovery_replaced_ = replaced;
+  }
   spdlog::warn("recovery: migration {} to the placement without rank(s) {}: {}", started->id, ranks,
                o.note);
   return Status::Ok();
@@ -480,6 +497,10 @@ Status RouterControl::StepMigration() {
   }
   m.view.state = "done";
   m.view.elapsed_s = Since(m.started);
+  if (m.view.id == recovery_id_) {
+    experts_replaced_ += static_cast<uint64_t>(recovery_replaced_);
+    recovery_id_ = 0;
+  }
   spdlog::info("migration {} done: placement v{} in {:.2f} s", m.view.id, placement_->version(),
                m.view.elapsed_s);
   return Status::Ok();

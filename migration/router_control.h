@@ -197,7 +197,12 @@ class RouterControl {
   uint64_t dead_generation_ = 0;                         // PeerHealth's, when dead_ was taken
   uint64_t recovered_generation_ = 0;                    // the deaths the last recovery covered
   uint64_t recovery_blocked_ = 0;  // the generation whose recovery had to wait (logged)
-  uint64_t experts_replaced_ = 0;
+  uint64_t experts_replaced_ = 0;  // by recovery migrations that are done
+  // The recovery migration in progress (0: none), the copies it re-places, and when a failed one
+  // is tried again.
+  uint64_t recovery_id_ = 0;
+  int recovery_replaced_ = 0;
+  std::chrono::steady_clock::time_point recovery_retry_at_{};
   int64_t recovery_expert_bytes_ = 0;
 };
 

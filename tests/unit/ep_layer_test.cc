@@ -299,7 +299,8 @@ TEST(EpLayerTest, OrphanedExpertsAreReplacedOnTheSurvivors) {
     EXPECT_TRUE(health->dead(3));
     EXPECT_GT(l->orphans(), 0);
     const auto until = SteadyClock::now() + std::chrono::seconds(20);
-    while (l->orphans() > 0 && SteadyClock::now() < until) {
+    while ((l->orphans() > 0 || router.control()->Progress().state != "done") &&
+           SteadyClock::now() < until) {
       EXPECT_TRUE(router.Poll().ok());
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
