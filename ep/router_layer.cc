@@ -84,7 +84,10 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
                                " ms deadline of " + what_);
     }
     for (int r = placement_->num_routers(); r < placement_->num_ranks(); ++r) {
-      if (t_->peer_failed(r)) health_->MarkDead(r, "its transfers failed: " + status.ToString());
+      if (t_->peer_failed(r)) {
+        health_->MarkDead(r, "the transport reports its endpoint failed (the call failed with: " +
+                                 status.ToString() + ")");
+      }
     }
     if (health_->dead_generation() == generation || SteadyClock::now() >= call_deadline_) {
       return status;

@@ -208,6 +208,16 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
   if (!router_) return;
   queue_requests_->Set(static_cast<double>(queued_requests));
   queue_tokens_->Set(static_cast<double>(queued_tokens));
+  // The window's balancedness is over the expert ranks that are alive (a dead one has no load).
+  {
+    const size_t routers = static_cast<size_t>(Current()->num_routers());
+    skip_scratch_.assign(skip_scratch_.size(), false);
+    if (health != nullptr) {
+      const std::vector<bool>& dead = health->dead_mask();
+      skip_scratch_.resize(dead.size() > routers ? dead.size() - routers : 0, false);
+      for (size_t r = routers; r < dead.size(); ++r) skip_scratch_[r - routers] = dead[r];
+    }
+  }
   for (RouterLayer* l : ep_layers_) {
     const int layer = l->weights().layer;
     auto& seen = rank_seen_[layer];
@@ -248,7 +258,7 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
       std::lock_guard<std::mutex> lock(mu_);
       LoadWindow& w = windows_.at(layer);
       w.Add(expert_delta, rank_delta, t);
-      window_b = w.Balancedness(t);
+      window_b = w.Balancedness(t, skip_scratch_);
       window_total = w.Total(t);
     }
     window_balancedness_[layer]->Set(window_b);
@@ -357,7 +367,15 @@ moerun::v1::StatusResponse RankServices::Status() const {
     if (w != windows_.end()) {
       const auto t = LoadWindow::Clock::now();
       ll->set_window_assignments(w->second.Total(t));
-      ll->set_window_balancedness(w->second.Balancedness(t));
+      std::vector<bool> skip;  // the dead expert ranks
+      const int routers = placement_ != nullptr ? placement_->num_routers() : 0;
+      for (const PeerView& p : peers_) {
+        if (p.rank < routers) continue;
+        const size_t i = static_cast<size_t>(p.rank - routers);
+        if (skip.size() <= i) skip.resize(i + 1, false);
+        skip[i] = p.dead;
+      }
+      ll->set_window_balancedness(w->second.Balancedness(t, skip));
       ll->set_window_s(static_cast<double>(w->second.window().count()) / 1e3);
     }
   }
@@ -417,6 +435,12 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   }
   o.groups = request.groups() > 0 ? request.groups() : gate_groups_;
   o.nodes = request.nodes() > 0 ? request.nodes() : 1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const PeerView& p : peers_) {
+      if (p.dead) o.exclude.push_back(p.rank);  // the plan puts nothing on a dead rank
+    }
+  }
   std::map<int, std::vector<double>> loads;
   const auto t = LoadWindow::Clock::now();
   double window_s = 0;

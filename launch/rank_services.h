@@ -117,6 +117,7 @@ class RankServices : public PlanSource {
   // Refresh's scratch (router thread), so that a refresh allocates nothing.
   std::vector<uint64_t> rank_delta_, expert_delta_;
   std::vector<PeerView> peers_scratch_;
+  std::vector<bool> skip_scratch_;  // per expert rank: dead (left out of the window balancedness)
   std::vector<RouterLayer*> ep_layers_;
 };
 

@@ -148,8 +148,6 @@ void PlacementControl::Tick() {
   if (now < next_auto_) return;
   next_auto_ = now + std::chrono::seconds(config_.interval_s);
   if (control_->busy()) return;
-  // The planner spreads experts over every expert rank: paused while any is dead.
-  if (!control_->dead_ranks().empty()) return;
   if (plans_->WindowAssignments() < static_cast<uint64_t>(config_.min_assignments)) return;
   moerun::v1::PlanRequest req;
   req.set_redundant(config_.redundant);

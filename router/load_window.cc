@@ -74,6 +74,20 @@ double LoadWindow::Balancedness(Clock::time_point now) const {
   return MeanOverMax(rank_sum_);
 }
 
+double LoadWindow::Balancedness(Clock::time_point now, const std::vector<bool>& skip) const {
+  rank_sum_.assign(ring_.front().ranks.size(), 0);
+  for (const Bucket& b : ring_) {
+    if (!Live(b, now)) continue;
+    for (size_t i = 0; i < rank_sum_.size(); ++i) rank_sum_[i] += b.ranks[i];
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < rank_sum_.size(); ++i) {
+    if (i < skip.size() && skip[i]) continue;
+    rank_sum_[kept++] = rank_sum_[i];
+  }
+  return MeanOverMax(std::span<const uint64_t>(rank_sum_.data(), kept));
+}
+
 double MeanOverMax(std::span<const uint64_t> loads) {
   if (loads.empty()) return 1.0;
   uint64_t most = 0, total = 0;

@@ -30,6 +30,8 @@ class LoadWindow {
   // These two allocate nothing (the serving loop refreshes its gauges with them).
   uint64_t Total(Clock::time_point now) const;
   double Balancedness(Clock::time_point now) const;
+  // The same over the expert ranks whose `skip` entry is not set (dead ranks left out).
+  double Balancedness(Clock::time_point now, const std::vector<bool>& skip) const;
   std::chrono::milliseconds window() const { return window_; }
 
  private:

@@ -1,6 +1,7 @@
 #include "router/placement_plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,7 +22,7 @@ double MeanOverMaxD(const std::vector<double>& v) {
 }  // namespace
 
 double PlacementBalancedness(const std::vector<double>& load, const LayerPlacement& placement,
-                             int num_routers) {
+                             int num_routers, const std::vector<int>& exclude) {
   const size_t ranks = placement.rank_slots.size();
   std::vector<double> per_rank(ranks > static_cast<size_t>(num_routers) ? ranks - num_routers : 0,
                                0.0);
@@ -31,7 +32,14 @@ double PlacementBalancedness(const std::vector<double>& load, const LayerPlaceme
     per_rank[static_cast<size_t>(s.rank - num_routers)] +=
         load[e] / static_cast<double>(placement.replicas[e].size());
   }
-  return MeanOverMaxD(per_rank);
+  std::vector<double> kept;
+  for (size_t i = 0; i < per_rank.size(); ++i) {
+    const int rank = static_cast<int>(i) + num_routers;
+    if (std::find(exclude.begin(), exclude.end(), rank) == exclude.end()) {
+      kept.push_back(per_rank[i]);
+    }
+  }
+  return MeanOverMaxD(kept);
 }
 
 Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
@@ -39,9 +47,21 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                             const PlanOptions& options) {
   const int experts = current.num_experts();
   const int routers = current.num_routers();
-  const int ranks = current.num_ranks() - routers;
+  // The expert ranks planned for, in order: planned rank i is live[i].
+  std::vector<int> live;
+  for (int r = routers; r < current.num_ranks(); ++r) {
+    if (std::find(options.exclude.begin(), options.exclude.end(), r) == options.exclude.end()) {
+      live.push_back(r);
+    }
+  }
+  const int ranks = static_cast<int>(live.size());
+  const std::string left_out =
+      options.exclude.empty()
+          ? std::string()
+          : fmt::format(" (rank(s) {} left out: dead)", fmt::join(options.exclude, ","));
   if (loads.empty()) return Status::InvalidArgument("plan: no layer to plan");
-  if (ranks < 1) return Status::InvalidArgument("plan: the placement has no expert rank");
+  if (ranks < 1)
+    return Status::InvalidArgument("plan: the placement has no expert rank" + left_out);
   if (options.redundant < 0 || options.redundant > 64 * experts) {
     return Status::InvalidArgument("plan: --redundant must be in 0.." +
                                    std::to_string(64 * experts));
@@ -50,9 +70,9 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
   if (slots % ranks != 0) {
     const int up = (ranks - slots % ranks) % ranks;
     return Status::InvalidArgument(fmt::format(
-        "plan: {} experts + {} redundant = {} slots do not divide evenly over {} expert ranks; "
+        "plan: {} experts + {} redundant = {} slots do not divide evenly over {} expert ranks{}; "
         "use --redundant {}",
-        experts, options.redundant, slots, ranks, options.redundant + up));
+        experts, options.redundant, slots, ranks, left_out, options.redundant + up));
   }
   PlannerInput in;
   in.num_slots = slots;
@@ -89,13 +109,13 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     LayerPlanReport r;
     r.layer = layer;
     for (double v : l) r.load += static_cast<uint64_t>(std::llround(v));
-    r.balancedness_before = PlacementBalancedness(l, cur, routers);
+    r.balancedness_before = PlacementBalancedness(l, cur, routers, options.exclude);
     r.balancedness_after = PredictedBalancedness(l, maps, ranks);
     // Copies to load: (rank, expert) pairs of the plan that the rank does not hold now.
     const int per_rank = slots / ranks;
     for (int rank = 0; rank < ranks; ++rank) {
       std::set<int> have;
-      for (int s : cur.rank_slots[static_cast<size_t>(rank + routers)]) {
+      for (int s : cur.rank_slots[static_cast<size_t>(live[static_cast<size_t>(rank)])]) {
         have.insert(cur.slots[static_cast<size_t>(s)].expert);
       }
       std::set<int> want;
@@ -116,7 +136,8 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     }
     std::string slots_json;
     for (const Slot& s : lp->slots) {
-      slots_json += fmt::format("{}[{},{}]", slots_json.empty() ? "" : ",", s.rank, s.expert);
+      const int rank = live[static_cast<size_t>(s.rank - routers)];
+      slots_json += fmt::format("{}[{},{}]", slots_json.empty() ? "" : ",", rank, s.expert);
     }
     layers_json +=
         fmt::format("{}\"{}\": [{}]", layers_json.empty() ? "" : ", ", layer, slots_json);

@@ -20,6 +20,8 @@ struct PlanOptions {
   PlannerPolicy policy = PlannerPolicy::kDefault;
   int groups = 1;  // expert groups (EPLB hierarchical: groups to nodes); 0: as the model's gate
   int nodes = 1;   // nodes the expert ranks span
+  // Expert ranks left out (dead): the plan's slots go to the others, none to these.
+  std::vector<int> exclude;
 };
 
 struct LayerPlanReport {
@@ -46,9 +48,9 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                             const Placement& current, int64_t expert_bytes,
                             const PlanOptions& options);
 
-// Mean ÷ max of the expert ranks' loads under a placement: each expert's load split evenly over
-// its replicas.
+// Mean ÷ max of the expert ranks' loads under a placement (the ranks in `exclude` left out):
+// each expert's load split evenly over its replicas.
 double PlacementBalancedness(const std::vector<double>& load, const LayerPlacement& placement,
-                             int num_routers);
+                             int num_routers, const std::vector<int>& exclude = {});
 
 }  // namespace moerun

@@ -6,7 +6,9 @@
 #                 answered by their other copies at once;
 #   2. orphans:   no replicas (round robin); `kill -9` of rank 2: its experts are re-placed on the
 #                 survivors (router 0's "recovery" migration loads them from the checkpoint) and
-#                 the batches that need them wait for the load;
+#                 the batches that need them wait for the load; 3 s later, still under load,
+#                 `moectl rebalance --redundant 1`: planned over the 3 live ranks (none on the
+#                 dead one), migrated online;
 #   3. frozen:    no replicas; `kill -STOP` of rank 2 for longer than the deadline: declared dead
 #                 after it, handled as 2.; then `kill -CONT`: its late answers are discarded and
 #                 nothing it sends changes an answer.
@@ -221,6 +223,15 @@ run_case() {
   else
     kill -KILL "${pids[@]}" || fail "kill -9"
   fi
+  if [[ $CASE == orphans ]]; then
+    # 33 slots over the 3 live expert ranks.
+    sleep 3
+    "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" placement plan --redundant 1 --json >"$WORK/plan.json" ||
+      fail "moectl placement plan after the death: $(cat "$WORK/plan.json")"
+    "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" --timeout-ms 60000 rebalance --redundant 1 --wait \
+      --json >"$WORK/rebalance.json" 2>"$WORK/rebalance.err" ||
+      fail "moectl rebalance after the death: $(cat "$WORK/rebalance.json" "$WORK/rebalance.err")"
+  fi
   wait "$BENCH_PID"
   local bench_rc=$?
   BENCH_PID=""
@@ -249,7 +260,7 @@ run_case() {
   t_replaced=$(log_time "migration [0-9]+ done")
   [[ -n "$t_detect" ]] || fail "the router never declared rank(s) ${DEAD[*]} dead"
   python3 - "$WORK/bench.json" "$WORK/status.json" "$WORK/metrics.txt" "$CASE" "$t_death" \
-    "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" "$(IFS=,; echo "${DEAD[*]}")" <<'PY' || fail "checks failed"
+    "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" "$(IFS=,; echo "${DEAD[*]}")" "$WORK/plan.json" <<'PY' || fail "checks failed"
 import json, sys, re
 bench = json.load(open(sys.argv[1]))
 status = json.load(open(sys.argv[2]))
@@ -259,6 +270,7 @@ t_redispatch = float(sys.argv[7]) if sys.argv[7] else None
 t_replaced = float(sys.argv[8]) if sys.argv[8] else None
 dead = [int(d) for d in sys.argv[9].split(",")]
 killed = sys.argv[9]
+plan = json.load(open(sys.argv[10])) if case == "orphans" else None
 def check(cond, what):
     if not cond:
         print("check failed:", what, file=sys.stderr)
@@ -287,11 +299,22 @@ if case in ("replicas", "router"):
     check(replaced == 0, f"{replaced} experts re-placed although every expert had a replica")
 else:
     check(replaced > 0, "no expert was re-placed")
-    check(status["migration"]["trigger"] == "recovery" and status["migration"]["state"] == "done",
-          f"recovery migration: {status['migration']}")
+    want = "moectl" if case == "orphans" else "recovery"  # orphans: rebalanced after
+    check(status["migration"]["trigger"] == want and status["migration"]["state"] == "done",
+          f"last migration: {status['migration']}")
 m = re.search(r"^moerun_experts_replaced_total(\{[^}]*\})? (\d+)", metrics, re.M)
 check(m and int(m.group(2)) == replaced, "moerun_experts_replaced_total")
 retried = int(status.get("microbatches_retried", 0))
+rebalanced = ""
+if plan is not None:
+    pl = json.loads(plan["placement_json"])
+    on_dead = [s for l in pl["layers"].values() for s in l if s[0] in dead]
+    check(not on_dead, f"the plan puts slots on the dead rank: {on_dead}")
+    after = min(l["balancedness_after"] for l in plan["layers"])
+    check(after >= 0.9, f"the plan over the live ranks predicts balancedness {after}")
+    window = min(l["window_balancedness"] for l in status["layers"])
+    rebalanced = (f"; rebalanced over the 3 live ranks: predicted {after:.3f}, "
+                  f"measured {window:.3f} (window, live ranks)")
 # The timeline, relative to the death.
 t0 = bench["measure_start_unix_s"]
 tl = bench["timeline"]
@@ -313,7 +336,8 @@ print(f"{case} (rank {killed} killed): {bench['ok']} answers, 0 failed, all veri
       f"{'-' if full is None else f'{full:.1f} s'} ({rate:.0f} answers/s before); p99 {p99_before:.1f} ms "
       f"before, {p99_after:.1f} ms over the 3 s after (slowest {max_after:.0f} ms); {retried} microbatches re-dispatched, "
       f"{replaced} experts re-placed" +
-      (f"; {bench['retried']} requests sent again to router 0" if case == "router" else ""))
+      (f"; {bench['retried']} requests sent again to router 0" if case == "router" else "") +
+      rebalanced)
 json.dump({"case": case, "answers": bench["ok"], "failed": 0,
            "detect_s": t_detect - t_death,
            "redispatch_s": None if t_redispatch is None else t_redispatch - t_death,

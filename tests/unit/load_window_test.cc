@@ -33,6 +33,19 @@ TEST(LoadWindowTest, CountsWhatIsInsideTheWindow) {
   EXPECT_DOUBLE_EQ(w.Balancedness(t0 + seconds(200)), 1.0);
 }
 
+// A dead expert rank (no load) is left out of the balancedness when asked.
+TEST(LoadWindowTest, BalancednessWithoutSkippedRanks) {
+  LoadWindow w(4, 3, seconds(60), 12);
+  const auto t0 = LoadWindow::Clock::now();
+  const std::vector<uint64_t> e = {10, 10, 0, 0}, r = {10, 0, 10};
+  w.Add(e, r, t0);
+  EXPECT_DOUBLE_EQ(w.Balancedness(t0), 20.0 / 3.0 / 10.0);
+  EXPECT_DOUBLE_EQ(w.Balancedness(t0, {false, true, false}), 1.0);
+  EXPECT_DOUBLE_EQ(w.Balancedness(t0, {true}), 0.5);              // shorter: the rest are kept
+  EXPECT_DOUBLE_EQ(w.Balancedness(t0, {true, true, true}), 1.0);  // none left: 1
+  EXPECT_DOUBLE_EQ(w.Balancedness(t0), 20.0 / 3.0 / 10.0);        // the counts are untouched
+}
+
 TEST(LoadWindowTest, ReusedBucketsStartOver) {
   LoadWindow w(1, 1, milliseconds(1000), 4);  // 250 ms buckets, ring of 4
   const auto t0 = LoadWindow::Clock::now();

@@ -41,6 +41,53 @@ TEST(PlacementPlanTest, SkewedLoadOnALinearPlacement) {
   EXPECT_NEAR(again->layers[0].balancedness_before, l.balancedness_after, 1e-9);
 }
 
+// After a death: the plan spreads the slots over the live expert ranks, none on the dead one,
+// and its "before" is over the live ranks too.
+TEST(PlacementPlanTest, DeadRanksAreLeftOut) {
+  // 6 experts, expert ranks 1..3; rank 2 died and its experts 2, 3 were re-placed on 1 and 3.
+  auto current = Placement::FromJson(
+      R"({"format": "moerun-placement-v1", "version": 3, "num_experts": 6, "num_ranks": 4,
+          "num_routers": 1, "layers": {"0": [[1,0],[1,1],[1,2],[3,3],[3,4],[3,5]]}})",
+      "test");
+  ASSERT_TRUE(current.ok()) << current.status().ToString();
+  const std::map<int, std::vector<double>> loads = {{0, {300, 10, 10, 10, 10, 10}}};
+  PlanOptions o;
+  o.exclude = {2};
+  auto rep = MakePlan(loads, *current, 0, o);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  EXPECT_EQ(rep->slots_per_rank, 3);  // 6 slots over 2 live ranks
+  EXPECT_NEAR(rep->layers[0].balancedness_before, (350.0 / 2) / 320.0, 1e-12);
+  auto planned = Placement::FromJson(rep->placement_json, "test");
+  ASSERT_TRUE(planned.ok()) << planned.status().ToString();
+  EXPECT_TRUE(planned->Layer(0)->rank_slots[2].empty());
+  EXPECT_EQ(planned->Layer(0)->rank_slots[1].size() + planned->Layer(0)->rank_slots[3].size(), 6u);
+  EXPECT_NEAR(PlacementBalancedness(loads.at(0), *planned->Layer(0), 1, o.exclude),
+              rep->layers[0].balancedness_after, 1e-9);
+  // Copies to load are counted against what the live ranks hold.
+  int to_load = 0;
+  for (int r : {1, 3}) {
+    for (int sl : planned->Layer(0)->rank_slots[static_cast<size_t>(r)]) {
+      const int e = planned->Layer(0)->slots[static_cast<size_t>(sl)].expert;
+      bool held = false;
+      for (int c : current->Layer(0)->rank_slots[static_cast<size_t>(r)]) {
+        held = held || current->Layer(0)->slots[static_cast<size_t>(c)].expert == e;
+      }
+      to_load += held ? 0 : 1;
+    }
+  }
+  EXPECT_EQ(rep->layers[0].experts_to_load, to_load);
+  // Uneven over the live ranks, and no live rank at all: clear errors that say why.
+  o.redundant = 1;
+  auto uneven = MakePlan(loads, *current, 0, o);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.status().message().find("2 expert ranks (rank(s) 2 left out: dead)"),
+            std::string::npos)
+      << uneven.status().ToString();
+  o.redundant = 0;
+  o.exclude = {1, 2, 3};
+  EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
+}
+
 TEST(PlacementPlanTest, ClearErrors) {
   auto current = Placement::Linear(8, 4, 1);  // 3 expert ranks
   ASSERT_TRUE(current.ok());
