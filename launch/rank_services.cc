@@ -21,6 +21,18 @@ std::string HostName() {
   if (::gethostname(buf, sizeof buf - 1) != 0) return "?";
   return buf;
 }
+
+// Per expert rank (rank - routers): whether `peers` says it is dead. No allocation once *skip
+// has reached its size.
+void DeadExpertRanks(const std::vector<PeerView>& peers, int routers, std::vector<bool>* skip) {
+  skip->assign(skip->size(), false);
+  for (const PeerView& p : peers) {
+    if (p.rank < routers) continue;
+    const size_t i = static_cast<size_t>(p.rank - routers);
+    if (skip->size() <= i) skip->resize(i + 1, false);
+    (*skip)[i] = p.dead;
+  }
+}
 }  // namespace
 
 Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placement& placement,
@@ -209,15 +221,8 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
   queue_requests_->Set(static_cast<double>(queued_requests));
   queue_tokens_->Set(static_cast<double>(queued_tokens));
   // The window's balancedness is over the expert ranks that are alive (a dead one has no load).
-  {
-    const size_t routers = static_cast<size_t>(Current()->num_routers());
-    skip_scratch_.assign(skip_scratch_.size(), false);
-    if (health != nullptr) {
-      const std::vector<bool>& dead = health->dead_mask();
-      skip_scratch_.resize(dead.size() > routers ? dead.size() - routers : 0, false);
-      for (size_t r = routers; r < dead.size(); ++r) skip_scratch_[r - routers] = dead[r];
-    }
-  }
+  if (health != nullptr) health->CopyView(&peers_scratch_);
+  DeadExpertRanks(peers_scratch_, Current()->num_routers(), &skip_scratch_);
   for (RouterLayer* l : ep_layers_) {
     const int layer = l->weights().layer;
     auto& seen = rank_seen_[layer];
@@ -265,7 +270,6 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     window_assignments_[layer]->Set(static_cast<double>(window_total));
   }
   if (health != nullptr) {
-    health->CopyView(&peers_scratch_);
     for (const PeerView& p : peers_scratch_) {
       if (Gauge* g = answering_by_rank_[static_cast<size_t>(p.rank)]) g->Set(p.answering ? 1 : 0);
     }
@@ -367,14 +371,8 @@ moerun::v1::StatusResponse RankServices::Status() const {
     if (w != windows_.end()) {
       const auto t = LoadWindow::Clock::now();
       ll->set_window_assignments(w->second.Total(t));
-      std::vector<bool> skip;  // the dead expert ranks
-      const int routers = placement_ != nullptr ? placement_->num_routers() : 0;
-      for (const PeerView& p : peers_) {
-        if (p.rank < routers) continue;
-        const size_t i = static_cast<size_t>(p.rank - routers);
-        if (skip.size() <= i) skip.resize(i + 1, false);
-        skip[i] = p.dead;
-      }
+      std::vector<bool> skip;
+      DeadExpertRanks(peers_, placement_ != nullptr ? placement_->num_routers() : 0, &skip);
       ll->set_window_balancedness(w->second.Balancedness(t, skip));
       ll->set_window_s(static_cast<double>(w->second.window().count()) / 1e3);
     }

@@ -65,14 +65,7 @@ uint64_t LoadWindow::Total(Clock::time_point now) const {
   return t;
 }
 
-double LoadWindow::Balancedness(Clock::time_point now) const {
-  rank_sum_.assign(ring_.front().ranks.size(), 0);
-  for (const Bucket& b : ring_) {
-    if (!Live(b, now)) continue;
-    for (size_t i = 0; i < rank_sum_.size(); ++i) rank_sum_[i] += b.ranks[i];
-  }
-  return MeanOverMax(rank_sum_);
-}
+double LoadWindow::Balancedness(Clock::time_point now) const { return Balancedness(now, {}); }
 
 double LoadWindow::Balancedness(Clock::time_point now, const std::vector<bool>& skip) const {
   rank_sum_.assign(ring_.front().ranks.size(), 0);

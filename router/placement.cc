@@ -22,6 +22,16 @@ Status CheckJob(int num_experts, int ranks, int routers) {
   return Status::Ok();
 }
 
+// Whether a slot of lp is on a rank `dead` marks.
+bool SlotOnAny(const LayerPlacement& lp, const std::vector<bool>& dead) {
+  for (const Slot& s : lp.slots) {
+    if (static_cast<size_t>(s.rank) < dead.size() && dead[static_cast<size_t>(s.rank)]) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 int LayerPlacement::MaxSlotsPerRank() const {
@@ -107,11 +117,7 @@ LayerPlacement LiveLayer(const LayerPlacement& lp, const std::vector<bool>& dead
 
 bool Placement::UsesAny(const std::vector<bool>& dead) const {
   for (const auto& [layer, lp] : layers_) {
-    for (const Slot& s : lp.slots) {
-      if (static_cast<size_t>(s.rank) < dead.size() && dead[static_cast<size_t>(s.rank)]) {
-        return true;
-      }
-    }
+    if (SlotOnAny(lp, dead)) return true;
   }
   return false;
 }
@@ -119,12 +125,7 @@ bool Placement::UsesAny(const std::vector<bool>& dead) const {
 bool Placement::UsesAny(const std::vector<bool>& dead, const std::vector<int>& layers) const {
   for (int l : layers) {
     const LayerPlacement* lp = Layer(l);
-    if (lp == nullptr) continue;
-    for (const Slot& s : lp->slots) {
-      if (static_cast<size_t>(s.rank) < dead.size() && dead[static_cast<size_t>(s.rank)]) {
-        return true;
-      }
-    }
+    if (lp != nullptr && SlotOnAny(*lp, dead)) return true;
   }
   return false;
 }
