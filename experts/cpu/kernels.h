@@ -22,6 +22,7 @@
 
 #include "base/dtype.h"
 #include "experts/cpu/isa.h"
+#include "experts/cpu/packed_matrix.h"
 
 namespace moerun {
 
@@ -79,7 +80,7 @@ const CpuKernels& KernelsFor(Isa isa);
 // The k block a GEMM should hand the tiles for weights of type `t`: the kernel's kc, rounded up
 // to whole scale blocks for block-scaled types (so the result does not depend on the variant).
 inline int64_t KcFor(const CpuKernels& k, DType t) {
-  const int64_t bk = t == DType::kF8E4M3 ? 128 : t == DType::kF4 ? 32 : 1;
+  const int64_t bk = BlockK(t);
   return (k.kc + bk - 1) / bk * bk;
 }
 

@@ -20,6 +20,7 @@
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/kernels.h"
 #include "experts/cpu/packed_matrix.h"
+#include "experts/cpu/tile_dispatch.h"
 
 namespace moerun::kernels_internal {
 namespace {
@@ -28,15 +29,6 @@ constexpr int kMr = 12;
 constexpr int kNr = 32;
 constexpr float kE2m1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-// Calls fn.template operator()<R>() for R = rows (1..kMr): one compiled tile per height.
-template <int R = 1, typename Fn>
-inline void ForRows(int rows, Fn&& fn) {
-  if constexpr (R < kMr) {
-    if (rows != R) return ForRows<R + 1>(rows, fn);
-  }
-  fn.template operator()<R>();
-}
 
 template <DType BT>
 inline void LoadB(const uint8_t* b, int64_t k, __m512* b0, __m512* b1) {
@@ -192,40 +184,19 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
 template <int R, int W>
 void WideTile(int64_t k, const float* a, const uint8_t* b, int64_t pstride, DType bt, float* c,
               int64_t ldc, bool accumulate) {
-  switch (bt) {
-    case DType::kF8E4M3:
-      return QuantTileT<R, DType::kF8E4M3, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
-    case DType::kF4:
-      return QuantTileT<R, DType::kF4, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
-    case DType::kBF16:
-      return TileT<R, DType::kBF16, W>(k, a, b, c, ldc, accumulate, pstride);
-    case DType::kF16:
-      return TileT<R, DType::kF16, W>(k, a, b, c, ldc, accumulate, pstride);
-    default:
-      return TileT<R, DType::kF32, W>(k, a, b, c, ldc, accumulate, pstride);
-  }
+  ForWeightType(bt, [&]<DType BT>() {
+    if constexpr (IsBlockScaled(BT)) {
+      QuantTileT<R, BT, false, W>(k, a, b, c, ldc, accumulate, nullptr, pstride);
+    } else {
+      TileT<R, BT, W>(k, a, b, c, ldc, accumulate, pstride);
+    }
+  });
 }
 
 void Tile(int rows, int64_t k, const float* a, const void* b, DType bt, float* c, int64_t ldc,
           bool accumulate) {
   const auto* bb = static_cast<const uint8_t*>(b);
-  switch (bt) {
-    case DType::kF8E4M3:
-      ForRows(rows, [&]<int R>() { QuantTileT<R, DType::kF8E4M3>(k, a, bb, c, ldc, accumulate); });
-      break;
-    case DType::kF4:
-      ForRows(rows, [&]<int R>() { QuantTileT<R, DType::kF4>(k, a, bb, c, ldc, accumulate); });
-      break;
-    case DType::kBF16:
-      ForRows(rows, [&]<int R>() { TileT<R, DType::kBF16>(k, a, bb, c, ldc, accumulate); });
-      break;
-    case DType::kF16:
-      ForRows(rows, [&]<int R>() { TileT<R, DType::kF16>(k, a, bb, c, ldc, accumulate); });
-      break;
-    default:
-      ForRows(rows, [&]<int R>() { TileT<R, DType::kF32>(k, a, bb, c, ldc, accumulate); });
-      break;
-  }
+  ForRows<kMr>(rows, [&]<int R>() { WideTile<R, 1>(k, a, bb, 0, bt, c, ldc, accumulate); });
 }
 
 // One or two rows: four panels at a time (8 or 16 sums in flight instead of 2 or 4); three or
@@ -288,12 +259,12 @@ void TileDecoded(int rows, int64_t k, const float* a, const float* dq, const voi
                  float* c, int64_t ldc, bool accumulate) {
   const auto* bb = static_cast<const uint8_t*>(b);
   if (bt == DType::kF8E4M3) {
-    ForRows(rows, [&]<int R>() {
+    ForRows<kMr>(rows, [&]<int R>() {
       QuantTileT<R, DType::kF8E4M3, true>(k, a, bb, c, ldc, accumulate, dq);
     });
   } else {
-    ForRows(rows,
-            [&]<int R>() { QuantTileT<R, DType::kF4, true>(k, a, bb, c, ldc, accumulate, dq); });
+    ForRows<kMr>(
+        rows, [&]<int R>() { QuantTileT<R, DType::kF4, true>(k, a, bb, c, ldc, accumulate, dq); });
   }
 }
 

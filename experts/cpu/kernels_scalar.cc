@@ -52,10 +52,7 @@ void DecodeRow(bool fp8, const uint8_t* codes, float* bv) {
     const std::array<float, 256>& fp8_values = Fp8Values();
     for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[j]];
   } else {
-    for (int j = 0; j < kNr; ++j) {
-      const int nibble = F4Nibble(kNr, j);
-      bv[j] = E2m1ToF32(static_cast<uint8_t>((codes[nibble / 2] >> ((nibble % 2) * 4)) & 0xF));
-    }
+    for (int j = 0; j < kNr; ++j) bv[j] = E2m1ToF32(F4CodeAt(codes, kNr, j));
   }
 }
 

@@ -91,10 +91,8 @@ uint8_t PackedMatrix::CodeAt(int64_t n, int64_t k) const {
   const uint8_t* block = panel(n / nr_) + (k / bk) * block_bytes_;
   const int j = static_cast<int>(n % nr_);
   const int64_t r = k % bk;
-  if (dtype_ == DType::kF8E4M3) return block[kFp8HeaderBytes + r * nr_ + j];
-  const int nibble = F4Nibble(nr_, j);
-  const uint8_t byte = block[nr_ + r * (nr_ / 2) + nibble / 2];
-  return static_cast<uint8_t>((byte >> ((nibble % 2) * 4)) & 0xF);
+  if (dtype_ == DType::kF8E4M3) return block[QuantHeaderBytes(dtype_, nr_) + r * nr_ + j];
+  return F4CodeAt(block + QuantHeaderBytes(dtype_, nr_) + r * QuantRowBytes(dtype_, nr_), nr_, j);
 }
 
 float PackedMatrix::ScaleAt(int64_t n, int64_t k) const {

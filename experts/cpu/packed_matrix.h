@@ -39,7 +39,7 @@ inline int PanelSlot(DType t, int nr, int j) {
 }
 
 // The types a packed matrix can hold: F32, BF16, F16, and the block-scaled FP8 and MXFP4.
-inline bool IsBlockScaled(DType t) { return t == DType::kF8E4M3 || t == DType::kF4; }
+constexpr bool IsBlockScaled(DType t) { return t == DType::kF8E4M3 || t == DType::kF4; }
 inline bool IsPackableType(DType t) { return IsKernelWeightType(t) || IsBlockScaled(t); }
 // What users call the held types: "f32", "bf16", "f16", "fp8", "mxfp4".
 inline const char* HeldTypeName(DType t) {
@@ -82,6 +82,11 @@ constexpr int QuantRowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr :
 constexpr int F4Nibble(int nr, int j) {
   if (nr == 16) return 2 * (4 * (j / 8) + j % 4) + (j % 8) / 4;
   return j < nr / 2 ? 2 * j : 2 * (j - nr / 2) + 1;
+}
+// The e2m1 code of column j in one MXFP4 k row of a panel of width nr (`row`: its nr / 2 bytes).
+inline uint8_t F4CodeAt(const uint8_t* row, int nr, int j) {
+  const int nibble = F4Nibble(nr, j);
+  return static_cast<uint8_t>((row[nibble / 2] >> ((nibble % 2) * 4)) & 0xF);
 }
 
 // Reads row n (output n) of a logical W [N][K] into out[0..K).
