@@ -219,6 +219,37 @@ bool PeerHealth::MarkDead(int rank, const std::string& why) {
   return true;
 }
 
+bool PeerHealth::Revive(int rank) {
+  if (!dead(rank)) return false;
+  const auto r = static_cast<size_t>(rank);
+  // The old process's transfers are withdrawn (the transport then takes the new process in:
+  // only ucx can, and its cancelled sends finish or are reaped there).
+  State& s = state_[r];
+  for (Request* q : {&s.ping_send, &s.pong_recv}) {
+    if (q->valid()) (void)t_->Cancel(*q);
+  }
+  for (Strands& st : strands_) {
+    for (Request& q : st.requests) {
+      if (!q.valid() || q.peer != rank) continue;
+      (void)t_->Cancel(q);
+      q = Request{};
+    }
+  }
+  const auto now = SteadyClock::now();
+  s = State{};
+  s.last_pong = now;
+  s.next_probe = now;
+  dead_[r] = false;
+  ++dead_generation_;
+  dead_count_.fetch_sub(1, std::memory_order_relaxed);
+  spdlog::info(
+      "rank {} is back (a new process joined the job as rank {}): it is probed and "
+      "gets work again once a placement gives it experts",
+      rank, rank);
+  Refresh();
+  return true;
+}
+
 int PeerHealth::FirstUnusable(const int64_t* rows_per_rank) const {
   for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
     if (rows_per_rank[r] > 0 && !state_[static_cast<size_t>(r)].usable) return r;

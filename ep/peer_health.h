@@ -10,9 +10,11 @@
 //
 // A rank is "dead" once the transport says its endpoint failed (ucx: the process died), once a
 // probe has gone unanswered for dead_after, or once a caller says so (MarkDead: a microbatch
-// missed the expert-parallel deadline). Death is final for this job: a dead rank gets no more
-// work, probes or control messages, and answers it sends later are discarded. Its experts are
-// served by their other copies, or re-placed (the router's control does that).
+// missed the expert-parallel deadline). A dead rank gets no more work, probes or control
+// messages, and answers it sends later are discarded. Its experts are served by their other
+// copies, or re-placed (the router's control does that). It comes back only as a new process
+// that joined the job as that rank (moerun serve --join): Revive, once the transport reaches the
+// new process.
 //
 // Threads: Poll, Strand, MarkDead, dead and usable belong to the router thread (it owns the
 // transport); Snapshot, all_answering and dead_count may be called from any thread.
@@ -81,9 +83,13 @@ class PeerHealth {
     return rank >= 0 && static_cast<size_t>(rank) < dead_.size() &&
            dead_[static_cast<size_t>(rank)];
   }
+  // Takes `rank` back once a new process has joined the job as it (the transport's endpoint is
+  // the new process's): what was still outstanding with the old process is withdrawn, and the
+  // rank is probed and given work again. false if it was not dead.
+  bool Revive(int rank);
   // Indexed by rank: which are dead.
   const std::vector<bool>& dead_mask() const { return dead_; }
-  // Grows by one with every death (what callers compare to notice a new one).
+  // Grows by one with every death and every revival (what callers compare to notice a change).
   uint64_t dead_generation() const { return dead_generation_; }
   int dead_count() const { return dead_count_.load(std::memory_order_relaxed); }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "base/host_name.h"
 #include "base/log.h"
 #include "ep/router_layer.h"
 #include "experts/cpu/packed_matrix.h"
@@ -16,12 +17,6 @@
 namespace moerun {
 
 namespace {
-std::string HostName() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof buf - 1) != 0) return "?";
-  return buf;
-}
-
 // Per expert rank (rank - routers): whether `peers` says it is dead. No allocation once *skip
 // has reached its size.
 void DeadExpertRanks(const std::vector<PeerView>& peers, int routers, std::vector<bool>* skip) {

@@ -13,6 +13,7 @@
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "launch/rank_services.h"
+#include "launch/serve_join.h"
 #include "launch/serve_router.h"
 #include "layer/cuda/cuda_device.h"
 #include "model/layer_loader.h"
@@ -34,7 +35,8 @@ struct ServeFlags {
   std::string ready_file;
   std::string pid_file;
   std::string listen, control_listen, metrics_listen, token_file;
-  DeviceFlags dev;  // --device cuda: expert ranks compute on their local GPU
+  std::string join;  // router 0's control endpoint: take over a dead expert rank of that job
+  DeviceFlags dev;   // --device cuda: expert ranks compute on their local GPU
 };
 
 Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<int>& wanted) {
@@ -90,9 +92,13 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   return s;
 }
 
-Result<JobOptions> JobOptionsFor(const ServeConfig& c, const JobLaunch& launch) {
+Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   JobOptions o;
-  launch.Fill(&o);
+  o.routers = c.routers;
+  o.placement = c.placement;
+  o.ep.microbatch_tokens = c.microbatch_tokens;
+  o.ep.deadline = std::chrono::milliseconds(c.deadline_ms);
+  o.startup_timeout = std::chrono::milliseconds(c.startup_timeout_s * 1000);
   o.source.model = c.model;
   o.source.preset = c.preset;
   o.source.seed = c.seed;
@@ -165,16 +171,68 @@ Status ServeRank(Transport* t, const ServeSetup& setup, const JobOptions& option
   return router->Finish();
 }
 
+// moerun serve --join: this process takes over a dead expert rank of the running job whose
+// router 0 listens at f.join, and serves as it until the job ends.
+int RunJoined(ServeSetup& setup, const ServeFlags& f) {
+  const ServeConfig& c = setup.config;
+  InitLogging(-1, "expert", c.log_level);
+  if (setup.token.empty()) {
+    return FailWith(Status::InvalidArgument(
+        "--join needs the job's control token: --token-file FILE (or serving.token_file)"));
+  }
+  if (c.transport != "ucx") {
+    return FailWith(Status::InvalidArgument(
+        "--join needs a job on the ucx transport (only ucx takes a new process in), not '" +
+        c.transport + "': set transport: ucx, or --transport ucx"));
+  }
+  if (f.dev.device == "cuda") {
+    return FailWith(Status::InvalidArgument(
+        "--join with --device cuda is not supported: a GPU expert rank holds only the experts it "
+        "loads at start, and a joining rank gets its experts while serving"));
+  }
+  auto options = JobOptionsFor(c);
+  if (!options.ok()) return FailWith(options.status());
+  auto spec = SpecOf(options->source);
+  if (!spec.ok()) return FailWith(spec.status());
+  auto layers = ResolveLayers(*spec, c.layers);
+  if (!layers.ok()) return FailWith(layers.status());
+  options->layers = *layers;
+  options->joined = true;
+  RaiseDescriptorLimit();
+  JoinTarget target;
+  target.control = f.join;
+  target.token = setup.token;
+  target.num_experts = spec->num_experts;
+  target.layers = *layers;
+  target.placement = c.placement;
+  target.routers = c.routers;
+  target.timeout = std::chrono::milliseconds(c.startup_timeout_s * 1000);
+  spdlog::info("join: asking router 0 at {} for a dead expert rank to take over", f.join);
+  auto joined = JoinJob(target);
+  if (!joined.ok()) return FailWith(joined.status());
+  Transport* t = joined->transport.get();
+  InitLogging(t->rank(), "expert", c.log_level);
+  spdlog::info(
+      "joined the job as expert rank {} of {} (placement v{} in use: no experts here until a "
+      "rebalance)",
+      t->rank(), t->size(), joined->placement_version);
+  const Status s = ServeRank(t, setup, *options, f.dev);
+  if (!s.ok()) return FailWith(s);
+  spdlog::info("rank {} (joined) shut down cleanly", t->rank());
+  return 0;
+}
+
 int RunServe(const ServeFlags& f) {
   auto setup = Configure(f);
   if (!setup.ok()) return FailWith(setup.status());
+  if (!f.join.empty()) return RunJoined(*setup, f);
   const ServeConfig& c = setup->config;
   const int env_rank = RankFromEnvironment();
   InitLogging(env_rank, env_rank >= 0 && env_rank < c.routers ? "router" : "expert", c.log_level);
   RaiseDescriptorLimit();
   auto job = Launch(c);
   if (!job.ok()) return FailWith(job.status());
-  auto options = JobOptionsFor(c, **job);
+  auto options = JobOptionsFor(c);
   if (!options.ok()) return FailWith(options.status());
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
   if (f.dev.device == "cuda") {  // before anything starts: no GPU is a clear error, exit 2
@@ -217,6 +275,10 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--metrics-listen", flags->metrics_listen,
                   "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r)");
   cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
+  cmd->add_option("--join", flags->join,
+                  "Start outside the job's mpirun and take over a dead expert rank of the running "
+                  "job whose router 0's control endpoint is HOST:PORT (needs the job's config, "
+                  "--token-file and the ucx transport)");
   AddDeviceFlags(cmd, &flags->dev,
                  "cpu or cuda (expert ranks run their experts on their local GPU)",
                  "--device cuda: tokens per microbatch the GPU buffers hold");

@@ -69,6 +69,10 @@ Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankS
     provider.expert_action = [pc](const moerun::v1::ExpertActionRequest& r) {
       return pc->Action(r);
     };
+    provider.join = [pc](const moerun::v1::JoinRequest& r,
+                         std::function<void(Result<moerun::v1::JoinResponse>)> done) {
+      pc->Join(r, std::move(done));
+    };
   }
   return ControlEndpoint::Start(co, s.token, provider, &rs.metrics());
 }

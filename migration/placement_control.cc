@@ -162,4 +162,26 @@ void PlacementControl::Tick() {
   }
 }
 
+void PlacementControl::Join(const moerun::v1::JoinRequest& request,
+                            std::function<void(Result<moerun::v1::JoinResponse>)> done) {
+  JoinAsk ask;
+  ask.address.assign(request.address().begin(), request.address().end());
+  ask.who = "a process on " + (request.host().empty() ? std::string("?") : request.host()) +
+            " (pid " + std::to_string(request.pid()) + ")";
+  ask.layers.assign(request.layers().begin(), request.layers().end());
+  ask.num_experts = request.num_experts();
+  ask.done = [done = std::move(done)](Result<JoinGrant> grant) {
+    if (!grant.ok()) return done(grant.status());
+    moerun::v1::JoinResponse r;
+    r.set_rank(grant->rank);
+    r.set_ranks(grant->ranks);
+    r.set_routers(grant->routers);
+    for (const std::vector<uint8_t>& a : grant->addresses) r.add_addresses(a.data(), a.size());
+    r.set_placement_version(grant->placement_version);
+    r.set_header_bytes(grant->header_bytes);
+    done(std::move(r));
+  };
+  control_->Join(std::move(ask));
+}
+
 }  // namespace moerun

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -50,6 +51,10 @@ class PlacementControl {
   moerun::v1::MigrationStatus Progress() const;
   Result<moerun::v1::ExpertResponse> Update(const moerun::v1::ExpertUpdateRequest& request);
   Result<moerun::v1::ExpertResponse> Action(const moerun::v1::ExpertActionRequest& request);
+  // A process taking over a dead expert rank (RouterControl::Join); `done` is called once, on
+  // router 0's thread.
+  void Join(const moerun::v1::JoinRequest& request,
+            std::function<void(Result<moerun::v1::JoinResponse>)> done);
   // Router 0's thread, between batches: the automatic mode.
   void Tick();
 

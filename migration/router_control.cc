@@ -44,6 +44,31 @@ std::vector<int> Minus(const std::set<int>& a, const std::set<int>& b) {
   return out;
 }
 
+std::string Hex(const std::vector<uint8_t>& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (uint8_t b : bytes) {
+    out.push_back(digits[b >> 4]);
+    out.push_back(digits[b & 15]);
+  }
+  return out;
+}
+
+Result<std::vector<uint8_t>> FromHex(const std::string& text) {
+  auto digit = [](char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+  };
+  if (text.size() % 2 != 0) return Status::Corrupt("an address of odd length");
+  std::vector<uint8_t> out(text.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int hi = digit(text[2 * i]), lo = digit(text[2 * i + 1]);
+    if (hi < 0 || lo < 0) return Status::Corrupt("an address with a non-hex digit");
+    out[i] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  return out;
+}
+
 }  // namespace
 
 struct RouterControlReply {
@@ -91,6 +116,9 @@ uint64_t RouterControl::experts_replaced() const {
 }
 
 RouterControl::~RouterControl() {
+  for (JoinAsk& ask : joins_) {
+    if (ask.done) ask.done(Status::Unavailable("the job is shutting down"));
+  }
   for (Request& r : in_reqs_) {
     if (r.valid()) (void)t_->Cancel(r);
   }
@@ -192,6 +220,17 @@ Status RouterControl::HandleMessage(int from, const std::string& body) {
                            ": malformed control message from rank " + std::to_string(from));
   }
   const uint64_t id = j["id"].get<uint64_t>();
+  if (j.contains("op") && j["op"] == "peer" && from == 0) {  // a process joined as "rank"
+    const int rank = j.value("rank", -1);
+    Result<std::vector<uint8_t>> address = FromHex(j.value("address", std::string()));
+    Status s = address.status();
+    if (s.ok()) s = TakeBack(rank, *address);
+    if (!s.ok()) {
+      spdlog::error("router {}: rank {} joined, but this router cannot reach it: {}", me, rank,
+                    s.ToString());
+    }
+    return Status::Ok();
+  }
   if (j.contains("op")) {  // router 0 to this router
     if (j["op"] != "switch" || from != 0) {
       return Status::Corrupt("router " + std::to_string(me) + ": unexpected control request");
@@ -328,9 +367,123 @@ Status RouterControl::Poll() {
   MOERUN_RETURN_IF_ERROR(PollReceives());
   ExpireSilent();
   if (t_->rank() != 0) return Status::Ok();
+  StepJoins();
   MOERUN_RETURN_IF_ERROR(StepUpdates());
   MOERUN_RETURN_IF_ERROR(StepMigration());
   return Recover();
+}
+
+void RouterControl::Join(JoinAsk ask) {
+  std::lock_guard<std::mutex> lock(mu_);
+  joins_.push_back(std::move(ask));
+}
+
+void RouterControl::StepJoins() {
+  while (!joins_.empty()) {
+    JoinAsk ask = std::move(joins_.front());
+    joins_.pop_front();
+    Result<JoinGrant> grant = Grant(ask);
+    if (!grant.ok()) {
+      spdlog::warn("join of {} refused: {}", ask.who, grant.status().ToString());
+    }
+    if (ask.done) ask.done(std::move(grant));
+  }
+}
+
+Result<JoinGrant> RouterControl::Grant(const JoinAsk& ask) {
+  if (health_ == nullptr) {
+    return Status::Unsupported("this job does not watch its ranks' health: nothing can join it");
+  }
+  if (t_->peer_address(t_->rank()).empty()) {
+    return Status::Unsupported(std::string("the ") + t_->name() +
+                               " transport cannot take a new process in (run the job with "
+                               "--transport ucx)");
+  }
+  if (ask.address.empty()) return Status::InvalidArgument("the joiner sent no address");
+  std::vector<int> layers = ask.layers;
+  std::sort(layers.begin(), layers.end());
+  if (ask.num_experts != placement_->num_experts() || layers != served_) {
+    return Status::InvalidArgument(
+        fmt::format("the joining process's model differs from this job's: {} experts, layers {} "
+                    "(this job: {} experts, layers {}); start it with the job's config",
+                    ask.num_experts, fmt::join(layers, ","), placement_->num_experts(),
+                    fmt::join(served_, ",")));
+  }
+  int rank = -1;
+  int busy = -1;
+  for (int r = placement_->num_routers(); r < placement_->num_ranks(); ++r) {
+    if (!dead_[static_cast<size_t>(r)]) continue;
+    std::vector<bool> only(dead_.size(), false);
+    only[static_cast<size_t>(r)] = true;
+    if (placement_->UsesAny(only, served_)) {
+      if (busy < 0) busy = r;
+      continue;
+    }
+    rank = r;
+    break;
+  }
+  if (rank < 0 && busy >= 0) {
+    return Status::Unavailable("rank " + std::to_string(busy) +
+                               " is dead but its experts are still being re-placed: ask again "
+                               "once the recovery migration is done");
+  }
+  if (rank < 0) {
+    return Status::InvalidArgument(
+        "no expert rank of this job is dead: a process can only take over a dead one (adding "
+        "ranks to a job is not supported)");
+  }
+  // Every router takes the new endpoint; router 0 now, the others when its message comes (in
+  // order before anything that gives the rank work).
+  MOERUN_RETURN_IF_ERROR(TakeBack(rank, ask.address));
+  const std::string body =
+      json{{"id", 0}, {"op", "peer"}, {"rank", rank}, {"address", Hex(ask.address)}}.dump();
+  for (int r = 1; r < placement_->num_routers(); ++r) {
+    if (!Gone(r)) MOERUN_RETURN_IF_ERROR(SendToRouter(r, body));
+  }
+  JoinGrant g;
+  g.rank = rank;
+  g.ranks = t_->size();
+  g.routers = placement_->num_routers();
+  g.addresses.resize(static_cast<size_t>(t_->size()));
+  for (int r = 0; r < g.routers; ++r) {
+    if (!Gone(r)) g.addresses[static_cast<size_t>(r)] = t_->peer_address(r);
+  }
+  g.placement_version = placement_->version();
+  g.header_bytes = header_bytes_;
+  spdlog::warn(
+      "rank {}: {} joined the job as rank {} (placement v{} holds nothing on it: a rebalance, "
+      "moectl rebalance or the automatic one, gives it experts)",
+      rank, ask.who, rank, g.placement_version);
+  return g;
+}
+
+Status RouterControl::TakeBack(int rank, const std::vector<uint8_t>& address) {
+  if (rank < placement_->num_routers() || rank >= placement_->num_ranks()) {
+    return Status::InvalidArgument("rank " + std::to_string(rank) + " is no expert rank");
+  }
+  // What is still posted with the old process (its control channel here, probes and stranded
+  // transfers in PeerHealth) is withdrawn before the endpoint goes.
+  Request& in = in_reqs_[static_cast<size_t>(rank)];
+  if (in.valid()) (void)t_->Cancel(in);
+  in = Request{};
+  if (health_ != nullptr) health_->Revive(rank);
+  const Status replaced =
+      t_->ReplacePeer(rank, std::span<const uint8_t>(address.data(), address.size()));
+  if (!replaced.ok()) {
+    if (health_ != nullptr)
+      health_->MarkDead(rank, "taking it back failed: " + replaced.ToString());
+    return replaced;
+  }
+  dead_[static_cast<size_t>(rank)] = false;
+  if (health_ != nullptr) {
+    // Deaths PeerHealth saw meanwhile are taken in with the revival.
+    const std::vector<bool>& dead = health_->dead_mask();
+    for (size_t r = 0; r < dead.size() && r < dead_.size(); ++r) {
+      if (static_cast<int>(r) != rank) dead_[r] = dead_[r] || dead[r];
+    }
+    dead_generation_ = health_->dead_generation();
+  }
+  return Status::Ok();
 }
 
 Status RouterControl::Recover() {

@@ -77,6 +77,26 @@ struct ExpertUpdateView {
   std::string error;
 };
 
+// What router 0 grants a process that joins the job (moerun serve --join).
+struct JoinGrant {
+  int rank = -1;  // the dead expert rank it takes over
+  int ranks = 0, routers = 0;
+  // By rank: the transport address of every router (the others left empty: the joiner talks to
+  // routers only).
+  std::vector<std::vector<uint8_t>> addresses;
+  uint64_t placement_version = 0;
+  size_t header_bytes = 0;  // the job's dispatch headers (the joiner checks its own)
+};
+struct JoinAsk {
+  std::vector<uint8_t> address;  // the joiner's transport address
+  std::string who;               // host and pid, for the log
+  // What the joiner computed from its own config, checked against the job's.
+  std::vector<int> layers;
+  int num_experts = 0;
+  // Called once on router 0's thread with the grant or why not.
+  std::function<void(Result<JoinGrant>)> done;
+};
+
 struct MigrationOptions {
   double throttle_bytes_s = 0;  // per expert rank; 0: unlimited
   int64_t expert_bytes = 0;     // one expert's weights (for the bytes to move)
@@ -113,6 +133,14 @@ class RouterControl {
   // action: promote | rollback. The answer is the state before the action completes.
   Result<ExpertUpdateView> Act(const std::string& action, int layer, int expert);
   std::vector<ExpertUpdateView> Updates() const;
+  // Router 0, any thread: a process outside the job asks to take over a dead expert rank. At
+  // the next Poll the lowest dead expert rank that the placement in use no longer holds experts
+  // on (its recovery is done) is given the joiner's address on every router, taken back by
+  // PeerHealth, and granted; a rebalance then gives it experts. kUnavailable while the dead
+  // ranks' experts are still being re-placed (ask again); kInvalidArgument when no rank is dead
+  // or the joiner's model or placement differ from the job's; kUnsupported when the transport
+  // cannot take a new process in (only ucx can).
+  void Join(JoinAsk ask);
   // Any thread: the ranks known dead, and the expert copies recoveries re-placed so far.
   std::vector<int> dead_ranks() const;
   uint64_t experts_replaced() const;
@@ -161,6 +189,12 @@ class RouterControl {
   // Router thread: takes in the deaths PeerHealth saw; on router 0 starts the recovery.
   Status Recover();
   bool Gone(int rank) const;  // dead (under mu_)
+  // Router thread: answers the queued joins (router 0).
+  void StepJoins();
+  Result<JoinGrant> Grant(const JoinAsk& ask);
+  // Any router: `rank` is a new process at `address` from now on (the transport's endpoint
+  // replaced, PeerHealth reviving it).
+  Status TakeBack(int rank, const std::vector<uint8_t>& address);
 
   Transport* t_;
   PeerHealth* health_ = nullptr;
@@ -192,6 +226,7 @@ class RouterControl {
   uint64_t migrations_ = 0;
   std::map<std::pair<int, int>, UpdateState> updates_;
   std::deque<std::pair<std::string, std::pair<int, int>>> actions_;  // (action, (layer, expert))
+  std::deque<JoinAsk> joins_;
   std::map<std::pair<int, int>, std::string> promoted_;  // weights that replaced the checkpoint's
   std::vector<bool> dead_;                               // by rank
   uint64_t dead_generation_ = 0;                         // PeerHealth's, when dead_ was taken

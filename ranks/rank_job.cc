@@ -53,7 +53,7 @@ Status RankJob::Load() {
   const auto started = std::chrono::steady_clock::now();
   size_t experts_here = 0;
   for (int layer : opts_.layers) {
-    std::vector<bool> mask = is_router()
+    std::vector<bool> mask = is_router() || opts_.joined
                                  ? std::vector<bool>(static_cast<size_t>(spec_.num_experts), false)
                                  : placement_->ExpertsOf(me, layer);
     for (bool b : mask) experts_here += b;
@@ -72,6 +72,7 @@ Status RankJob::Load() {
 }
 
 Status RankJob::WaitReady() {
+  if (opts_.joined) return Status::Ok();  // the others are serving already
   MOERUN_RETURN_IF_ERROR(t_->Barrier(SteadyClock::now() + opts_.startup_timeout));
   if (rank() == 0) {
     spdlog::info("all {} ranks ready ({} router(s), {} expert ranks, placement {} v{})", t_->size(),

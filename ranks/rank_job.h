@@ -48,6 +48,10 @@ struct JobOptions {
   int threads = 0;  // per rank; 0: cores / ranks on this host
   Isa isa = Isa::kScalar;
   RouterRankOptions router;  // what a router rank has besides its layers
+  // An expert rank that joined a running job (moerun serve --join) in place of a dead one: it
+  // loads no experts (the placement in use holds none on it; a rebalance brings them) and waits
+  // for no other rank.
+  bool joined = false;
 };
 
 // The weights an expert rank loaded, by layer number (what a device copy is made from).

@@ -6,6 +6,9 @@
 #include <cstring>
 #include <fstream>
 
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+
 #include "base/log.h"
 #include "serving/frame.h"
 
@@ -43,6 +46,21 @@ std::string ErrorFrame(ErrorCode code, const std::string& message) {
 }
 
 }  // namespace
+
+struct ControlEndpoint::Poster {
+  std::mutex mu;
+  boost::asio::io_context* io = nullptr;
+};
+
+ControlEndpoint::~ControlEndpoint() { Stop(); }
+
+void ControlEndpoint::Stop() {
+  if (poster_) {
+    std::lock_guard<std::mutex> lock(poster_->mu);
+    poster_->io = nullptr;
+  }
+  if (server_) server_->Stop();
+}
 
 Result<std::string> ReadTokenFile(const std::string& path) {
   struct stat st {};
@@ -86,9 +104,9 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   ep->provider_ = std::move(provider);
   ep->auth_failures_ = metrics->AddCounter("moerun_control_auth_failures_total",
                                            "Control requests refused for a missing or wrong token");
-  const char* kinds[9] = {"status", "placement", "stats",         "plan",         "malformed",
-                          "apply",  "progress",  "expert_update", "expert_action"};
-  for (int i = 0; i < 9; ++i) {
+  const char* kinds[10] = {"status", "placement", "stats",         "plan",          "malformed",
+                           "apply",  "progress",  "expert_update", "expert_action", "join"};
+  for (int i = 0; i < 10; ++i) {
     ep->requests_[i] = metrics->AddCounter("moerun_control_requests_total",
                                            "Control requests, by command", {{"command", kinds[i]}});
   }
@@ -101,6 +119,8 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   FramedServerOptions o = options;
   o.max_frame_bytes = std::min<uint32_t>(o.max_frame_bytes, 1u << 20);
   MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(o, std::move(h)));
+  ep->poster_ = std::make_shared<Poster>();
+  ep->poster_->io = &ep->server_->io();
   return ep;
 }
 
@@ -188,6 +208,33 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
         if (!e.ok()) return conn->Send(ErrorFrame(ErrorCodeFor(e.status()), e.status().message()));
         *r.mutable_experts() = std::move(e).value();
         break;
+      }
+      case ControlRequest::kJoin: {
+        requests_[9]->Inc();
+        if (!provider_.join) {
+          return conn->Send(
+              ErrorFrame(moerun::v1::INVALID_ARGUMENT, "joining this job is not offered"));
+        }
+        // Answered when router 0's thread has taken the joiner in (between batches).
+        std::shared_ptr<Poster> poster = poster_;
+        provider_.join(req.join(), [poster, conn](Result<moerun::v1::JoinResponse> grant) {
+          std::string frame;
+          if (!grant.ok()) {
+            frame = ErrorFrame(ErrorCodeFor(grant.status()), grant.status().message());
+          } else {
+            ControlResponse ok;
+            ok.set_code(moerun::v1::OK);
+            *ok.mutable_join() = std::move(grant).value();
+            Result<std::string> f = EncodeFrame(ok);
+            frame = f.ok() ? std::move(*f) : ErrorFrame(moerun::v1::INTERNAL, f.status().message());
+          }
+          std::lock_guard<std::mutex> lock(poster->mu);
+          if (poster->io == nullptr) return;  // the endpoint has stopped
+          boost::asio::post(*poster->io, [conn, frame = std::move(frame)]() mutable {
+            conn->Send(std::move(frame));
+          });
+        });
+        return;
       }
       default:
         requests_[4]->Inc();

@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -32,6 +33,11 @@ struct ControlProvider {
       expert_update;
   std::function<Result<moerun::v1::ExpertResponse>(const moerun::v1::ExpertActionRequest&)>
       expert_action;
+  // A process joining the job (moerun serve --join): `done` is called once, from any thread,
+  // with the grant or why not (the answer is sent from the I/O thread).
+  std::function<void(const moerun::v1::JoinRequest&,
+                     std::function<void(Result<moerun::v1::JoinResponse>)> done)>
+      join;
 };
 
 // Reads a token file: its first line, surrounding whitespace removed; an error if the file is
@@ -46,18 +52,24 @@ class ControlEndpoint {
   static Result<std::unique_ptr<ControlEndpoint>> Start(const FramedServerOptions& options,
                                                         std::string token, ControlProvider provider,
                                                         MetricsRegistry* metrics);
+  ~ControlEndpoint();
   uint16_t port() const { return server_->port(); }
-  void Stop() { server_->Stop(); }
+  void Stop();
 
  private:
   void OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string_view body);
 
+  // Where answers that come from other threads (join) are posted; cleared when the server
+  // stops, so that a late answer is dropped instead of reaching a dead I/O context.
+  struct Poster;
+  std::shared_ptr<Poster> poster_;
   std::string token_;
   ControlProvider provider_;
   std::unique_ptr<FramedServer> server_;
   Counter* auth_failures_ = nullptr;
-  // status, placement, stats, plan, malformed, apply, progress, expert_update, expert_action
-  Counter* requests_[9] = {};
+  // status, placement, stats, plan, malformed, apply, progress, expert_update, expert_action,
+  // join
+  Counter* requests_[10] = {};
 };
 
 }  // namespace moerun

@@ -55,6 +55,11 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
   return Status::Ok();
 }
 
+Status Transport::ReplacePeer(int /*peer*/, std::span<const uint8_t> /*address*/) {
+  return Status::Unsupported(std::string("the ") + name() +
+                             " transport cannot take a rank back at a new address (ReplacePeer)");
+}
+
 Status Transport::Wait(Request r, Deadline deadline, const char* what) {
   return WaitAll(std::span<Request>(&r, 1), deadline, what);
 }

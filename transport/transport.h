@@ -64,6 +64,15 @@ class Transport {
   // its connection broke); its requests then fail with kUnavailable. Backends that cannot tell
   // (mpi, inproc) say false: there a dead peer shows only as a missed deadline.
   virtual bool peer_failed(int /*peer*/) const { return false; }
+  // Where `peer` can be reached, as bytes only this backend reads (ucx: its UCX worker address;
+  // this rank's own for rank()). Empty where the backend has none (mpi, inproc) or knows none.
+  virtual std::vector<uint8_t> peer_address(int /*peer*/) const { return {}; }
+  // Takes `peer` back at a new address (a new process joined the job as that rank): the old
+  // endpoint is closed and everything still held of the old process is dropped (its unmatched
+  // messages, remote keys, ready-to-receive notes, revokes); peer_failed(peer) is false again.
+  // Requests to or from `peer` must have completed or been cancelled first. kUnsupported where
+  // the backend cannot (mpi, inproc).
+  virtual Status ReplacePeer(int peer, std::span<const uint8_t> address);
   // RDMA backends (ucx) register [p, p + bytes) once so that receives into it are written
   // directly by the peer; others treat it as a no-op. The memory stays registered until
   // UnregisterMemory(p) (call it before freeing the memory), a registration that overlaps it, or

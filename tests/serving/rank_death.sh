@@ -20,6 +20,12 @@
 #   5. router:    2 routers + 4 expert ranks, moebench with both routers (--target R1,R0);
 #                 `kill -9` of router 1: the expert ranks drop it and serve router 0; the
 #                 clients on router 1 move to router 0 and send the request in flight again.
+#   6. join:      as 2. (no replicas, kill -9 of rank 2, its experts re-placed); then a new
+#                 process outside mpirun, `moerun serve --join` with the job's config and token,
+#                 takes over rank 2, and `moectl rebalance --redundant 4` gives it experts again
+#                 (planned over all 4 expert ranks: balancedness >= 0.9), all under the same
+#                 verified load;
+#                 at the end the joined rank shuts down with the job.
 # Each case asserts: 0 failed requests, every answer bitwise right, /health/ready 200, moectl
 # status "health: degraded" with the killed ranks "dead", moerun_ranks_dead and the retry
 # counters; and
@@ -29,7 +35,7 @@
 #
 #   rank_death.sh MOERUN MOECTL MOEBENCH DATA_DIR [CASES]
 #
-# CASES: a comma list of replicas,orphans,frozen,host,router (default all; host needs root and
+# CASES: a comma list of replicas,orphans,frozen,host,router,join (default all; host needs root and
 # network namespaces, skipped without). Exit 0 on success, 1 on failure, 77
 # (skip) without mpirun, python3 or curl.
 set -uo pipefail
@@ -38,7 +44,7 @@ MOERUN=$(realpath "$1")
 MOECTL=$(realpath "$2")
 MOEBENCH=$(realpath "$3")
 DATA=$(realpath "$4")
-CASES=${5:-replicas,orphans,frozen,host,router}
+CASES=${5:-replicas,orphans,frozen,host,router,join}
 HERE=$(cd "$(dirname "$0")" && pwd)
 for tool in mpirun python3 curl; do
   command -v "$tool" >/dev/null || { echo "SKIP: $tool is not installed"; exit 77; }
@@ -51,6 +57,7 @@ export MOERUN_TEST_TAG=$TAG
 MPI_PID=""
 SERVE_PID=""
 BENCH_PID=""
+JOIN_PID=""
 MADE_NS=()
 IN_HOST=()  # the prefix that runs a client command where the router listens
 source "$HERE/ports.sh"
@@ -59,6 +66,7 @@ source "$HERE/../lib/mpi_job.sh"
 cleanup() {
   local rc=$? p ns
   [[ -n "$BENCH_PID" ]] && kill -KILL "$BENCH_PID" 2>/dev/null
+  [[ -n "$JOIN_PID" ]] && kill -KILL "$JOIN_PID" 2>/dev/null
   for ns in "${MADE_NS[@]}"; do
     for p in $(ip netns pids "$ns" 2>/dev/null); do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
   done
@@ -73,6 +81,10 @@ fail() {
   echo "FAIL ($CASE): $*" >&2
   echo "--- serve log (tail)" >&2
   tail -60 "$WORK/serve.log" >&2
+  if [[ -f $WORK/join.log ]]; then
+    echo "--- join log (tail)" >&2
+    tail -30 "$WORK/join.log" >&2
+  fi
   exit 1
 }
 MODEL=$DATA/hf-moe/deepseek_v3
@@ -142,6 +154,14 @@ make_hosts() {
 }
 
 now() { date +%s.%N; }
+# Waits up to $3 s for a line matching $2 in file $1.
+wait_line() {
+  local t=$SECONDS
+  until grep -Eq "$2" "$1" 2>/dev/null; do
+    (( SECONDS - t > $3 )) && return 1
+    sleep 0.1
+  done
+}
 # The Unix time of the first serve-log line matching $1 (its [HH:MM:SS.mmm] stamp, today, UTC).
 log_time() {
   python3 - "$WORK/serve.log" "$1" <<'PY'
@@ -164,11 +184,16 @@ run_case() {
   DEAD=(2)
   IN_HOST=()
   ROUTERS=1
+  local duration=14
   local targets
   local mpirun=(mpirun --enable-recovery --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
   case $CASE in
     replicas) PLACEMENT=$WORK/replicas.json ;;
     orphans | frozen) PLACEMENT=round_robin ;;
+    join)
+      PLACEMENT=round_robin
+      duration=24
+      ;;
     host)
       PLACEMENT=$WORK/replicas.json
       DEAD=(3 4)
@@ -197,7 +222,7 @@ run_case() {
   targets="127.0.0.1:$PORT"
   # Router r listens on PORT + r; the clients start on router c % 2 and fail over.
   [[ $ROUTERS == 2 ]] && targets="127.0.0.1:$((PORT + 1)),127.0.0.1:$PORT"
-  "${IN_HOST[@]}" "$MOEBENCH" serve --target "$targets" --duration 14 --warmup 1 \
+  "${IN_HOST[@]}" "$MOEBENCH" serve --target "$targets" --duration "$duration" --warmup 1 \
     --concurrency 4 --tokens-per-request 8 --model "$MODEL" --verify --json >"$WORK/bench.json" \
     2>"$WORK/bench.log" &
   BENCH_PID=$!
@@ -213,6 +238,22 @@ run_case() {
       [[ $(readlink "/proc/$pid/ns/net") == "$(ip netns exec "$H2" readlink /proc/self/ns/net)" ]] ||
         fail "rank process $pid does not run on the second host"
     done
+  fi
+  if [[ $CASE == join ]]; then
+    # Refusals first, while every rank lives: nothing to take over; a wrong token.
+    local out rc
+    out=$(timeout 30 "$MOERUN" serve --config "$WORK/serve.yaml" --join "127.0.0.1:$((PORT + 100))" \
+      --token-file "$WORK/token" 2>&1)
+    rc=$?
+    [[ $rc -eq 2 && $out == *"no expert rank of this job is dead"* ]] ||
+      fail "a join with no dead rank: exit $rc: $(tail -2 <<<"$out")"
+    printf 'not-the-token\n' >"$WORK/wrong-token"
+    chmod 600 "$WORK/wrong-token"
+    out=$(timeout 30 "$MOERUN" serve --config "$WORK/serve.yaml" --join "127.0.0.1:$((PORT + 100))" \
+      --token-file "$WORK/wrong-token" 2>&1)
+    rc=$?
+    [[ $rc -eq 2 && $out == *"wrong token"* ]] ||
+      fail "a join with a wrong token: exit $rc: $(tail -2 <<<"$out")"
   fi
   local t_death
   t_death=$(now)
@@ -232,6 +273,28 @@ run_case() {
       --json >"$WORK/rebalance.json" 2>"$WORK/rebalance.err" ||
       fail "moectl rebalance after the death: $(cat "$WORK/rebalance.json" "$WORK/rebalance.err")"
   fi
+  local t_joined="" t_rebalanced=""
+  if [[ $CASE == join ]]; then
+    # Once the recovery has re-placed rank 2's experts, a new process takes rank 2 over (the
+    # job's config, token and UCX environment; it is no part of mpirun).
+    wait_line "$WORK/serve.log" "migration [0-9]+ done" 15 || fail "no recovery migration finished"
+    "$MOERUN" serve --config "$WORK/serve.yaml" --join "127.0.0.1:$((PORT + 100))" \
+      --token-file "$WORK/token" >"$WORK/join.log" 2>&1 &
+    JOIN_PID=$!
+    wait_line "$WORK/join.log" "joined the job as expert rank 2" 30 ||
+      fail "the new process did not join as rank 2"
+    t_joined=$(now)
+    # 36 slots over the 4 expert ranks.
+    "$MOECTL" "${ctl[@]}" placement plan --redundant 4 --json >"$WORK/plan.json" ||
+      fail "moectl placement plan after the join: $(cat "$WORK/plan.json")"
+    "$MOECTL" "${ctl[@]}" --timeout-ms 60000 rebalance --redundant 4 --wait --json \
+      >"$WORK/rebalance.json" \
+      2>"$WORK/rebalance.err" ||
+      fail "moectl rebalance after the join: $(cat "$WORK/rebalance.json" "$WORK/rebalance.err")"
+    t_rebalanced=$(now)
+    "$MOECTL" "${ctl[@]}" status --json >"$WORK/status-rebalanced.json" ||
+      fail "moectl status --json after the rebalance"
+  fi
   wait "$BENCH_PID"
   local bench_rc=$?
   BENCH_PID=""
@@ -240,12 +303,19 @@ run_case() {
   "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" status --json >"$WORK/status.json" ||
     fail "moectl status --json"
   local ready n=${#DEAD[@]}
+  [[ $CASE == join ]] && n=0
   ready=$("${IN_HOST[@]}" curl -s -o /dev/null -w '%{http_code}' --max-time 5 \
     "http://127.0.0.1:$((PORT + 200))/health/ready")
   "${IN_HOST[@]}" curl -s --max-time 5 "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.txt"
   [[ $ready == 200 ]] || fail "/health/ready is $ready after the death"
   local t_detect t_redispatch t_replaced
-  if [[ $CASE == router ]]; then
+  if [[ $CASE == join ]]; then
+    ! grep -q "^health: degraded" "$WORK/status.txt" ||
+      fail "moectl status is degraded after the join: $(head -3 "$WORK/status.txt")"
+    grep -Eq "^moerun_ranks_dead(\{[^}]*\})? 0\$" "$WORK/metrics.txt" ||
+      fail "moerun_ranks_dead is not 0 after the join: $(grep ranks_dead "$WORK/metrics.txt")"
+    t_detect=$(log_time "rank 2 is dead")
+  elif [[ $CASE == router ]]; then
     t_detect=$(log_time "router 1 is gone")
     [[ $(grep -c "router 1 is gone" "$WORK/serve.log") -eq 4 ]] ||
       fail "not every expert rank dropped router 1: $(grep "router 1 is gone" "$WORK/serve.log")"
@@ -258,9 +328,11 @@ run_case() {
   fi
   t_redispatch=$(log_time "dispatching tokens .* again")
   t_replaced=$(log_time "migration [0-9]+ done")
+  local join_pid=${JOIN_PID:-0}
   [[ -n "$t_detect" ]] || fail "the router never declared rank(s) ${DEAD[*]} dead"
   python3 - "$WORK/bench.json" "$WORK/status.json" "$WORK/metrics.txt" "$CASE" "$t_death" \
-    "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" "$(IFS=,; echo "${DEAD[*]}")" "$WORK/plan.json" <<'PY' || fail "checks failed"
+    "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" "$(IFS=,; echo "${DEAD[*]}")" "$WORK/plan.json" \
+    "$join_pid" "$t_joined" "$t_rebalanced" <<'PY' || fail "checks failed"
 import json, sys, re
 bench = json.load(open(sys.argv[1]))
 status = json.load(open(sys.argv[2]))
@@ -270,7 +342,10 @@ t_redispatch = float(sys.argv[7]) if sys.argv[7] else None
 t_replaced = float(sys.argv[8]) if sys.argv[8] else None
 dead = [int(d) for d in sys.argv[9].split(",")]
 killed = sys.argv[9]
-plan = json.load(open(sys.argv[10])) if case == "orphans" else None
+plan = json.load(open(sys.argv[10])) if case in ("orphans", "join") else None
+join_pid = int(sys.argv[11])
+t_joined = float(sys.argv[12]) if sys.argv[12] else None
+t_rebalanced = float(sys.argv[13]) if sys.argv[13] else None
 def check(cond, what):
     if not cond:
         print("check failed:", what, file=sys.stderr)
@@ -286,6 +361,14 @@ if case == "router":
     check(all(st["state"] != "dead" for st in ranks.values()), "an expert rank is dead")
     check(int(status.get("experts_replaced", 0)) == 0, "experts re-placed")
     dead = []
+if case == "join":
+    joined = ranks[dead[0]]
+    check(joined["state"] != "dead" and int(joined.get("pid", 0)) == join_pid,
+          f"rank {dead[0]} is not the joined process: {joined}")
+    held = [e for l in joined.get("layers", []) for e in l.get("experts", [])]
+    check(held, f"the joined rank {dead[0]} holds no experts after the rebalance")
+    check(int(joined.get("rows_served", 0)) > 0, f"the joined rank served no rows: {joined}")
+    dead = []
 for d in dead:
     check(ranks[d]["state"] == "dead", f"rank {d} is {ranks[d]['state']}")
     held = [e for l in ranks[d].get("layers", []) for e in l.get("experts", [])]
@@ -299,7 +382,7 @@ if case in ("replicas", "router"):
     check(replaced == 0, f"{replaced} experts re-placed although every expert had a replica")
 else:
     check(replaced > 0, "no expert was re-placed")
-    want = "moectl" if case == "orphans" else "recovery"  # orphans: rebalanced after
+    want = "moectl" if case in ("orphans", "join") else "recovery"  # rebalanced after
     check(status["migration"]["trigger"] == want and status["migration"]["state"] == "done",
           f"last migration: {status['migration']}")
 m = re.search(r"^moerun_experts_replaced_total(\{[^}]*\})? (\d+)", metrics, re.M)
@@ -313,8 +396,24 @@ if plan is not None:
     after = min(l["balancedness_after"] for l in plan["layers"])
     check(after >= 0.9, f"the plan over the live ranks predicts balancedness {after}")
     window = min(l["window_balancedness"] for l in status["layers"])
-    rebalanced = (f"; rebalanced over the 3 live ranks: predicted {after:.3f}, "
+    live = 4 if case == "join" else 3
+    rebalanced = (f"; rebalanced over the {live} live ranks: predicted {after:.3f}, "
                   f"measured {window:.3f} (window, live ranks)")
+    if case == "join":
+        on_joined = [s for l in pl["layers"].values() for s in l if s[0] == int(killed)]
+        check(on_joined, "the plan after the join puts nothing on the joined rank")
+        # Balancedness since the rebalance: the expert ranks' assignments from then to the end
+        # (mean over max, as the window's).
+        then = {r["rank"]: int(r["assignments"])
+                for r in json.load(open(sys.argv[2].replace("status.json",
+                                                             "status-rebalanced.json")))["ranks"]}
+        load = [int(st["assignments"]) - then[r] for r, st in ranks.items()
+                if st["role"] == "expert"]
+        since = (sum(load) / len(load)) / max(load) if max(load) > 0 else 0
+        check(since >= 0.9, f"balancedness since the rebalance is {since:.3f} (loads {load})")
+        rebalanced = (f"; joined {t_joined - t_death:.2f} s after the death, rebalanced by "
+                      f"{t_rebalanced - t_death:.2f} s; balancedness since then {since:.3f} "
+                      f"(4 expert ranks)" + rebalanced)
 # The timeline, relative to the death.
 t0 = bench["measure_start_unix_s"]
 tl = bench["timeline"]
@@ -358,6 +457,20 @@ PY
   wait "$SERVE_PID" 2>/dev/null
   SERVE_PID=""
   grep -q "router 0 stopping" "$WORK/serve.log" || fail "router 0 did not stop cleanly"
+  if [[ -n "$JOIN_PID" ]]; then
+    # The joined rank ends with the job (router 0's shutdown message).
+    t=$SECONDS
+    while kill -0 "$JOIN_PID" 2>/dev/null; do
+      (( SECONDS - t > 20 )) && fail "the joined rank did not end with the job"
+      sleep 0.2
+    done
+    wait "$JOIN_PID"
+    local join_rc=$?
+    JOIN_PID=""
+    [[ $join_rc -eq 0 ]] || fail "the joined rank exited with $join_rc"
+    grep -q "shut down cleanly" "$WORK/join.log" || fail "the joined rank did not shut down cleanly"
+    cp "$WORK/join.log" "$WORK/join-$CASE.log"
+  fi
   cp "$WORK/serve.log" "$WORK/serve-$CASE.log"
   for ns in "${MADE_NS[@]}"; do
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done

@@ -54,6 +54,11 @@ ucp_tag_t MakeTag(Space s, int src, int tag) {
          static_cast<uint32_t>(tag);
 }
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
+// Every message from `src`, whatever its space and tag (MakeTag's source bits only).
+constexpr ucp_tag_t kSourceMask = ucp_tag_t{0xffffff} << 32;
+ucp_tag_t SourceTag(int src) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(src) & 0xffffffu) << 32;
+}
 
 // A FIN is addressed to one receive (by its slot in the receiver's request table), not to the
 // (peer, tag) channel: sends of one channel may finish out of order.
@@ -136,19 +141,33 @@ struct Region {
 };
 
 class UcxTransport;
+// An endpoint's error handler argument, one per endpoint ever made and kept to the end: an error
+// of an endpoint that ReplacePeer closed may still arrive, and must not fail its successor.
 struct EpContext {
   UcxTransport* self = nullptr;
   int peer = 0;
+  uint32_t generation = 0;
 };
 
 class UcxTransport : public Transport {
  public:
+  // Without a bootstrap (a joiner), the rank and size come with Connect.
   UcxTransport(std::unique_ptr<Transport> bootstrap, UcxOptions opts)
-      : boot_(std::move(bootstrap)), opts_(opts), rank_(boot_->rank()), size_(boot_->size()) {}
+      : boot_(std::move(bootstrap)),
+        opts_(opts),
+        rank_(boot_ != nullptr ? boot_->rank() : -1),
+        size_(boot_ != nullptr ? boot_->size() : 0) {}
 
   ~UcxTransport() override { Shutdown(); }
 
+  // OpenWorker, the worker addresses exchanged over the bootstrap, Connect, a barrier.
   Status Init();
+  // The context and the worker, and this process's worker address; no endpoints yet.
+  Status OpenWorker();
+  // Endpoints to every rank of `addrs` that has an address (addrs[rank] is replaced by this
+  // process's own); the others are failed from the start.
+  Status Connect(int rank, std::vector<std::vector<uint8_t>> addrs);
+  const std::vector<uint8_t>& own_address() const { return own_address_; }
 
   const char* name() const override { return "ucx"; }
   int rank() const override { return rank_; }
@@ -158,6 +177,11 @@ class UcxTransport : public Transport {
     return peer >= 0 && peer < size_ && failed_[static_cast<size_t>(peer)] != UCS_OK;
   }
   int idle_spins() const override { return 16; }
+  std::vector<uint8_t> peer_address(int peer) const override {
+    if (peer < 0 || peer >= size_) return {};
+    return addresses_[static_cast<size_t>(peer)];
+  }
+  Status ReplacePeer(int peer, std::span<const uint8_t> address) override;
 
   Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) override;
   Result<Request> Irecv(int peer, int tag, void* buf, size_t bytes) override;
@@ -174,13 +198,17 @@ class UcxTransport : public Transport {
     return c;
   }
   [[noreturn]] void Abort(int exit_code) override {
-    boot_->Abort(exit_code);
+    if (boot_ != nullptr) boot_->Abort(exit_code);
     std::_Exit(exit_code);
   }
 
-  void OnPeerError(int peer, ucs_status_t status) {
-    if (peer >= 0 && peer < size_ && failed_[static_cast<size_t>(peer)] == UCS_OK) {
-      failed_[static_cast<size_t>(peer)] = status;
+  void OnPeerError(const EpContext& ctx, ucs_status_t status) {
+    const int peer = ctx.peer;
+    if (peer < 0 || peer >= size_) return;
+    const auto pi = static_cast<size_t>(peer);
+    if (ctx.generation != ep_gen_[pi]) return;  // an endpoint ReplacePeer closed
+    if (failed_[pi] == UCS_OK) {
+      failed_[pi] = status;
       spdlog::warn("ucx: rank {} failed: {}", peer, UcsError(status));
     }
   }
@@ -203,6 +231,14 @@ class UcxTransport : public Transport {
   Result<uint32_t> NewOp(Kind kind, int peer, int tag, void* buf, size_t bytes);
   void Release(uint32_t index);
   Status CheckPeer(int peer, const char* what) const;
+  // Rank 0 logs the transport's settings; so does a joiner, which has no rank 0 beside it.
+  bool loud() const { return boot_ == nullptr || rank_ == 0; }
+  // Creates eps_[peer] to addresses_[peer] (peer error mode; a new EpContext generation).
+  Status OpenEndpoint(int peer);
+  // Closes eps_[p] (forced: without the peer's confirmation), waiting for UCX until `deadline`.
+  void CloseEndpoint(size_t p, bool force, Deadline deadline);
+  // Takes every message matching (tag, mask) off UCX's unexpected queue and drops it.
+  void DiscardUnexpected(ucp_tag_t tag, ucp_tag_t mask);
 
   void Progress();
   // Advances an op's protocol: true when it completed, an error when it failed, false while in
@@ -235,7 +271,10 @@ class UcxTransport : public Transport {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<ucp_ep_h> eps_;
-  std::vector<EpContext> ep_ctx_;
+  std::vector<std::vector<uint8_t>> addresses_;  // every rank's worker address (own_address_ too)
+  std::vector<uint8_t> own_address_;
+  std::vector<uint32_t> ep_gen_;                    // per peer: the generation of eps_[peer]
+  std::vector<std::unique_ptr<EpContext>> ep_ctx_;  // every endpoint's, closed ones' too
   std::vector<ucs_status_t> failed_;
   std::vector<std::unique_ptr<Op>> ops_;
   std::vector<uint32_t> free_;
@@ -253,12 +292,15 @@ class UcxTransport : public Transport {
     RtrMsg rtr;
   };
   std::vector<Stashed> stash_;  // RTRs taken by sends that were then cancelled
+  // Where discarded messages land: truncated to this size (a rendezvous message then completes
+  // without its data), and alive as long as the worker, for a discard that completes late.
+  alignas(8) uint8_t discard_[64] = {};
   std::atomic<uint64_t> put_bytes_{0}, eager_bytes_{0}, registrations_{0}, on_demand_{0};
 };
 
 void OnEpErrorThunk(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* ctx = static_cast<EpContext*>(arg);
-  ctx->self->OnPeerError(ctx->peer, status);
+  ctx->self->OnPeerError(*ctx, status);
 }
 
 // Whether UCX_TLS lets UCX use its shared-memory transports (where UCX_MM_ERROR_HANDLING
@@ -294,9 +336,21 @@ bool TcpOnly() {
 }
 
 Status UcxTransport::Init() {
+  MOERUN_RETURN_IF_ERROR(OpenWorker());
+  // Exchange worker addresses over the bootstrap transport.
+  const Deadline deadline = DeadlineIn(std::chrono::seconds(120));
+  MOERUN_ASSIGN_OR_RETURN(
+      std::vector<std::vector<uint8_t>> addrs,
+      AllGatherBytes(*boot_, own_address_, kReservedTagBase + 200, size_t{1} << 20, deadline,
+                     "ucx bootstrap (worker addresses)"));
+  MOERUN_RETURN_IF_ERROR(Connect(rank_, std::move(addrs)));
+  return boot_->Barrier(deadline);
+}
+
+Status UcxTransport::OpenWorker() {
   if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr && SharedMemoryMayBeUsed()) {
     ::setenv("UCX_MM_ERROR_HANDLING", "y", 0);
-    if (rank_ == 0) {
+    if (loud()) {
       spdlog::info(
           "ucx: set UCX_MM_ERROR_HANDLING=y (UCX's shared-memory transports need it to report a "
           "dead peer; set it yourself to override)");
@@ -306,7 +360,7 @@ Status UcxTransport::Init() {
     // UCX's default (20 s and more) would leave a killed peer undetected for far longer than a
     // request's deadline; a stopped (not dead) peer still passes keepalive checks.
     ::setenv("UCX_KEEPALIVE_INTERVAL", "1s", 0);
-    if (rank_ == 0) {
+    if (loud()) {
       spdlog::info(
           "ucx: set UCX_KEEPALIVE_INTERVAL=1s, so that a dead peer is detected within "
           "about a second (set it yourself to override)");
@@ -322,7 +376,7 @@ Status UcxTransport::Init() {
   s = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   if (s != UCS_OK) return Status::Unavailable("ucx: ucp_init: " + UcsError(s));
-  if (rank_ == 0) {
+  if (loud()) {
     const Result<bool> cuda = ContextSupportsCuda(context_);
     if (cuda.ok()) {
       spdlog::info("{}", UcxCudaMemoryNote(*cuda));
@@ -335,41 +389,14 @@ Status UcxTransport::Init() {
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   s = ucp_worker_create(context_, &wp, &worker_);
   if (s != UCS_OK) return Status::Unavailable("ucx: ucp_worker_create: " + UcsError(s));
-
-  // Exchange worker addresses over the bootstrap transport.
   ucp_address_t* addr = nullptr;
   size_t addr_len = 0;
   s = ucp_worker_get_address(worker_, &addr, &addr_len);
   if (s != UCS_OK) return Status::Unavailable("ucx: ucp_worker_get_address: " + UcsError(s));
-  std::vector<uint8_t> mine(reinterpret_cast<uint8_t*>(addr),
-                            reinterpret_cast<uint8_t*>(addr) + addr_len);
+  own_address_.assign(reinterpret_cast<uint8_t*>(addr),
+                      reinterpret_cast<uint8_t*>(addr) + addr_len);
   ucp_worker_release_address(worker_, addr);
-  const auto n = static_cast<size_t>(size_);
-  const Deadline deadline = DeadlineIn(std::chrono::seconds(120));
-  MOERUN_ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> addrs,
-                          AllGatherBytes(*boot_, mine, kReservedTagBase + 200, size_t{1} << 20,
-                                         deadline, "ucx bootstrap (worker addresses)"));
 
-  failed_.assign(n, UCS_OK);
-  ep_ctx_.resize(n);
-  eps_.assign(n, nullptr);
-  rkeys_.resize(n);
-  for (int p = 0; p < size_; ++p) {
-    const auto pi = static_cast<size_t>(p);
-    ep_ctx_[pi] = EpContext{this, p};
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(addrs[pi].data());
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = OnEpErrorThunk;
-    ep.err_handler.arg = &ep_ctx_[pi];
-    s = ucp_ep_create(worker_, &ep, &eps_[pi]);
-    if (s != UCS_OK) {
-      return Status::Unavailable("ucx: connecting to rank " + std::to_string(p) + ": " +
-                                 UcsError(s));
-    }
-  }
   // Preallocated pools: no allocation on the hot path below these sizes.
   ops_.reserve(1024);
   for (uint32_t i = 0; i < 1024; ++i) ops_.push_back(std::make_unique<Op>());
@@ -380,10 +407,9 @@ Status UcxTransport::Init() {
   busy_notes_.reserve(256);
   revoked_.reserve(1024);
   stash_.reserve(64);
-  for (auto& m : rkeys_) m.reserve(64);
   if (opts_.protocol == UcxProtocol::kAuto && !SharedMemoryMayBeUsed() && TcpOnly()) {
     opts_.protocol = UcxProtocol::kTag;
-    if (rank_ == 0) {
+    if (loud()) {
       spdlog::info(
           "ucx: UCX_TLS offers TCP only, where UCX emulates puts in software: large "
           "messages go as UCX tagged messages (MOERUN_UCX_PROTOCOL=put to force puts)");
@@ -391,16 +417,159 @@ Status UcxTransport::Init() {
   }
   if (opts_.protocol == UcxProtocol::kTag) {
     opts_.put_min = std::numeric_limits<size_t>::max();
-  } else if (rank_ == 0) {
+  } else if (loud()) {
     spdlog::info("ucx: messages of {} bytes and more go by put (MOERUN_UCX_PUT_MIN)",
                  opts_.put_min);
   }
-  if (rank_ == 0) {
+  return Status::Ok();
+}
+
+Status UcxTransport::Connect(int rank, std::vector<std::vector<uint8_t>> addrs) {
+  if (worker_ == nullptr) return Status::Internal("ucx: Connect before OpenWorker");
+  if (addrs.empty() || rank < 0 || static_cast<size_t>(rank) >= addrs.size()) {
+    return Status::InvalidArgument("ucx: no rank " + std::to_string(rank) + " among " +
+                                   std::to_string(addrs.size()) + " ranks");
+  }
+  if (addrs.size() > 0xffffff) {  // MakeTag carries 24 bits of the source rank
+    return Status::InvalidArgument("ucx: " + std::to_string(addrs.size()) +
+                                   " ranks (at most 16777215 supported)");
+  }
+  rank_ = rank;
+  size_ = static_cast<int>(addrs.size());
+  addrs[static_cast<size_t>(rank)] = own_address_;
+  addresses_ = std::move(addrs);
+  const auto n = static_cast<size_t>(size_);
+  failed_.assign(n, UCS_OK);
+  eps_.assign(n, nullptr);
+  ep_gen_.assign(n, 0);
+  rkeys_.resize(n);
+  for (auto& m : rkeys_) m.reserve(64);
+  ep_ctx_.reserve(n);
+  for (int p = 0; p < size_; ++p) {
+    if (addresses_[static_cast<size_t>(p)].empty()) {
+      // A rank the joiner was given no address for (dead, or not yet replaced itself).
+      failed_[static_cast<size_t>(p)] = UCS_ERR_UNREACHABLE;
+      spdlog::info("ucx: rank {} has no address: failed from the start", p);
+      continue;
+    }
+    MOERUN_RETURN_IF_ERROR(OpenEndpoint(p));
+  }
+  if (loud()) {
     const char* tls = std::getenv("UCX_TLS");
-    spdlog::info("ucx: UCX {} with {} ranks, UCX_TLS={}", ucp_get_version_string(), size_,
+    spdlog::info("ucx: UCX {} with {} ranks{}, UCX_TLS={}", ucp_get_version_string(), size_,
+                 boot_ == nullptr ? " (joined as rank " + std::to_string(rank_) + ")" : "",
                  tls ? tls : "(UCX's default)");
   }
-  return boot_->Barrier(deadline);
+  return Status::Ok();
+}
+
+Status UcxTransport::OpenEndpoint(int peer) {
+  const auto pi = static_cast<size_t>(peer);
+  ep_ctx_.push_back(std::make_unique<EpContext>(EpContext{this, peer, ++ep_gen_[pi]}));
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(addresses_[pi].data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = OnEpErrorThunk;
+  ep.err_handler.arg = ep_ctx_.back().get();
+  const ucs_status_t s = ucp_ep_create(worker_, &ep, &eps_[pi]);
+  if (s != UCS_OK) {
+    eps_[pi] = nullptr;
+    failed_[pi] = s;
+    return Status::Unavailable("ucx: connecting to rank " + std::to_string(peer) + ": " +
+                               UcsError(s));
+  }
+  failed_[pi] = UCS_OK;
+  return Status::Ok();
+}
+
+void UcxTransport::CloseEndpoint(size_t p, bool force, Deadline deadline) {
+  ucp_ep_h ep = eps_[p];
+  if (ep == nullptr) return;
+  eps_[p] = nullptr;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* req = ucp_ep_close_nbx(ep, &param);
+  if (UCS_PTR_IS_PTR(req)) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && SteadyClock::now() < deadline) {
+      ucp_worker_progress(worker_);
+    }
+    ucp_request_free(req);
+  }
+}
+
+void UcxTransport::DiscardUnexpected(ucp_tag_t tag, ucp_tag_t mask) {
+  for (int i = 0; i < 100000; ++i) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, tag, mask, 1, &info);
+    if (msg == nullptr) break;
+    ucp_request_param_t param{};
+    void* req = ucp_tag_msg_recv_nbx(worker_, discard_, std::min(info.length, sizeof discard_), msg,
+                                     &param);
+    if (UCS_PTR_IS_PTR(req)) {
+      for (int k = 0; k < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; ++k) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(req);
+    }
+  }
+}
+
+Status UcxTransport::ReplacePeer(int peer, std::span<const uint8_t> address) {
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    return Status::InvalidArgument("ucx: ReplacePeer(" + std::to_string(peer) + "): " +
+                                   (peer == rank_ ? std::string("a rank cannot replace itself")
+                                                  : "no such rank among " + std::to_string(size_)));
+  }
+  if (address.empty()) {
+    return Status::InvalidArgument("ucx: ReplacePeer(" + std::to_string(peer) +
+                                   "): an empty address");
+  }
+  const auto pi = static_cast<size_t>(peer);
+  // The caller's requests of that rank must be done; cancelled ones still finishing their
+  // protocol (zombies) never will against a dead process: they are reaped here.
+  std::vector<uint32_t> zombies;
+  for (uint32_t i = 0; i < ops_.size(); ++i) {
+    const Op& op = *ops_[i];
+    if (op.step == Step::kFree || op.peer != peer) continue;
+    if (op.zombie) {
+      zombies.push_back(i);
+    } else if (!op.finished) {
+      return Status::InvalidArgument(
+          "ucx: ReplacePeer(" + std::to_string(peer) + "): a " +
+          (op.kind == Kind::kEagerSend || op.kind == Kind::kPutSend ? "send to" : "receive from") +
+          " rank " + std::to_string(peer) + " (tag " + std::to_string(op.tag) +
+          ") is still in flight: complete or cancel it first");
+    }
+  }
+  // From here on an error of the old endpoint is ignored.
+  ++ep_gen_[pi];
+  // The zombies first (their puts use the remote keys), then the keys (UCX: before the endpoint
+  // they were unpacked on), then the endpoint, forced: the old process cannot confirm.
+  for (uint32_t i : zombies) {
+    Reap(*ops_[i]);
+    Release(i);
+    std::erase(active_, i);
+  }
+  for (auto& [uid, rkey] : rkeys_[pi]) ucp_rkey_destroy(rkey);
+  rkeys_[pi].clear();
+  CloseEndpoint(pi, /*force=*/true, DeadlineIn(std::chrono::seconds(2)));
+  SweepNotes();  // notes to the old process, cancelled by the close
+  std::erase_if(stash_, [&](const Stashed& st) { return st.peer == peer; });
+  std::erase_if(revoked_, [&](const std::pair<int, uint64_t>& rv) { return rv.first == peer; });
+  // What the old process sent that nobody took, in every space (eager messages, RTRs, REVOKEs,
+  // FINs): let what is still on its way land, then drop it all, so that no receive meant for the
+  // new process takes it.
+  for (int i = 0, idle = 0; i < 100000 && idle < 64; ++i) {
+    idle = ucp_worker_progress(worker_) != 0 ? 0 : idle + 1;
+  }
+  DiscardUnexpected(SourceTag(peer), kSourceMask);
+  addresses_[pi].assign(address.begin(), address.end());
+  MOERUN_RETURN_IF_ERROR(OpenEndpoint(peer));
+  spdlog::info("ucx: rank {} replaced (new endpoint)", peer);
+  return Status::Ok();
 }
 
 Status UcxTransport::CheckPeer(int peer, const char* what) const {
@@ -1055,39 +1224,14 @@ void UcxTransport::Shutdown() {
   busy_notes_.clear();
   // Notes nobody will read (RTRs of receives that were never matched, late REVOKEs): take them
   // off UCX's queue, so that it does not warn about them at the end.
-  std::vector<uint8_t> scratch;
-  for (int i = 0; i < 100000; ++i) {
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
-    if (msg == nullptr) break;
-    scratch.resize(std::max(scratch.size(), info.length));
-    ucp_request_param_t param{};
-    void* req = ucp_tag_msg_recv_nbx(worker_, scratch.data(), info.length, msg, &param);
-    if (UCS_PTR_IS_PTR(req)) {
-      for (int k = 0; k < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; ++k) {
-        ucp_worker_progress(worker_);
-      }
-      ucp_request_free(req);
-    }
-  }
+  DiscardUnexpected(0, 0);
   for (auto& m : rkeys_) {
     for (auto& [uid, rkey] : m) ucp_rkey_destroy(rkey);
     m.clear();
   }
   const Deadline deadline = DeadlineIn(std::chrono::seconds(2));
-  for (size_t p = 0; p < eps_.size(); ++p) {
-    if (eps_[p] == nullptr) continue;
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = failed_[p] != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    void* req = ucp_ep_close_nbx(eps_[p], &param);
-    if (UCS_PTR_IS_PTR(req)) {
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && SteadyClock::now() < deadline) {
-        ucp_worker_progress(worker_);
-      }
-      ucp_request_free(req);
-    }
-  }
+  for (size_t p = 0; p < eps_.size(); ++p) CloseEndpoint(p, failed_[p] != UCS_OK, deadline);
+  DiscardUnexpected(0, 0);  // and those that landed while the endpoints closed
   for (const Region& r : regions_) ucp_mem_unmap(context_, r.memh);
   regions_.clear();
   ucp_worker_destroy(worker_);
@@ -1095,6 +1239,25 @@ void UcxTransport::Shutdown() {
   worker_ = nullptr;
   context_ = nullptr;
 }
+
+// A UcxTransport whose worker is open, waiting for the job's addresses.
+class UcxJoinerImpl : public UcxJoiner {
+ public:
+  explicit UcxJoinerImpl(std::unique_ptr<UcxTransport> t)
+      : t_(std::move(t)), address_(t_->own_address()) {}
+  const std::vector<uint8_t>& address() const override { return address_; }
+  Result<std::unique_ptr<Transport>> Connect(
+      int rank, const std::vector<std::vector<uint8_t>>& addresses) override {
+    if (t_ == nullptr) return Status::InvalidArgument("ucx: this joiner has connected already");
+    std::unique_ptr<UcxTransport> t = std::move(t_);
+    MOERUN_RETURN_IF_ERROR(t->Connect(rank, addresses));
+    return std::unique_ptr<Transport>(std::move(t));
+  }
+
+ private:
+  std::unique_ptr<UcxTransport> t_;
+  std::vector<uint8_t> address_;
+};
 
 }  // namespace
 
@@ -1155,6 +1318,12 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport>
   auto t = std::make_unique<UcxTransport>(std::move(bootstrap), options);
   MOERUN_RETURN_IF_ERROR(t->Init());
   return std::unique_ptr<Transport>(std::move(t));
+}
+
+Result<std::unique_ptr<UcxJoiner>> CreateUcxJoiner(UcxOptions options) {
+  auto t = std::make_unique<UcxTransport>(nullptr, options);
+  MOERUN_RETURN_IF_ERROR(t->OpenWorker());
+  return std::unique_ptr<UcxJoiner>(std::make_unique<UcxJoinerImpl>(std::move(t)));
 }
 
 }  // namespace moerun

@@ -20,10 +20,21 @@
 // (REVOKE); if the sender had already taken the RTR, its bytes may still land in the buffer:
 // keep registered memory alive until UnregisterMemory or the transport's end. A send cannot be
 // withdrawn once started (can_withdraw_sends is false): the runtime strands or ends the job.
+//
+// A new process takes over a dead rank's number (moerun serve --join) in two steps: it opens a
+// worker (CreateUcxJoiner) and hands its address to the job; each rank that talks to it calls
+// ReplacePeer(rank, address), which force-closes the old endpoint, reaps the cancelled requests
+// still finishing against the old process, and drops what the old process left behind (remote
+// keys, its unmatched messages and notes of every kind, revokes, stashed RTRs); then the joiner
+// learns the others' addresses and connects (UcxJoiner::Connect). A message from the old process
+// still in flight when ReplacePeer runs is dropped only if it lands before ReplacePeer returns:
+// call it once the old process is dead (or its transport destroyed).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -46,6 +57,25 @@ struct UcxOptions {
 // dead peer is detected in about a second), and logs that it did.
 Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport> bootstrap,
                                                       UcxOptions options = {});
+
+// The first half of a ucx transport for a process that joins a running job (moerun serve
+// --join): the UCX context and worker, and its address to hand to the job. The job's ranks take
+// the joiner in with ReplacePeer(rank, address()) before it sends them anything (what reaches
+// them earlier from its rank number is dropped as the old process's). Its options must be the
+// job's: both sides choose eager or put by the same put_min.
+class UcxJoiner {
+ public:
+  virtual ~UcxJoiner() = default;
+  virtual const std::vector<uint8_t>& address() const = 0;
+  // The transport of rank `rank` among addresses.size() ranks (addresses[rank] is ignored), with
+  // endpoints to every peer whose address is not empty; a peer without one is failed from the
+  // start (peer_failed is true, its requests fail with kUnavailable). No bootstrap transport:
+  // Abort ends the process; Barrier is not meant to be used. Consumes the joiner.
+  virtual Result<std::unique_ptr<Transport>> Connect(
+      int rank, const std::vector<std::vector<uint8_t>>& addresses) = 0;
+};
+// Same environment settings (and log lines) as CreateUcxTransport.
+Result<std::unique_ptr<UcxJoiner>> CreateUcxJoiner(UcxOptions options = {});
 
 // The options from the environment (MOERUN_UCX_PUT_MIN), with a clear error for a bad value.
 Result<UcxOptions> UcxOptionsFromEnvironment();

@@ -1,4 +1,4 @@
-// CreateUcxTransport for builds without UCX.
+// CreateUcxTransport and CreateUcxJoiner for builds without UCX.
 #include <cstdlib>
 
 #include "transport/ucx/ucx_transport.h"
@@ -15,6 +15,12 @@ const char* UcxCudaMemoryNote(bool /*supported*/) { return "ucx: not built"; }
 
 Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport> /*bootstrap*/,
                                                       UcxOptions /*options*/) {
+  return Status::Unsupported(
+      "this build of moerun has no UCX support (install libucx-dev and configure with "
+      "MOERUN_WITH_UCX=ON)");
+}
+
+Result<std::unique_ptr<UcxJoiner>> CreateUcxJoiner(UcxOptions /*options*/) {
   return Status::Unsupported(
       "this build of moerun has no UCX support (install libucx-dev and configure with "
       "MOERUN_WITH_UCX=ON)");
