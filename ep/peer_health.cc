@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "base/log.h"
+#include "ep/parked.h"
 
 namespace moerun {
 
@@ -29,14 +30,11 @@ PeerHealth::PeerHealth(Transport* transport, const Placement& placement, size_t 
 PeerHealth::~PeerHealth() {
   // Receives can always be withdrawn; a send that cannot (mpi) must keep its buffer until the
   // transport is gone, so the buffers of such leftovers are parked for the process's lifetime.
-  static std::mutex parked_mu;
-  static std::vector<AlignedBuffer> parked;
   auto release = [&](Request& r, bool is_send) {
     if (!r.valid()) return;
     (void)t_->Cancel(r);
     if (is_send && !t_->can_withdraw_sends()) {
-      std::lock_guard<std::mutex> lock(parked_mu);
-      parked.push_back(std::move(ping_headers_[static_cast<size_t>(r.peer)]));
+      ParkForProcess(std::move(ping_headers_[static_cast<size_t>(r.peer)]));
     }
     r = Request{};
   };
@@ -52,10 +50,7 @@ PeerHealth::~PeerHealth() {
       sends_left = true;  // which of them were sends is not recorded: park conservatively
       r = Request{};
     }
-    if (sends_left && !t_->can_withdraw_sends()) {
-      std::lock_guard<std::mutex> lock(parked_mu);
-      for (AlignedBuffer& b : st.buffers) parked.push_back(std::move(b));
-    }
+    if (sends_left && !t_->can_withdraw_sends()) ParkForProcess(std::move(st.buffers));
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include "base/log.h"
 #include "base/metrics.h"
+#include "ep/parked.h"
 #include "ep/registered_buffer.h"
 
 namespace moerun {
@@ -56,10 +57,7 @@ ExpertRank::~ExpertRank() {
   if (sends_left && !t_->can_withdraw_sends()) {
     // A peer may still read them (mpi): their buffers (results, pongs) live as long as the
     // process. The vector's elements keep their addresses when it is moved.
-    static std::mutex parked_mu;
-    static std::vector<std::vector<RouterState>> parked;
-    std::lock_guard<std::mutex> lock(parked_mu);
-    parked.push_back(std::move(routers_));
+    ParkForProcess(std::move(routers_));
   }
 }
 

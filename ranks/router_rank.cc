@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "ep/parked.h"
 #include "ep/protocol.h"
 
 namespace moerun {
@@ -82,8 +83,6 @@ Status RouterRank::Finish() {
 Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
                     std::chrono::milliseconds deadline, const std::vector<bool>& dead) {
   // The buffer outlives a send to a frozen rank that cannot be withdrawn (ucx, mpi).
-  static std::mutex parked_mu;
-  static std::vector<std::unique_ptr<std::vector<char>>> parked;
   auto header = std::make_unique<std::vector<char>>(header_bytes, 0);
   EpHeaderFixed h;
   h.kind = static_cast<uint32_t>(EpKind::kShutdown);
@@ -102,10 +101,7 @@ Status SendShutdown(Transport* t, const Placement& p, size_t header_bytes,
   if (!gone.empty()) {
     (void)t->WaitAll(gone, DeadlineIn(std::chrono::milliseconds(200)), "shutdown of a dead rank",
                      /*cancel_late=*/true);
-    if (!t->can_withdraw_sends()) {
-      std::lock_guard<std::mutex> lock(parked_mu);
-      parked.push_back(std::move(header));
-    }
+    if (!t->can_withdraw_sends()) ParkForProcess(std::move(header));
   }
   return s;
 }
