@@ -75,13 +75,15 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
 
 JobLaunch::~JobLaunch() = default;
 
-void JobLaunch::Fill(JobOptions* o) const {
-  o->routers = flags_.routers;
-  o->placement = flags_.placement;
-  o->ep.microbatch_tokens = flags_.microbatch_tokens;
-  o->ep.deadline = std::chrono::milliseconds(flags_.deadline_ms);
-  o->startup_timeout = std::chrono::milliseconds(flags_.startup_timeout_s * 1000);
+void FillJobOptions(const LaunchFlags& flags, JobOptions* o) {
+  o->routers = flags.routers;
+  o->placement = flags.placement;
+  o->ep.microbatch_tokens = flags.microbatch_tokens;
+  o->ep.deadline = std::chrono::milliseconds(flags.deadline_ms);
+  o->startup_timeout = std::chrono::milliseconds(flags.startup_timeout_s * 1000);
 }
+
+void JobLaunch::Fill(JobOptions* o) const { FillJobOptions(flags_, o); }
 
 Status JobLaunch::Run(const JobOptions& options, const RouterWork& work,
                       const ExpertSetup& expert_setup) {

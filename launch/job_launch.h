@@ -27,6 +27,9 @@ struct LaunchFlags {
 // Adds --transport, --ranks, --routers, --placement, --microbatch-tokens, --deadline-ms.
 void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f);
 
+// JobOptions::ep, the routers, the placement and the start-up timeout from launch flags.
+void FillJobOptions(const LaunchFlags& flags, JobOptions* options);
+
 class JobLaunch {
  public:
   // Initialises the transport (MPI_Init for mpi) and sets each rank's log tag.
@@ -50,7 +53,7 @@ class JobLaunch {
   // This process's endpoint when each rank is a process (mpi or ucx; null for inproc).
   Transport* mpi_transport() const { return mpi_.get(); }
   bool multi_process() const { return mpi_ != nullptr; }
-  // JobOptions::ep and the rest from the flags.
+  // JobOptions::ep and the rest from the flags (FillJobOptions).
   void Fill(JobOptions* options) const;
 
  private:

@@ -92,13 +92,22 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   return s;
 }
 
+// The launch of the config's job (mpirun's ranks or inproc threads).
+LaunchFlags LaunchFlagsFor(const ServeConfig& c) {
+  LaunchFlags lf;
+  lf.transport = c.transport;
+  lf.ranks = c.ranks;
+  lf.routers = c.routers;
+  lf.placement = c.placement;
+  lf.microbatch_tokens = c.microbatch_tokens;
+  lf.deadline_ms = c.deadline_ms;
+  lf.startup_timeout_s = c.startup_timeout_s;
+  return lf;
+}
+
 Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   JobOptions o;
-  o.routers = c.routers;
-  o.placement = c.placement;
-  o.ep.microbatch_tokens = c.microbatch_tokens;
-  o.ep.deadline = std::chrono::milliseconds(c.deadline_ms);
-  o.startup_timeout = std::chrono::milliseconds(c.startup_timeout_s * 1000);
+  FillJobOptions(LaunchFlagsFor(c), &o);
   o.source.model = c.model;
   o.source.preset = c.preset;
   o.source.seed = c.seed;
@@ -116,16 +125,15 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   return o;
 }
 
+// The model's spec, and the layers it serves into o->layers.
+Result<ModelSpec> ResolveModel(const ServeConfig& c, JobOptions* o) {
+  MOERUN_ASSIGN_OR_RETURN(ModelSpec spec, SpecOf(o->source));
+  MOERUN_ASSIGN_OR_RETURN(o->layers, ResolveLayers(spec, c.layers));
+  return spec;
+}
+
 Result<std::unique_ptr<JobLaunch>> Launch(const ServeConfig& c) {
-  LaunchFlags lf;
-  lf.transport = c.transport;
-  lf.ranks = c.ranks;
-  lf.routers = c.routers;
-  lf.placement = c.placement;
-  lf.microbatch_tokens = c.microbatch_tokens;
-  lf.deadline_ms = c.deadline_ms;
-  lf.startup_timeout_s = c.startup_timeout_s;
-  MOERUN_ASSIGN_OR_RETURN(auto job, JobLaunch::Create(lf));
+  MOERUN_ASSIGN_OR_RETURN(auto job, JobLaunch::Create(LaunchFlagsFor(c)));
   if (job->size() < 2) {
     return Status::InvalidArgument(
         "serve needs at least 2 ranks (a router and an expert rank): run it under mpirun -np N, "
@@ -192,18 +200,15 @@ int RunJoined(ServeSetup& setup, const ServeFlags& f) {
   }
   auto options = JobOptionsFor(c);
   if (!options.ok()) return FailWith(options.status());
-  auto spec = SpecOf(options->source);
+  auto spec = ResolveModel(c, &*options);
   if (!spec.ok()) return FailWith(spec.status());
-  auto layers = ResolveLayers(*spec, c.layers);
-  if (!layers.ok()) return FailWith(layers.status());
-  options->layers = *layers;
   options->joined = true;
   RaiseDescriptorLimit();
   JoinTarget target;
   target.control = f.join;
   target.token = setup.token;
   target.num_experts = spec->num_experts;
-  target.layers = *layers;
+  target.layers = options->layers;
   target.placement = c.placement;
   target.routers = c.routers;
   target.timeout = std::chrono::milliseconds(c.startup_timeout_s * 1000);
@@ -238,12 +243,9 @@ int RunServe(const ServeFlags& f) {
   if (f.dev.device == "cuda") {  // before anything starts: no GPU is a clear error, exit 2
     if (auto probe = RequireCuda(); !probe.ok()) return FailWith(probe.status());
   }
-  auto spec = SpecOf(options->source);
+  auto spec = ResolveModel(c, &*options);
   if (!spec.ok()) return FailWith(spec.status());
-  auto layers = ResolveLayers(*spec, c.layers);
-  if (!layers.ok()) return FailWith(layers.status());
-  options->layers = *layers;
-  setup->layers = *layers;
+  setup->layers = options->layers;
   setup->hidden = spec->hidden;
   setup->family = FamilyName(spec->family);
   setup->ranks = (*job)->size();
