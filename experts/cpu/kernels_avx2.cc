@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/kernels.h"
@@ -73,10 +74,12 @@ void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, b
 }
 
 // MXFP4 codes to floats without arithmetic: e2m1 values are the f32 bit patterns hi << 24 |
-// lo << 16 (sign included), looked up by byte shuffles; F4Nibble's nr-16 order then puts each
-// vector's 8 columns in order after two 16-bit interleaves. `x` holds one k row (8 bytes, the
-// high half of x ignored: r1b0/r1b1 unused) or two (16 bytes: row 0 in bytes 0..7).
-inline void E2m1Rows(__m128i x, __m256* r0b0, __m256* r0b1, __m256* r1b0, __m256* r1b1) {
+// lo << 16 (sign included), looked up by byte shuffles into 16-bit words (hi:lo), which become
+// floats as bf16 do: the even words by a shift, the odd ones by a mask. F4Nibble's nr-16 order
+// puts each vector's 8 columns in order that way. `x` holds one k row in bytes 0..7 of each
+// 128-bit lane (r1b0/r1b1 unused) or two (bytes 0..15: row 0 in bytes 0..7), the same in both
+// lanes (a broadcast load, so no cross-lane shuffle is needed).
+inline void E2m1Rows(__m256i x, __m256* r0b0, __m256* r0b1, __m256* r1b0, __m256* r1b1) {
   const __m256i hi =
       _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF),
                        char(0xBF), char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0), 0x00,
@@ -88,20 +91,19 @@ inline void E2m1Rows(__m128i x, __m256* r0b0, __m256* r0b1, __m256* r1b0, __m256
                        char(0x80), char(0xC0), 0x00, 0x40, char(0x80), char(0xC0), 0x00, 0x00,
                        char(0x80), char(0xC0), 0x00, 0x40, char(0x80), char(0xC0));
   // Lane 0: every byte's low nibble; lane 1: its high nibble.
-  const __m256i nib =
-      _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(x), _mm_srli_epi16(x, 4), 1),
-                       _mm256_set1_epi8(0x0F));
+  const __m256i nib = _mm256_and_si256(
+      _mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
   const __m256i h = _mm256_shuffle_epi8(hi, nib);
   const __m256i l = _mm256_shuffle_epi8(lo, nib);
-  const __m256i zero = _mm256_setzero_si256();
-  // Row 0's 16-bit tops: lane 0 the low nibbles of bytes 0..7, lane 1 their high nibbles.
+  const __m256i top = _mm256_set1_epi32(int(0xffff0000u));
+  // Row 0's words: lane 0 the low nibbles of bytes 0..7, lane 1 their high nibbles.
   const __m256i w0 = _mm256_unpacklo_epi8(l, h);
-  *r0b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0));  // bytes 0..3: columns 0..7
-  *r0b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0));  // bytes 4..7: columns 8..15
+  *r0b0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));  // even bytes: columns 0..7
+  *r0b1 = _mm256_castsi256_ps(_mm256_and_si256(w0, top));  // odd bytes: columns 8..15
   if (r1b0 != nullptr) {
     const __m256i w1 = _mm256_unpackhi_epi8(l, h);
-    *r1b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1));
-    *r1b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
+    *r1b0 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    *r1b1 = _mm256_castsi256_ps(_mm256_and_si256(w1, top));
   }
 }
 
@@ -116,7 +118,9 @@ inline void LoadCodes(const uint8_t* row, __m256* b0, __m256* b1) {
     *b0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     *b1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   } else {
-    E2m1Rows(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)), b0, b1, nullptr, nullptr);
+    int64_t bytes;
+    std::memcpy(&bytes, row, sizeof(bytes));
+    E2m1Rows(_mm256_set1_epi64x(bytes), b0, b1, nullptr, nullptr);
   }
 }
 
@@ -155,8 +159,9 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
 #pragma GCC unroll 8
         for (int w = 0; w < W; ++w) {
           __m256 r0b0, r0b1, r1b0, r1b1;
-          E2m1Rows(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + w * pstride)), &r0b0,
-                   &r0b1, &r1b0, &r1b1);
+          E2m1Rows(_mm256_broadcastsi128_si256(
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + w * pstride))),
+                   &r0b0, &r0b1, &r1b0, &r1b1);
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) {
             const __m256 av = _mm256_broadcast_ss(ak + i);

@@ -75,12 +75,12 @@ constexpr int QuantHeaderBytes(DType t, int nr) {
 constexpr int QuantRowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr : nr / 2; }
 
 // MXFP4 rows: the nibble holding column j (nibble 2b is byte b's low half, 2b + 1 its high half).
-// nr 16 (the scalar and AVX2 kernels): in each half of the row (8 columns, 4 bytes) byte i holds
-// column i low and column i + 4 high, so one byte shuffle and two 16-bit interleaves give a
-// vector's 8 columns in order. Other widths (32: AVX-512): byte b holds column b low and column
-// b + nr/2 high.
+// nr 16 (the scalar and AVX2 kernels): byte 2i (i < 4) holds column i low and column i + 4 high,
+// byte 2i + 1 column i + 8 low and column i + 12 high, so one byte shuffle per half-byte and a
+// shift or a mask give a vector's 8 columns in order. Other widths (32: AVX-512): byte b holds
+// column b low and column b + nr/2 high.
 constexpr int F4Nibble(int nr, int j) {
-  if (nr == 16) return 2 * (4 * (j / 8) + j % 4) + (j % 8) / 4;
+  if (nr == 16) return 2 * (2 * (j % 4) + j / 8) + (j / 4) % 2;
   return j < nr / 2 ? 2 * j : 2 * (j - nr / 2) + 1;
 }
 // The e2m1 code of column j in one MXFP4 k row of a panel of width nr (`row`: its nr / 2 bytes).
