@@ -11,9 +11,13 @@ want=(
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libucx-dev
   libboost-dev libboost-system-dev libprotobuf-dev protobuf-compiler
+  # The Python package (python/moerun): protobuf classes, numpy, PyTorch, the pybind11 module.
+  python3 python3-dev python3-protobuf python3-numpy python3-torch pybind11-dev
+  python3-setuptools
 )
 if [[ "${1:-}" == "--test" ]]; then
-  want+=(clang libclang-rt-14-dev clang-format python3 iproute2 prometheus curl)
+  want+=(clang libclang-rt-14-dev clang-format iproute2 prometheus curl python3-pytest
+    python3-venv python3-pip)
 fi
 
 missing=()
