@@ -4,14 +4,14 @@
 #   1. Release build; every test (unit, golden fixtures, batch invariance, CLI, fuzz corpus replay)
 #   2. address + undefined-behaviour sanitizer build; the unit tests
 #   3. libFuzzer (clang) on the safetensors header parser and the serving frame decoder, for
-#      MOERUN_FUZZ_SECONDS each (default 60)
+#      MOERUN_FUZZ_SECONDS each (default 30; scripts/full.sh runs 10 minutes)
 #   4. clang-format check of every C++ file, and the house rules (scripts/check_layers.py: which
 #      folder may include which, CMake links, the folder graph; docs/DESIGN.md)
 # scripts/full.sh runs the longer matrix (long fuzzing, thread sanitizer, benchmarks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
-fuzz_seconds=${MOERUN_FUZZ_SECONDS:-60}
+fuzz_seconds=${MOERUN_FUZZ_SECONDS:-30}
 step() { printf '\n==== %s ====\n' "$*"; }
 
 step "dependencies"
