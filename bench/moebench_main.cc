@@ -11,6 +11,7 @@
 #include "bench/serve_bench.h"
 #include "bench/sgemm_baseline.h"
 #include "bench/transport_bench.h"
+#include "launch/cli_options.h"
 #include "launch/job_launch.h"
 
 int main(int argc, char** argv) {
@@ -18,6 +19,9 @@ int main(int argc, char** argv) {
     moerun::InitLogging(moerun::RankFromEnvironment(), "bench");
     CLI::App app("moebench: moerun benchmarks (JSON, against a baseline in the same run)");
     app.require_subcommand(1);
+    moerun::LogOptions log;
+    moerun::AddLogOptions(app, &log);
+    moerun::UseOneLineErrors(app, "moebench");
 
     moerun::bench::LayerBenchFlags lf;
     std::string tokens = "1,16,128,1024";
@@ -144,9 +148,9 @@ int main(int argc, char** argv) {
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
-      const int rc = app.exit(e);  // prints help or the error
-      return rc == 0 ? 0 : 2;
+      return moerun::ExitForParseError(app, e);  // prints the help or the one-line error
     }
+    moerun::ApplyLogOptions(log, moerun::RankFromEnvironment(), "bench");
     if (layer->parsed()) {
       lf.torch = torch_on ? 1 : (torch_off ? 0 : -1);
       lf.tokens_given = tokens_opt->count() > 0;

@@ -6,6 +6,7 @@
 
 #include "base/log.h"
 #include "experts/cpu/isa.h"
+#include "launch/cli_options.h"
 #include "launch/forward_cmd.h"
 #include "launch/serve_cmd.h"
 #include "layer/cuda/cuda_device.h"
@@ -39,13 +40,18 @@ int main(int argc, char** argv) {
     CLI::App app("moerun: expert-parallel Mixture-of-Experts runtime");
     app.require_subcommand(0, 1);
     bool version = false;
-    std::string log_level = "info";
+    moerun::LogOptions log;
     app.add_flag("--version", version, "Print the build, CPU and GPU this binary sees");
-    app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+    moerun::AddLogOptions(app, &log);
+    moerun::UseOneLineErrors(app, "moerun");
     auto forward = moerun::AddForwardCommand(app);
     auto serve = moerun::AddServeCommand(app);
-    CLI11_PARSE(app, argc, argv);
-    moerun::InitLogging(moerun::RankFromEnvironment(), "main", log_level);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return moerun::ExitForParseError(app, e);
+    }
+    moerun::ApplyLogOptions(log, moerun::RankFromEnvironment(), "main");
     if (version) {
       PrintVersion();
       return 0;

@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include "base/log.h"
+
 namespace moerun {
 namespace {
 
@@ -137,6 +139,7 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   MOERUN_RETURN_IF_ERROR(r.Get<int>("threads", &c.threads, 0, 1024));
   MOERUN_RETURN_IF_ERROR(r.GetString("isa", &c.isa));
   MOERUN_RETURN_IF_ERROR(r.GetString("log_level", &c.log_level));
+  MOERUN_RETURN_IF_ERROR(CheckLogLevel(c.log_level, "log_level"));
   if (const YAML::Node b = root["batching"]) {
     Reader br(b, source + ": \"batching\"");
     MOERUN_RETURN_IF_ERROR(br.CheckKeys(

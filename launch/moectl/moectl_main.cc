@@ -26,6 +26,7 @@
 // or failed (also: a file that cannot be read), 2 bad usage.
 #include <CLI/CLI.hpp>
 
+#include "launch/cli_options.h"
 #include "launch/moectl/client.h"
 #include "launch/moectl/commands.h"
 
@@ -35,13 +36,14 @@ int main(int argc, char** argv) {
   mc::Session s;
   mc::AddConnectionOptions(app, s);
   app.require_subcommand(1);
+  moerun::UseOneLineErrors(app, "moectl");
   CLI::App& placement = mc::AddStatusCommands(app, s);  // status, stats, placement show/export
   mc::AddPlacementCommands(app, placement, s);  // placement plan/apply/import/progress, rebalance
   mc::AddExpertCommands(app, s);                // expert update/status/promote/rollback
   try {
     app.parse(argc, argv);  // runs the command's callback, which sets s.rc
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
+    return moerun::ExitForParseError(app, e);
   }
   return s.rc;
 }

@@ -3,11 +3,13 @@
 // the problem, never in a crash. `moebench layer` prints a JSON report.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -937,6 +939,111 @@ TEST(MoebenchTest, LayerRejectsFlagsThatMakeNoSense) {
 }
 
 TEST(MoebenchTest, NoSubcommand) { ExpectFailure(Moebench({}), {"subcommand"}); }
+
+// --- Every binary keeps its word: bad arguments exit 2 with one line; logging options -----------
+
+ProcessResult Moectl(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {MOECTL_BIN};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunProcess(argv);
+}
+
+// Exit 2, no crash, and exactly one line: "<binary>: ... (see --help)".
+void ExpectBadArguments(const ProcessResult& r, const std::string& binary,
+                        const std::string& fragment) {
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ExpectNoCrash(r);
+  std::string out = r.output;
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  EXPECT_EQ(out.find('\n'), std::string::npos) << "more than one line:\n" << r.output;
+  EXPECT_EQ(out.rfind(binary + ": ", 0), 0u) << r.output;
+  EXPECT_TRUE(Contains(out, fragment)) << "lacks \"" << fragment << "\": " << r.output;
+  EXPECT_TRUE(Contains(out, "(see --help)")) << r.output;
+}
+
+TEST(CommandLineTest, BadArgumentsExit2WithOneLineInEveryBinary) {
+  const std::string m = FixtureDir(kQwen);
+  const std::string in = m + "/golden.safetensors";
+  ExpectBadArguments(
+      Moerun({"forward", "--model", m, "--input", in, "--output", "/tmp/x", "--bogus"}), "moerun",
+      "--bogus");
+  ExpectBadArguments(Moerun({"forward", "--model", m}), "moerun", "--input is required");
+  ExpectBadArguments(Moerun({"forward", "--model", m, "--preset", "mixtral-8x7b", "--input", in,
+                             "--output", "/tmp/x"}),
+                     "moerun", "excludes");
+  ExpectBadArguments(Moerun({"serve"}), "moerun", "--config is required");
+  ExpectBadArguments(Moerun({"--bogus"}), "moerun", "--bogus");
+  ExpectBadArguments(Moebench({"layer", "--bogus"}), "moebench", "--bogus");
+  ExpectBadArguments(Moebench({"serve", "--concurrency", "x"}), "moebench", "--concurrency");
+  ExpectBadArguments(Moectl({"--bogus", "status"}), "moectl", "--bogus");
+  ExpectBadArguments(Moectl({}), "moectl", "subcommand");
+  // --help still exits 0.
+  for (const auto& r : {Moerun({"--help"}), Moerun({"forward", "--help"}), Moebench({"--help"}),
+                        Moectl({"--help"})}) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+}
+
+TEST(CommandLineTest, UnknownLogLevelOrFormatIsRefused) {
+  const std::string m = FixtureDir(kQwen);
+  const std::string in = m + "/golden.safetensors";
+  const std::vector<std::string> fwd = {"forward", "--model",  m,       "--input",
+                                        in,        "--output", "/tmp/x"};
+  auto moerun_with = [&](std::vector<std::string> pre) {
+    pre.insert(pre.end(), fwd.begin(), fwd.end());
+    return Moerun(pre);
+  };
+  // Before, "verbose" was taken as "off": every later message, errors included, was silenced.
+  ExpectBadArguments(moerun_with({"--log-level", "verbose"}), "moerun", "verbose");
+  ExpectBadArguments(moerun_with({"--log-format", "xml"}), "moerun", "xml");
+  ExpectBadArguments(Moebench({"--log-level", "loud", "layer"}), "moebench", "loud");
+  // And the config key.
+  TempDir tmp;
+  const std::string cfg = tmp.File("c.yaml");
+  WriteFile(cfg, "model: " + m + "\nlog_level: verbose\n");
+  const ProcessResult r = Moerun({"serve", "--config", cfg, "--transport", "inproc"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(Contains(r.output, "log_level: unknown log level 'verbose'")) << r.output;
+}
+
+TEST(CommandLineTest, LogLinesCarryTheDateAndJsonLinesParse) {
+  const std::string m = FixtureDir(kQwen);
+  const std::string in = m + "/golden.safetensors";
+  TempDir tmp;
+  // Text: an error's line starts with the date and carries the rank and role.
+  ProcessResult r = Moerun({"forward", "--model", tmp.File("none"), "--input", in, "--output",
+                            tmp.File("o.safetensors")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_GE(r.output.size(), 30u) << r.output;
+  EXPECT_EQ(r.output[0], '[') << r.output;
+  const std::string date = r.output.substr(1, 10);  // YYYY-MM-DD
+  EXPECT_TRUE(date.size() == 10 && date[4] == '-' && date[7] == '-' && std::isdigit(date[0]) &&
+              std::isdigit(date[9]))
+      << r.output;
+  EXPECT_TRUE(Contains(r.output, "[r0 main] error:")) << r.output;
+  // JSON: every stderr line of a successful run and of a failing one is an object with the keys.
+  for (const std::string& model : {m, tmp.File("none")}) {
+    r = Moerun({"--log-format", "json", "--log-level", "debug", "forward", "--model", model,
+                "--input", in, "--output", tmp.File("o.safetensors")});
+    int objects = 0;
+    std::stringstream ss(r.output);
+    std::string line;
+    while (std::getline(ss, line)) {
+      if (line.empty() || line[0] != '{') continue;  // the result line on stdout
+      const json j = json::parse(line);
+      for (const char* key : {"time", "level", "rank", "role", "msg"}) {
+        EXPECT_TRUE(j.contains(key)) << key << " in " << line;
+      }
+      EXPECT_EQ(j["role"], "main");
+      EXPECT_EQ(j["time"].get<std::string>().back(), 'Z') << line;
+      ++objects;
+    }
+    EXPECT_GE(objects, 1) << r.output;
+    if (model != m) {
+      EXPECT_TRUE(Contains(r.output, "\"level\":\"error\"")) << r.output;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace moerun

@@ -107,6 +107,7 @@ TEST(ServeConfigTest, ErrorsNameTheKey) {
       {"model: a\nrebalance: {min_gain: 2}\n", "\"min_gain\" must be in"},
       {"model: a\nrebalance: {interval_s: 0}\n", "\"interval_s\" must be in"},
       {"model: a\nrebalance: {every: 1}\n", "unknown key \"every\""},
+      {"model: a\nlog_level: verbose\n", "log_level: unknown log level 'verbose'"},
   };
   for (const auto& [text, want] : bad) {
     auto c = ParseServeConfig(text, "c.yaml", "");
