@@ -169,11 +169,11 @@ import re, sys, datetime
 pat = re.compile(sys.argv[2])
 for line in open(sys.argv[1], errors="replace"):
     if pat.search(line):
-        m = re.match(r"\[(\d\d):(\d\d):(\d\d)\.(\d\d\d)\]", line)
+        # "[2026-12-02 21:11:23.652] ...": local time (base/log.cc's text format)
+        m = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})\]", line)
         if not m:
             continue
-        d = datetime.datetime.now(datetime.timezone.utc).replace(
-            hour=int(m[1]), minute=int(m[2]), second=int(m[3]), microsecond=int(m[4]) * 1000)
+        d = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S.%f")
         print(f"{d.timestamp():.3f}")
         break
 PY
