@@ -29,11 +29,9 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from moerun import _frame, tensors
-from moerun.client import Timing, parse_targets, split_host_port
+from moerun.client import ClientOptions, Timing, check_request_size, request_head, split_host_port
 from moerun.errors import (
     DeadlineExceededError,
-    FrameTooLargeError,
-    InvalidArgumentError,
     MoerunError,
     UnavailableError,
     error_from_code,
@@ -181,7 +179,7 @@ class _AConn:
         self.fail(UnavailableError(f"{self.target}: the client was closed with the call pending"))
 
 
-class AsyncClient:
+class AsyncClient(ClientOptions):
     """An asyncio client of one job's routers: :meth:`infer` may be awaited by many tasks at
     once on its one connection. Options as :class:`moerun.client.Client`: ``targets``
     (``"HOST:PORT"``, a comma list or a list: routers of one job, tried in turn),
@@ -193,27 +191,11 @@ class AsyncClient:
     AsyncClient(targets) as c``; a plain ``AsyncClient(targets)`` connects on its first call.
     """
 
-    def __init__(self, targets: Union[str, Sequence[str]], *, timeout: float = 30.0,
-                 connect_timeout: float = 5.0,
-                 max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES, retries: int = 1):
-        self._targets = parse_targets(targets)
-        if not timeout > 0 or not connect_timeout > 0:
-            raise InvalidArgumentError("timeout and connect_timeout must be > 0 seconds")
-        if not 0 < int(max_frame_bytes) <= _frame.MAX_WIRE_FRAME:
-            raise InvalidArgumentError(f"max_frame_bytes must be in 1..{_frame.MAX_WIRE_FRAME}")
-        self.timeout = float(timeout)
-        self.connect_timeout = float(connect_timeout)
-        self.max_frame_bytes = int(max_frame_bytes)
-        self.retries = max(0, int(retries))
-        self._current = 0
+    def __init__(self, targets: Union[str, Sequence[str]], **options):
+        super().__init__(targets, **options)
         self._conn: Optional[_AConn] = None
         self._connecting: Optional[asyncio.Lock] = None
         self._retired: List[_AConn] = []
-        self._next_id = 1
-        self._closed = False
-        self._last_timing: Optional[Timing] = None
-        self.failovers = 0
-        self.retried = 0
 
     # --- public ------------------------------------------------------------------------------
 
@@ -233,24 +215,9 @@ class AsyncClient:
         await self.close()
 
     @property
-    def targets(self) -> List[str]:
-        """The router addresses, in the order they are tried."""
-        return list(self._targets)
-
-    @property
-    def target(self) -> str:
-        """The router new calls go to."""
-        return self._targets[self._current]
-
-    @property
     def connected(self) -> bool:
         """Whether a connection is open."""
         return self._conn is not None and not self._conn.dead
-
-    @property
-    def last_timing(self) -> Optional[Timing]:
-        """The server's :class:`~moerun.client.Timing` of the last answer received."""
-        return self._last_timing
 
     async def infer(self, x: Any, *, layer: Optional[int] = None, dtype: Optional[str] = None,
                     deadline_ms: int = 0, timeout: Optional[float] = None) -> Any:
@@ -261,18 +228,9 @@ class AsyncClient:
         deadline = time.monotonic() + wait
         rid = self._next_id
         self._next_id += 1
-        head = serving_pb2.InferRequest(id=rid, dtype=prep.wire_dtype,
-                                        shape=[prep.tokens, prep.hidden],
-                                        deadline_ms=int(deadline_ms))
-        if layer is not None:
-            head.layer = int(layer)
+        head = request_head(rid, prep, layer, deadline_ms)
+        check_request_size(head, prep, self.max_frame_bytes)
         data = _frame.byte_view(prep.payload)
-        _, size = _frame.infer_request_parts(head, data)
-        if size - _frame.HEADER_BYTES > self.max_frame_bytes:
-            raise FrameTooLargeError(
-                f"request {rid}: a frame of {size - _frame.HEADER_BYTES} bytes is over "
-                f"max_frame_bytes {self.max_frame_bytes} (not sent: its answer would be as large)",
-                request_id=rid)
         attempts = 0
         while True:
             if self._closed:

@@ -186,13 +186,65 @@ class _Call:
         self.done = False
 
 
-def _check_size(c: "_Call", max_frame_bytes: int) -> None:
-    _, size = _frame.infer_request_parts(c.head, _frame.byte_view(c.prep.payload))
+def request_head(rid: int, prep: tensors.Prepared, layer: Optional[int],
+                 deadline_ms: int) -> serving_pb2.InferRequest:
+    """The InferRequest of one call, all but its data (sent from the input's own buffer)."""
+    head = serving_pb2.InferRequest(id=rid, dtype=prep.wire_dtype, shape=[prep.tokens, prep.hidden],
+                                    deadline_ms=int(deadline_ms))
+    if layer is not None:
+        head.layer = int(layer)
+    return head
+
+
+def check_request_size(head: serving_pb2.InferRequest, prep: tensors.Prepared,
+                       max_frame_bytes: int) -> None:
+    """FrameTooLargeError, before anything is sent, for a request over max_frame_bytes."""
+    _, size = _frame.infer_request_parts(head, _frame.byte_view(prep.payload))
     if size - _frame.HEADER_BYTES > max_frame_bytes:
         raise FrameTooLargeError(
-            f"request {c.id}: a frame of {size - _frame.HEADER_BYTES} bytes is over "
+            f"request {head.id}: a frame of {size - _frame.HEADER_BYTES} bytes is over "
             f"max_frame_bytes {max_frame_bytes} (not sent: its answer would be as large)",
-            request_id=c.id)
+            request_id=head.id)
+
+
+class ClientOptions:
+    """What the blocking and the asyncio client share: their options, checked, the targets and
+    the server's timing of the last answer."""
+
+    def __init__(self, targets: Union[str, Sequence[str]], *, timeout: float = 30.0,
+                 connect_timeout: float = 5.0, max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES,
+                 retries: int = 1):
+        self._targets = parse_targets(targets)
+        if not timeout > 0 or not connect_timeout > 0:
+            raise InvalidArgumentError("timeout and connect_timeout must be > 0 seconds")
+        if not 0 < int(max_frame_bytes) <= _frame.MAX_WIRE_FRAME:
+            raise InvalidArgumentError(f"max_frame_bytes must be in 1..{_frame.MAX_WIRE_FRAME}")
+        self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.max_frame_bytes = int(max_frame_bytes)
+        self.retries = max(0, int(retries))
+        self._current = 0
+        self._next_id = 1
+        self._closed = False
+        self._last_timing: Optional[Timing] = None
+        self.failovers = 0  # moves to another target
+        self.retried = 0    # requests sent again
+
+    @property
+    def targets(self) -> List[str]:
+        """The router addresses, in the order they are tried."""
+        return list(self._targets)
+
+    @property
+    def target(self) -> str:
+        """The router requests go to now (connected or next to be tried)."""
+        return self._targets[self._current]
+
+    @property
+    def last_timing(self) -> Optional[Timing]:
+        """The server's :class:`Timing` (queue_us, compute_us) of the last answer received
+        (``None`` before the first)."""
+        return self._last_timing
 
 
 class _Conn:
@@ -225,7 +277,7 @@ class _Lost(Exception):
     """The connection broke (refused, reset, closed): failover material."""
 
 
-class Client:
+class Client(ClientOptions):
     """A blocking client of one job's routers (see the module's documentation).
 
     ``targets``: ``"HOST:PORT"``, ``"HOST:PORT,HOST:PORT"`` or a list: several routers of one
@@ -237,49 +289,17 @@ class Client:
     made by the first call (or :meth:`connect`).
     """
 
-    def __init__(self, targets: Union[str, Sequence[str]], *, timeout: float = 30.0,
-                 connect_timeout: float = 5.0, max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES,
-                 retries: int = 1):
-        self._targets = parse_targets(targets)
-        if not timeout > 0 or not connect_timeout > 0:
-            raise InvalidArgumentError("timeout and connect_timeout must be > 0 seconds")
-        if not 0 < int(max_frame_bytes) <= _frame.MAX_WIRE_FRAME:
-            raise InvalidArgumentError(f"max_frame_bytes must be in 1..{_frame.MAX_WIRE_FRAME}")
-        self.timeout = float(timeout)
-        self.connect_timeout = float(connect_timeout)
-        self.max_frame_bytes = int(max_frame_bytes)
-        self.retries = max(0, int(retries))
-        self._current = 0
+    def __init__(self, targets: Union[str, Sequence[str]], **options):
+        super().__init__(targets, **options)
         self._conn: Optional[_Conn] = None
-        self._next_id = 1
-        self._last_timing: Optional[Timing] = None
         self._busy = threading.Lock()
-        self._closed = False
-        self.failovers = 0  # moves to another target
-        self.retried = 0    # requests sent again
 
     # --- public ------------------------------------------------------------------------------
-
-    @property
-    def targets(self) -> List[str]:
-        """The router addresses, in the order they are tried."""
-        return list(self._targets)
-
-    @property
-    def target(self) -> str:
-        """The router requests go to now (connected or next to be tried)."""
-        return self._targets[self._current]
 
     @property
     def connected(self) -> bool:
         """Whether a connection is open."""
         return self._conn is not None
-
-    @property
-    def last_timing(self) -> Optional[Timing]:
-        """The server's :class:`Timing` (queue_us, compute_us) of the last answer received
-        (``None`` before the first)."""
-        return self._last_timing
 
     def connect(self, timeout: Optional[float] = None) -> "Client":
         """Connects now (else the first call does) to the current target or, failing that,
@@ -321,17 +341,13 @@ class Client:
         calls = []
         for i, x in enumerate(xs):
             prep = tensors.prepare(x, dtype)
-            head = serving_pb2.InferRequest(dtype=prep.wire_dtype, shape=[prep.tokens, prep.hidden],
-                                            deadline_ms=int(deadline_ms))
-            if layer is not None:
-                head.layer = int(layer)
-            calls.append(_Call(i, 0, prep, head))
+            calls.append(_Call(i, 0, prep, request_head(0, prep, layer, deadline_ms)))
         with self._enter():
             for c in calls:
                 c.id = self._next_id
                 self._next_id += 1
                 c.head.id = c.id
-                _check_size(c, self.max_frame_bytes)
+                check_request_size(c.head, c.prep, self.max_frame_bytes)
             self._run(calls, deadline, wait)
         return [c.result for c in calls]
 
