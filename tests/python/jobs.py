@@ -86,6 +86,23 @@ def send_frame(conn: socket.socket, body: bytes) -> None:
     conn.sendall(len(body).to_bytes(4, "big") + body)
 
 
+def answer_every_request(code: int, message: str) -> Callable[[socket.socket], None]:
+    """A FakeServer handler that answers each request on its connection with the error
+    `code` (a moerun.v1 ErrorCode) and `message`, until the client closes."""
+    from moerun.v1 import serving_pb2
+
+    def handler(conn: socket.socket) -> None:
+        while True:
+            body = recv_frame(conn)
+            if body is None:
+                return
+            req = serving_pb2.InferRequest.FromString(body)
+            send_frame(conn, serving_pb2.InferResponse(id=req.id, code=code,
+                                                       message=message).SerializeToString())
+
+    return handler
+
+
 class FakeServer:
     """A TCP server on 127.0.0.1 whose connections are each handled by ``handler(conn)`` in a
     thread of their own (blocking socket). ``address``: "127.0.0.1:PORT"; ``connections``:

@@ -17,7 +17,7 @@ from moerun import errors
 from moerun.v1 import serving_pb2
 
 from conftest import SERVER_MAX_FRAME
-from jobs import FakeServer, bits, free_port, recv_frame, send_frame
+from jobs import FakeServer, answer_every_request, bits, free_port, recv_frame, send_frame
 
 
 # --- the error classes --------------------------------------------------------------------------
@@ -231,16 +231,7 @@ def test_request_sent_again_when_its_connection_breaks(failover_job, reference):
 def test_unavailable_answer_moves_to_the_next_router(failover_job, reference):
     x, want = reference
 
-    def draining(conn):
-        while True:
-            body = recv_frame(conn)
-            if body is None:
-                return
-            req = serving_pb2.InferRequest.FromString(body)
-            send_frame(conn, serving_pb2.InferResponse(
-                id=req.id, code=serving_pb2.UNAVAILABLE,
-                message="the server is draining").SerializeToString())
-
+    draining = answer_every_request(serving_pb2.UNAVAILABLE, "the server is draining")
     with FakeServer(draining) as srv:
         with moerun.Client([srv.address, failover_job.targets[1]], timeout=10) as c:
             assert np.array_equal(bits(c.infer(x)), bits(want))
@@ -266,16 +257,7 @@ def test_retries_run_out():
 
 
 def test_overloaded_is_not_retried():
-    def full(conn):
-        while True:
-            body = recv_frame(conn)
-            if body is None:
-                return
-            req = serving_pb2.InferRequest.FromString(body)
-            send_frame(conn, serving_pb2.InferResponse(
-                id=req.id, code=serving_pb2.OVERLOADED,
-                message="queue full; retry later").SerializeToString())
-
+    full = answer_every_request(serving_pb2.OVERLOADED, "queue full; retry later")
     with FakeServer(full) as a, FakeServer(full) as b:
         c = moerun.Client([a.address, b.address], timeout=10)
         with pytest.raises(moerun.OverloadedError, match="retry later") as ei:
