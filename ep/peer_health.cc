@@ -280,6 +280,12 @@ void PeerHealth::Refresh() {
     v.resident_bytes = s.pong.resident_bytes;
     v.pid = s.pong.pid;
     v.host.assign(s.pong.host, strnlen(s.pong.host, sizeof s.pong.host));
+    v.cache_budget_bytes = s.pong.cache_budget_bytes;
+    v.cache_resident_bytes = s.pong.cache_resident_bytes;
+    v.cache_hits = s.pong.cache_hits;
+    v.cache_misses = s.pong.cache_misses;
+    v.cache_hosted = s.pong.cache_hosted;
+    v.cache_resident = s.pong.cache_resident;
     view_.push_back(v);
   }
   all_answering_.store(all, std::memory_order_relaxed);

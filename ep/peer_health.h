@@ -53,6 +53,12 @@ struct PeerView {
   uint64_t resident_bytes = 0;
   uint64_t pid = 0;
   std::string host;
+  uint64_t cache_budget_bytes = 0;  // its expert cache (0: none)
+  uint64_t cache_resident_bytes = 0;
+  uint64_t cache_hits = 0;
+  uint64_t cache_misses = 0;
+  uint32_t cache_hosted = 0;
+  uint32_t cache_resident = 0;
 };
 
 class PeerHealth {

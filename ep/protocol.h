@@ -80,8 +80,16 @@ struct EpPong {
   uint64_t resident_bytes = 0;
   uint64_t pid = 0;
   char host[64] = {};  // NUL-terminated
+  // Its expert cache (all 0 without one): budget, resident bytes, hits and misses since the
+  // start, experts hosted and resident.
+  uint64_t cache_budget_bytes = 0;
+  uint64_t cache_resident_bytes = 0;
+  uint64_t cache_hits = 0;
+  uint64_t cache_misses = 0;
+  uint32_t cache_hosted = 0;
+  uint32_t cache_resident = 0;
 };
-static_assert(sizeof(EpPong) == 104);
+static_assert(sizeof(EpPong) == 144);
 
 // Slots per expert rank a job's headers hold: the busiest rank's over all layers served, and at
 // least one per logical expert, so that any later placement without doubled experts fits.

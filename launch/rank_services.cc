@@ -8,6 +8,7 @@
 
 #include "base/host_name.h"
 #include "base/log.h"
+#include "cache/expert_cache.h"
 #include "ep/router_layer.h"
 #include "experts/cpu/packed_matrix.h"
 #include "ranks/expert_rank.h"
@@ -201,6 +202,38 @@ void RankServices::Attach(RouterRank& router) {
 }
 
 void RankServices::Attach(ExpertRank* host) {
+  if (const ExpertCache* cache = host->cache()) {
+    MetricsRegistry& m = metrics_;
+    const std::shared_ptr<const ExpertCacheStats> st = cache->shared_stats();
+    m.AddCallbackCounter("moerun_expert_cache_hits_total",
+                         "Experts a microbatch needed that were resident when its header arrived",
+                         [st] { return static_cast<double>(st->hits.load()); });
+    m.AddCallbackCounter(
+        "moerun_expert_cache_misses_total",
+        "Experts a microbatch needed that were not resident when its header arrived (loaded)",
+        [st] { return static_cast<double>(st->misses.load()); });
+    m.AddCallbackCounter("moerun_expert_cache_evictions_total",
+                         "Experts evicted from the expert cache",
+                         [st] { return static_cast<double>(st->evictions.load()); });
+    m.AddCallbackCounter("moerun_expert_cache_loaded_bytes_total",
+                         "Bytes of expert weights the expert cache loaded",
+                         [st] { return static_cast<double>(st->loaded_bytes.load()); });
+    m.AddCallbackGauge("moerun_expert_cache_resident_bytes",
+                       "Bytes of expert weights resident in the expert cache",
+                       [st] { return static_cast<double>(st->resident_bytes.load()); });
+    m.AddCallbackGauge("moerun_expert_cache_resident_experts", "Experts resident in the cache",
+                       [st] { return static_cast<double>(st->resident_experts.load()); });
+    m.AddCallbackGauge("moerun_expert_cache_hosted_experts",
+                       "Experts this rank hosts (resident or not)",
+                       [st] { return static_cast<double>(st->hosted_experts.load()); });
+    m.AddGauge("moerun_expert_cache_budget_bytes", "The expert cache's budget")
+        ->Set(static_cast<double>(cache->options().budget_bytes));
+    Histogram* wait = m.AddHistogram(
+        "moerun_expert_cache_wait_seconds",
+        "Per microbatch that missed the cache: time it waited for its experts' loads",
+        LatencyBuckets());
+    host->set_cache_wait_observer([wait](double s) { wait->Observe(s); });
+  }
   auto* by_expert = &by_expert_;
   host->set_rows_observer([by_expert](int layer, int expert, int64_t rows) {
     auto it = by_expert->find(layer);
@@ -328,6 +361,18 @@ moerun::v1::StatusResponse RankServices::Status() const {
       rs->set_rows_served(p.rows);
       rs->set_resident_bytes(p.resident_bytes);
       rs->set_last_seen_s(p.last_seen_s);
+      if (p.cache_budget_bytes > 0) {
+        moerun::v1::ExpertCacheStatus* c = rs->mutable_cache();
+        c->set_budget_bytes(p.cache_budget_bytes);
+        c->set_resident_bytes(p.cache_resident_bytes);
+        c->set_hosted_experts(p.cache_hosted);
+        c->set_resident_experts(p.cache_resident);
+        c->set_hits(p.cache_hits);
+        c->set_misses(p.cache_misses);
+        const uint64_t asked = p.cache_hits + p.cache_misses;
+        c->set_hit_rate(
+            asked == 0 ? 1.0 : static_cast<double>(p.cache_hits) / static_cast<double>(asked));
+      }
       if (p.dead) {
         rs->set_state("dead");
       } else if (!p.answering) {

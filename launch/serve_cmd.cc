@@ -9,6 +9,7 @@
 
 #include "base/exit_code.h"
 #include "base/log.h"
+#include "cache/expert_cache.h"
 #include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
@@ -36,7 +37,10 @@ struct ServeFlags {
   std::string pid_file;
   std::string listen, control_listen, metrics_listen, token_file;
   std::string join;  // router 0's control endpoint: take over a dead expert rank of that job
-  DeviceFlags dev;   // --device cuda: expert ranks compute on their local GPU
+  int64_t expert_cache_mib = -1;  // -1: the config's
+  std::string expert_cache_policy;
+  std::string expert_cache_spill_dir;
+  DeviceFlags dev;  // --device cuda: expert ranks compute on their local GPU
 };
 
 Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<int>& wanted) {
@@ -78,6 +82,9 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!f.control_listen.empty()) c.serving.control_listen = f.control_listen;
   if (!f.metrics_listen.empty()) c.serving.metrics_listen = f.metrics_listen;
   if (!f.token_file.empty()) c.serving.token_file = f.token_file;
+  if (f.expert_cache_mib >= 0) c.expert_cache_mib = f.expert_cache_mib;
+  if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
+  if (!f.expert_cache_spill_dir.empty()) c.expert_cache_spill_dir = f.expert_cache_spill_dir;
   if (c.batching.max_batch_tokens < 1) c.batching.max_batch_tokens = 1;
   const ServingConfig& sc = c.serving;
   MOERUN_ASSIGN_OR_RETURN(s.listen, ParseHostPort(sc.listen).WithContext("serving listen address"));
@@ -122,6 +129,11 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
                                       std::chrono::milliseconds(c.serving.probe_deadline_ms),
                                       std::chrono::milliseconds(c.deadline_ms)};
   o.router.control = true;
+  o.cache.budget_bytes = static_cast<size_t>(c.expert_cache_mib) << 20;
+  MOERUN_ASSIGN_OR_RETURN(o.cache.policy, ParseEvictionPolicy(c.expert_cache_policy));
+  o.cache.loaders = c.expert_cache_loaders;
+  o.cache_pinned = c.expert_cache_pinned;
+  o.cache_spill_dir = c.expert_cache_spill_dir;
   return o;
 }
 
@@ -277,6 +289,17 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--metrics-listen", flags->metrics_listen,
                   "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r)");
   cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
+  cmd->add_option("--expert-cache-mib", flags->expert_cache_mib,
+                  "Expert cache of each expert rank in MiB (0: every hosted expert resident; "
+                  "overrides expert_cache_mib)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--expert-cache-policy", flags->expert_cache_policy,
+                  "Expert cache eviction: lfu (decayed frequency) or lru")
+      ->check(CLI::IsMember({"lfu", "lru"}));
+  cmd->add_option("--expert-cache-spill-dir", flags->expert_cache_spill_dir,
+                  "Folder for the expert cache's spill file: experts loaded once are written "
+                  "there packed, later misses read them back (overrides expert_cache_spill_dir)")
+      ->check(CLI::ExistingDirectory);
   cmd->add_option("--join", flags->join,
                   "Start outside the job's mpirun and take over a dead expert rank of the running "
                   "job whose router 0's control endpoint is HOST:PORT (needs the job's config, "

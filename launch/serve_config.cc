@@ -83,10 +83,53 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   }
   ServeConfig c;
   Reader r(root, source);
+  MOERUN_RETURN_IF_ERROR(r.CheckKeys({"model",
+                                      "preset",
+                                      "layers",
+                                      "transport",
+                                      "ranks",
+                                      "routers",
+                                      "placement",
+                                      "microbatch_tokens",
+                                      "deadline_ms",
+                                      "startup_timeout_s",
+                                      "threads",
+                                      "isa",
+                                      "batching",
+                                      "serving",
+                                      "rebalance",
+                                      "log_level",
+                                      "expert_cache_mib",
+                                      "expert_cache_policy",
+                                      "expert_cache_loaders",
+                                      "expert_cache_pinned",
+                                      "expert_cache_spill_dir"}));
+  MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_spill_dir", &c.expert_cache_spill_dir));
+  c.expert_cache_spill_dir = Resolve(c.expert_cache_spill_dir, base_dir);
   MOERUN_RETURN_IF_ERROR(
-      r.CheckKeys({"model", "preset", "layers", "transport", "ranks", "routers", "placement",
-                   "microbatch_tokens", "deadline_ms", "startup_timeout_s", "threads", "isa",
-                   "batching", "serving", "rebalance", "log_level"}));
+      r.Get<int64_t>("expert_cache_mib", &c.expert_cache_mib, 0, int64_t{1} << 30));
+  MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_policy", &c.expert_cache_policy));
+  if (c.expert_cache_policy != "lfu" && c.expert_cache_policy != "lru") {
+    return Status::InvalidArgument(r.Where("expert_cache_policy") + " must be lfu or lru, not '" +
+                                   c.expert_cache_policy + "'");
+  }
+  MOERUN_RETURN_IF_ERROR(r.Get<int>("expert_cache_loaders", &c.expert_cache_loaders, 1, 64));
+  if (const YAML::Node pin = root["expert_cache_pinned"]) {
+    bool ok = pin.IsSequence();
+    for (size_t i = 0; ok && i < pin.size(); ++i) {
+      try {
+        const int v = pin[i].as<int>();
+        ok = v >= 0;
+        c.expert_cache_pinned.push_back(v);
+      } catch (const YAML::Exception&) {
+        ok = false;
+      }
+    }
+    if (!ok) {
+      return Status::InvalidArgument(r.Where("expert_cache_pinned") +
+                                     " must be a list of expert numbers");
+    }
+  }
   MOERUN_RETURN_IF_ERROR(r.GetString("model", &c.model));
   if (const YAML::Node p = root["preset"]) {
     Reader pr(p, source + ": \"preset\"");

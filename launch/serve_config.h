@@ -56,6 +56,13 @@ struct ServeConfig {
   ServingConfig serving;
   RebalanceConfig rebalance;
   std::string log_level = "info";
+  // Expert ranks: an expert cache of this many MiB each (0: every hosted expert resident), its
+  // eviction policy (lfu | lru), parallel loads, and experts (of every layer) that never leave.
+  int64_t expert_cache_mib = 0;
+  std::string expert_cache_policy = "lfu";
+  int expert_cache_loaders = 1;
+  std::vector<int> expert_cache_pinned;
+  std::string expert_cache_spill_dir;  // spill file folder ("": misses load from the source)
 };
 
 Result<ServeConfig> ParseServeConfig(const std::string& yaml_text, const std::string& source,

@@ -47,6 +47,39 @@ ExpertControl::~ExpertControl() {
   outgoing_.Drain(t_, SteadyClock::now());
 }
 
+void ExpertControl::EnableCache(ExpertCacheOptions options, ExpertFetch fetch,
+                                const std::map<int, std::vector<bool>>& hosted,
+                                const std::map<int, std::vector<bool>>& pinned,
+                                std::unique_ptr<SpillFile> spill) {
+  std::map<int, std::vector<ExpertWeights>*> vectors;
+  for (auto& [layer, w] : layers_) vectors[layer] = &w->experts;
+  cache_ = std::make_unique<ExpertCache>(options, std::move(fetch), std::move(vectors),
+                                         std::move(spill));
+  for (const auto& [layer, mask] : hosted) {
+    auto u = users_.find(layer);
+    if (u == users_.end()) continue;
+    for (size_t e = 0; e < mask.size() && e < u->second.size(); ++e) {
+      if (!mask[e]) continue;
+      u->second[e].assign(u->second[e].size(), true);
+      cache_->Host(layer, static_cast<int>(e), true);
+    }
+  }
+  for (const auto& [layer, mask] : pinned) {
+    for (size_t e = 0; e < mask.size(); ++e) {
+      if (mask[e]) cache_->Pin(layer, static_cast<int>(e));
+    }
+  }
+}
+
+bool ExpertControl::hosts(int layer, int expert) const {
+  const auto u = users_.find(layer);
+  if (u == users_.end() || expert < 0 || static_cast<size_t>(expert) >= u->second.size()) {
+    return false;
+  }
+  const auto& users = u->second[static_cast<size_t>(expert)];
+  return std::any_of(users.begin(), users.end(), [](bool b) { return b; });
+}
+
 void ExpertControl::set_loaders(ExpertLoader load, ExpertFileLoader load_file) {
   loader_ = std::move(load);
   file_loader_ = std::move(load_file);
@@ -151,6 +184,10 @@ Status ExpertControl::Handle(int router, uint64_t id) {
            {"canary_rows", v->second.canary_rows}};
     if (op == "promote") {
       lw->second->experts[static_cast<size_t>(e)] = std::move(v->second.weights);
+      if (cache_) {  // resident now; a later load reads the update's file
+        cache_->Resized(layer, e);
+        cache_->SetFile(layer, e, v->second.file);
+      }
       variants_.erase(v);
       spdlog::info("rank {}: layer {} expert {}: the new weights are promoted", me, layer, e);
     } else if (op == "rollback") {
@@ -196,7 +233,7 @@ Status ExpertControl::Handle(int router, uint64_t id) {
     if (!(job.canary >= 0.0 && job.canary <= 1.0)) {
       return Reply(router, ErrorReply(id, "the canary share must be within 0..1"));
     }
-    if (lw->second->experts[static_cast<size_t>(job.expert)].w13.empty()) {
+    if (!hosts(layer, job.expert)) {
       return Reply(router, ErrorReply(id, "rank " + std::to_string(me) + " does not hold layer " +
                                               std::to_string(layer) + " expert " +
                                               std::to_string(job.expert)));
@@ -226,7 +263,12 @@ std::string ExpertControl::Release(uint64_t id, int router, int layer,
       u[static_cast<size_t>(router)] = false;
     }
     ExpertWeights& ew = w.experts[static_cast<size_t>(e)];
-    if (std::none_of(u.begin(), u.end(), [](bool b) { return b; }) && !ew.w13.empty()) {
+    if (std::any_of(u.begin(), u.end(), [](bool b) { return b; })) continue;
+    if (cache_ && cache_->hosted(layer, e)) {  // hosted, resident or not: no longer
+      freed_bytes += ew.w13.empty() ? 0 : ew.bytes();
+      cache_->Host(layer, e, false);
+      freed.push_back(e);
+    } else if (!ew.w13.empty()) {
       freed_bytes += ew.bytes();
       ew = ExpertWeights{};
       freed.push_back(e);
@@ -250,11 +292,30 @@ Status ExpertControl::StartNextJob() {
       MoeLayerWeights& w = *layers_.at(job.layer);
       std::vector<int> missing;
       for (int e : job.experts) {
-        if (w.experts[static_cast<size_t>(e)].w13.empty()) missing.push_back(e);
+        const bool have =
+            cache_ ? hosts(job.layer, e) : !w.experts[static_cast<size_t>(e)].w13.empty();
+        if (!have) missing.push_back(e);
         auto& u = users_.at(job.layer)[static_cast<size_t>(e)];
         u.assign(u.size(), true);
       }
       job.experts = missing;
+      if (cache_ && !missing.empty()) {
+        // Hosted from now on; warmed as far as the budget allows, answered once those loads
+        // are done (the others load when a microbatch needs them).
+        for (int e : missing) {
+          cache_->Host(job.layer, e, true);
+          const auto f = job.files.find(e);
+          if (f != job.files.end()) cache_->SetFile(job.layer, e, f->second);
+        }
+        cache_->Warm(job.layer, missing);
+        job.warming = true;
+        running_ = std::make_unique<Job>(std::move(job));
+        running_->started = std::chrono::steady_clock::now();
+        last_progress_ = running_->started;
+        spdlog::info("rank {}: layer {}: {} expert(s) hosted; warming the expert cache", t_->rank(),
+                     running_->layer, running_->experts.size());
+        return Status::Ok();
+      }
       if (missing.empty()) {
         MOERUN_RETURN_IF_ERROR(Reply(
             job.router,
@@ -314,8 +375,33 @@ Status ExpertControl::StartNextJob() {
 Status ExpertControl::Poll() {
   // A reply to a router that died is dropped: nobody reads it.
   MOERUN_RETURN_IF_ERROR(outgoing_.Poll(t_, [this](int peer) { return t_->peer_failed(peer); }));
+  if (cache_) MOERUN_RETURN_IF_ERROR(cache_->Poll());
   if (!running_) return Status::Ok();
   const auto now = std::chrono::steady_clock::now();
+  if (running_->warming) {
+    if (cache_->Loading(running_->layer, running_->experts)) return Status::Ok();
+    std::unique_ptr<Job> job = std::move(running_);
+    uint64_t bytes = 0;
+    int resident = 0;
+    for (int e : job->experts) {
+      if (!cache_->resident(job->layer, e)) continue;
+      ++resident;
+      bytes += layers_.at(job->layer)->experts[static_cast<size_t>(e)].bytes();
+    }
+    const double secs = std::chrono::duration<double>(now - job->started).count();
+    spdlog::info(
+        "rank {}: layer {}: {} of {} new expert(s) resident in the cache ({:.1f} MiB, {:.2f} s)",
+        t_->rank(), job->layer, resident, job->experts.size(),
+        static_cast<double>(bytes) / (1 << 20), secs);
+    MOERUN_RETURN_IF_ERROR(Reply(job->router, json{{"id", job->id},
+                                                   {"final", true},
+                                                   {"ok", true},
+                                                   {"bytes", bytes},
+                                                   {"seconds", secs},
+                                                   {"resident", resident}}
+                                                  .dump()));
+    return StartNextJob();
+  }
   if (result_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
     if (now - last_progress_ >= std::chrono::seconds(1)) {
       last_progress_ = now;
@@ -350,14 +436,14 @@ Status ExpertControl::Finish(Job& job, Loaded loaded) {
   }
   uint64_t bytes = 0;
   if (job.update) {
-    const MoeLayerWeights& w = *layers_.at(job.layer);
-    if (w.experts[static_cast<size_t>(job.expert)].w13.empty()) {
+    if (!hosts(job.layer, job.expert)) {
       return Reply(job.router, ErrorReply(job.id, "the expert was freed while its update loaded"));
     }
     bytes = loaded.expert.bytes();
     Variant& v = variants_[{job.layer, job.expert}];
     v.weights = std::move(loaded.expert);
     v.share = job.canary;
+    v.file = job.file;
     spdlog::info(
         "rank {}: layer {} expert {}: new weights in ({:.1f} MiB, {:.2f} s), canary {:.2f}%", me,
         job.layer, job.expert, static_cast<double>(bytes) / (1 << 20), secs, job.canary * 100);

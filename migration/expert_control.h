@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "cache/expert_cache.h"
 #include "ep/owned_sends.h"
 #include "ep/protocol.h"
 #include "experts/cpu/expert_weights.h"
@@ -63,6 +64,19 @@ class ExpertControl {
   // updates are refused with the reason.
   void set_device_copy(bool on) { device_copy_ = on; }
 
+  // From now on the rank hosts the experts of `hosted` (per layer) with an expert cache: those
+  // resident now stay (pinned where `pinned` says, per layer), the others load when a
+  // microbatch needs them; loads (migrations) warm the cache, releases evict.
+  void EnableCache(ExpertCacheOptions options, ExpertFetch fetch,
+                   const std::map<int, std::vector<bool>>& hosted,
+                   const std::map<int, std::vector<bool>>& pinned,
+                   std::unique_ptr<SpillFile> spill = nullptr);
+  // The cache, or null when every hosted expert is resident.
+  ExpertCache* cache() { return cache_.get(); }
+  const ExpertCache* cache() const { return cache_.get(); }
+  // Whether a router may send rows for the expert (resident, or in the cache's source).
+  bool hosts(int layer, int expert) const;
+
   // The weights of `layer` held here, or null when the rank does not serve it.
   const MoeLayerWeights* layer(int layer) const;
   std::vector<int> layer_ids() const;
@@ -89,6 +103,7 @@ class ExpertControl {
   struct Variant {
     ExpertWeights weights;
     double share = 0;  // of the expert's rows
+    std::string file;  // where they came from
     uint64_t rows = 0, canary_rows = 0;
   };
   // A load or update running in the background, and those waiting for it.
@@ -103,6 +118,7 @@ class ExpertControl {
     std::string file;                  // update
     double canary = 0;                 // update: share
     double throttle = 0;               // load: bytes/s
+    bool warming = false;              // load into the cache: done when its loads are
     std::chrono::steady_clock::time_point started;
   };
   struct Loaded {
@@ -133,6 +149,7 @@ class ExpertControl {
   std::atomic<bool> cancel_{false};
   std::chrono::steady_clock::time_point last_progress_;
   OwnedSends outgoing_;
+  std::unique_ptr<ExpertCache> cache_;
   std::vector<char> body_;
 };
 

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 namespace moerun {
@@ -129,6 +130,13 @@ std::vector<std::string> Checkpoint::Names() const {
   names.reserve(weight_map_.size());
   for (const auto& [name, file] : weight_map_) names.push_back(name);
   return names;
+}
+
+Status Checkpoint::OpenAllShards() const {
+  std::set<std::string> files;
+  for (const auto& [name, file] : weight_map_) files.insert(file);
+  for (const std::string& f : files) MOERUN_RETURN_IF_ERROR(Shard(f).status());
+  return Status::Ok();
 }
 
 size_t Checkpoint::OpenedShards() const {

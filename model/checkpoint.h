@@ -28,6 +28,9 @@ class Checkpoint {
   // All tensor names (from the index, or the single file's header), sorted.
   std::vector<std::string> Names() const;
   const std::string& path() const { return path_; }
+  // Opens every shard now (mapped for the checkpoint's life: later reads do not need the files
+  // to exist under their names).
+  Status OpenAllShards() const;
   // Number of shard files opened so far (to check that only needed shards are touched).
   size_t OpenedShards() const;
 

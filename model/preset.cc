@@ -351,16 +351,17 @@ Result<MoeLayerWeights> BuildPresetLayer(const ModelSpec& spec, const CpuKernels
   w.dtype = opts.dtype;
   w.experts.resize(static_cast<size_t>(experts));
   const int64_t gate_rows = experts + (spec.shared_gated ? 1 : 0);
-  w.gate = PackedMatrix(DType::kF32, gate_rows, h, kernels.nr);
-  w.gate.Fill(
-      [&](int64_t n, float* row) {
-        if (n < experts) {
-          PresetRow(seed, layer, 0, static_cast<int>(n), 0, h, h, DType::kF32, row);
-        } else {
-          PresetRow(seed, layer, 9, -1, 0, h, h, DType::kF32, row);
-        }
-      },
-      opts.threads);
+  if (!opts.experts_only) w.gate = PackedMatrix(DType::kF32, gate_rows, h, kernels.nr);
+  if (!opts.experts_only)
+    w.gate.Fill(
+        [&](int64_t n, float* row) {
+          if (n < experts) {
+            PresetRow(seed, layer, 0, static_cast<int>(n), 0, h, h, DType::kF32, row);
+          } else {
+            PresetRow(seed, layer, 9, -1, 0, h, h, DType::kF32, row);
+          }
+        },
+        opts.threads);
   auto vec = [&](int tensor, int64_t n, float scale) {
     std::vector<float> v(static_cast<size_t>(n));
     PresetRow(seed, layer, tensor, 0, 0, n, 3, DType::kF32, v.data());
@@ -375,7 +376,7 @@ Result<MoeLayerWeights> BuildPresetLayer(const ModelSpec& spec, const CpuKernels
   if (!std::isfinite(opts.gate_skew) || opts.gate_skew < 0 || opts.gate_skew > 8) {
     return Status::InvalidArgument("gate skew must be in 0..8 (a Zipf exponent over experts)");
   }
-  if (opts.gate_skew > 0) {
+  if (opts.gate_skew > 0 && !opts.experts_only) {
     w.gate_bias.resize(static_cast<size_t>(w.gate.n_padded()), 0.0f);
     for (int e = 0; e < experts; ++e) {
       const auto skew = static_cast<float>(-opts.gate_skew * std::log(static_cast<double>(e + 1)));
@@ -442,7 +443,7 @@ Result<MoeLayerWeights> BuildPresetLayer(const ModelSpec& spec, const CpuKernels
     ++done;
     if (opts.progress) opts.progress(done, todo, bytes);
   }
-  if (spec.shared_inter > 0) {
+  if (spec.shared_inter > 0 && !opts.experts_only) {
     w.shared = PackExpert(kernels, opts.dtype, h, spec.shared_inter,
                           expert_source(-1, spec.shared_inter), opts.threads);
   }

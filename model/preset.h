@@ -33,6 +33,7 @@ struct PresetOptions {
   int layer = -1;             // -1: the first MoE layer
   size_t budget_bytes = size_t{4} << 30;
   std::vector<bool> load_expert;  // empty: all
+  bool experts_only = false;      // the routed experts alone: no router, biases or shared expert
   // Skewed routing on demand: a Zipf exponent over experts. Expert e's router logit gets
   // -gate_skew * ln(e + 1) added (a router bias), so low-numbered experts take most tokens, as in
   // real traffic. 0: unskewed. In [0, 8].

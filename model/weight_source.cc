@@ -82,6 +82,52 @@ Result<std::shared_ptr<MoeLayerWeights>> LoadWeights(const WeightSource& src, co
   return std::make_shared<MoeLayerWeights>(std::move(w));
 }
 
+Result<std::unique_ptr<ExpertReader>> ExpertReader::Open(const WeightSource& source,
+                                                         const ModelSpec& spec,
+                                                         const CpuKernels& kernels) {
+  std::unique_ptr<ExpertReader> r(new ExpertReader());
+  r->source_ = source;
+  r->spec_ = spec;
+  r->kernels_ = &kernels;
+  if (!source.model.empty()) {
+    MOERUN_ASSIGN_OR_RETURN(r->ckpt_, Checkpoint::Open(source.model));
+    MOERUN_RETURN_IF_ERROR(r->ckpt_->OpenAllShards());
+  }
+  return r;
+}
+
+ExpertReader::~ExpertReader() = default;
+
+Result<ExpertWeights> ExpertReader::Load(int layer, int expert) const {
+  if (expert < 0 || expert >= spec_.num_experts) {
+    return Status::InvalidArgument("no expert " + std::to_string(expert));
+  }
+  std::vector<bool> mask(static_cast<size_t>(spec_.num_experts), false);
+  mask[static_cast<size_t>(expert)] = true;
+  MoeLayerWeights w;
+  if (ckpt_) {
+    LoadOptions o;
+    o.layer = layer;
+    o.load_expert = std::move(mask);
+    o.experts_only = true;
+    MOERUN_ASSIGN_OR_RETURN(w, LoadLayer(*ckpt_, spec_, *kernels_, o));
+  } else {
+    PresetOptions o;
+    o.seed = source_.seed;  // (the routing skew is the router's: experts do not depend on it)
+    o.dtype = source_.dtype;
+    o.layer = layer;
+    o.load_expert = std::move(mask);
+    o.experts_only = true;
+    MOERUN_ASSIGN_OR_RETURN(w, BuildPresetLayer(spec_, *kernels_, o));
+  }
+  ExpertWeights out = std::move(w.experts[static_cast<size_t>(expert)]);
+  if (out.w13.empty()) {
+    return Status::Internal("expert " + std::to_string(expert) + " of layer " +
+                            std::to_string(layer) + " did not load");
+  }
+  return out;
+}
+
 Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
   if (!source.model.empty()) return LoadModelSpec(source.model);
   if (source.spec) return *source.spec;

@@ -15,6 +15,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "experts/cpu/kernels.h"
+#include "model/checkpoint.h"
 #include "model/layer_weights.h"
 #include "model/model_spec.h"
 
@@ -49,5 +50,25 @@ Result<std::shared_ptr<MoeLayerWeights>> LoadWeights(const WeightSource& source,
                                                      const CpuKernels& kernels, int threads,
                                                      const std::string& what,
                                                      const LoadThrottle& throttle = {});
+
+// Loads one expert of a source at a time, as often as asked (an expert cache's misses): a
+// checkpoint's files are opened once and stay mapped for the reader's life, so loads go on
+// working when the checkpoint's folder is deleted or renamed under a running job. Experts are
+// held as LoadWeights holds them. Thread-safe.
+class ExpertReader {
+ public:
+  static Result<std::unique_ptr<ExpertReader>> Open(const WeightSource& source,
+                                                    const ModelSpec& spec,
+                                                    const CpuKernels& kernels);
+  ~ExpertReader();
+  Result<ExpertWeights> Load(int layer, int expert) const;
+
+ private:
+  ExpertReader() = default;
+  WeightSource source_;
+  ModelSpec spec_;
+  const CpuKernels* kernels_ = nullptr;
+  std::unique_ptr<Checkpoint> ckpt_;
+};
 
 }  // namespace moerun

@@ -66,8 +66,11 @@ Status ExpertRank::ServeRouter(int r, bool* progressed) {
   RouterState& rs = routers_[static_cast<size_t>(r)];
   // A header taken ahead comes first (its successor's receive is already posted).
   const char* hdr = rs.header.as<char>();
+  bool needed = false;
   if (rs.have_ahead) {
     rs.have_ahead = false;
+    needed = rs.ahead_needed;
+    rs.ahead_needed = false;
     hdr = rs.ahead.as<char>();
   } else {
     if (!rs.header_req.valid()) return Status::Ok();
@@ -117,7 +120,7 @@ Status ExpertRank::ServeRouter(int r, bool* progressed) {
     MOERUN_ASSIGN_OR_RETURN(rs.header_req,
                             t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
   }
-  return Handle(r, h, entries_.data());
+  return Handle(r, h, entries_.data(), needed);
 }
 
 void ExpertRank::DropRouter(int r, const Status& why) {
@@ -131,6 +134,7 @@ void ExpertRank::DropRouter(int r, const Status& why) {
     *q = Request{};
   }
   rs.have_ahead = false;
+  rs.ahead_needed = false;  // (held experts stay held: the rank serves no more of this router)
   rs.pre = -1;
   rs.done = true;
 }
@@ -196,6 +200,15 @@ Status ExpertRank::Pong(int router, uint32_t seq) {
   rs.pong.resident_bytes = static_cast<uint64_t>(ProcessResidentBytes());
   rs.pong.pid = static_cast<uint64_t>(::getpid());
   ::gethostname(rs.pong.host, sizeof rs.pong.host - 1);
+  if (const ExpertCache* c = control_.cache()) {
+    const ExpertCacheStats& st = c->stats();
+    rs.pong.cache_budget_bytes = c->options().budget_bytes;
+    rs.pong.cache_resident_bytes = st.resident_bytes.load();
+    rs.pong.cache_hits = st.hits.load();
+    rs.pong.cache_misses = st.misses.load();
+    rs.pong.cache_hosted = static_cast<uint32_t>(st.hosted_experts.load());
+    rs.pong.cache_resident = static_cast<uint32_t>(st.resident_experts.load());
+  }
   MOERUN_ASSIGN_OR_RETURN(rs.pong_req, t_->Isend(router, kTagPong, &rs.pong, sizeof rs.pong));
   return Status::Ok();
 }
@@ -250,6 +263,10 @@ Status ExpertRank::LookAhead(int router) {
   if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || !SlotsFit(h)) return Status::Ok();
   Result<int64_t> rows = RowsOf(h, HeaderEntries(rs.ahead.data()));
   if (!rows.ok()) return Status::Ok();  // reported when the main loop handles it
+  if (control_.cache() != nullptr) {    // loads of missing experts start before the rows are in
+    NeedExperts(h, HeaderEntries(rs.ahead.data()));
+    rs.ahead_needed = true;
+  }
   const size_t bytes = static_cast<size_t>(*rows * h.hidden) * sizeof(float);
   const int k = rs.next_in;
   MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.in[k], bytes));
@@ -259,9 +276,20 @@ Status ExpertRank::LookAhead(int router) {
   return Status::Ok();
 }
 
-Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* entries) {
+void ExpertRank::NeedExperts(const EpHeaderFixed& h, const EpEntry* entries) {
+  ExpertCache* cache = control_.cache();
+  cache->Tick();
+  for (int i = 0; i < h.slots; ++i) {
+    if (entries[i].rows > 0) cache->Need(h.layer, entries[i].expert);
+  }
+  (void)cache->Poll();  // start them now (errors come back to the microbatch that needs them)
+}
+
+Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* entries, bool needed) {
   const int me = t_->rank();
   MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, entries));  // checks layer and experts
+  ExpertCache* cache = control_.cache();
+  if (cache != nullptr && !needed) NeedExperts(h, entries);
   const MoeLayerWeights& w = *control_.layer(h.layer);
   const int64_t hidden = w.spec.hidden;
 
@@ -287,6 +315,7 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
 
   // One grouped pass over every local expert.
   groups_.clear();
+  group_ids_.clear();
   group_expert_.clear();
   group_rows_.clear();
   int64_t first = 0;
@@ -295,12 +324,13 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
     const int expert = entries[i].expert;
     const int32_t n = entries[i].rows;
     const ExpertWeights& ew = w.experts[static_cast<size_t>(expert)];
-    if (n > 0 && ew.w13.empty()) {
+    if (n > 0 && (cache != nullptr ? !control_.hosts(h.layer, expert) : ew.w13.empty())) {
       return Status::Internal("rank " + std::to_string(me) + " got rows for expert " +
                               std::to_string(expert) + " of layer " + std::to_string(h.layer) +
                               ", which it does not hold");
     }
     groups_.push_back(ExpertGroup{&ew, act, first, n});
+    group_ids_.push_back(expert);
     if (n > 0) {
       group_expert_.push_back(expert);
       group_rows_.push_back(n);
@@ -329,11 +359,11 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
   if (compute_) {
     MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
   } else if (ldy == hidden) {
-    ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), out, ldy);
+    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, out, ldy));
   } else {
     y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));
     const float* y = y_.as<float>();
-    ffn_.Run(groups_, in.as<float>(), hidden, rows_.data(), y_.as<float>(), ldy);
+    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, y_.as<float>(), ldy));
     for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }
@@ -342,6 +372,64 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
   ++served_;
   rows_served_ += static_cast<uint64_t>(rows);
+  return Status::Ok();
+}
+
+Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy) {
+  ExpertCache* cache = control_.cache();
+  if (cache == nullptr) {
+    ffn_.Run(groups_, in, hidden, rows_.data(), y, ldy);
+    return Status::Ok();
+  }
+  ready_.clear();
+  pending_.clear();
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    if (groups_[i].rows == 0) continue;
+    if (cache->resident(layer, group_ids_[i])) {
+      ready_.push_back(groups_[i]);
+    } else {
+      pending_.push_back(i);
+    }
+  }
+  if (!ready_.empty()) ffn_.Run(ready_, in, hidden, rows_.data(), y, ldy);
+  if (!pending_.empty()) {
+    // Each row's output depends on its expert's weights alone: computing the groups in several
+    // passes gives the same bits as one pass.
+    const auto start = SteadyClock::now();
+    const Deadline until = start + opts_.deadline;
+    while (!pending_.empty()) {
+      MOERUN_RETURN_IF_ERROR(cache->Poll());
+      ready_.clear();
+      for (size_t j = 0; j < pending_.size();) {
+        const size_t i = pending_[j];
+        MOERUN_RETURN_IF_ERROR(
+            cache->Failed(layer, group_ids_[i]).WithContext("rank " + std::to_string(t_->rank())));
+        if (cache->resident(layer, group_ids_[i])) {
+          ready_.push_back(groups_[i]);
+          pending_[j] = pending_.back();
+          pending_.pop_back();
+        } else {
+          ++j;
+        }
+      }
+      if (!ready_.empty()) ffn_.Run(ready_, in, hidden, rows_.data(), y, ldy);
+      if (pending_.empty()) break;
+      const auto now = SteadyClock::now();
+      if (now >= until) {
+        return Status::DeadlineExceeded(
+            "rank " + std::to_string(t_->rank()) + ": layer " + std::to_string(layer) + " expert " +
+            std::to_string(group_ids_[pending_.front()]) + " did not load within " +
+            std::to_string(opts_.deadline.count()) + " ms (expert cache)");
+      }
+      cache->WaitForLoad(std::min<Deadline>(until, now + std::chrono::milliseconds(2)));
+    }
+    if (cache_wait_) {
+      cache_wait_(std::chrono::duration<double>(SteadyClock::now() - start).count());
+    }
+  }
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    if (groups_[i].rows > 0) cache->Done(layer, group_ids_[i]);
+  }
   return Status::Ok();
 }
 

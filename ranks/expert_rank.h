@@ -62,6 +62,11 @@ class ExpertRank {
   void set_loaders(ExpertLoader load, ExpertFileLoader load_file) {
     control_.set_loaders(std::move(load), std::move(load_file));
   }
+  // The expert cache (ExpertControl::EnableCache), or null when every hosted expert is resident.
+  ExpertControl& control() { return control_; }
+  const ExpertCache* cache() const { return control_.cache(); }
+  // Seconds each microbatch that missed the cache waited for its loads (e.g. a histogram).
+  void set_cache_wait_observer(std::function<void(double)> f) { cache_wait_ = std::move(f); }
   // Bytes of expert weights held now (every layer, canary weights included).
   size_t held_bytes() const { return control_.held_bytes(); }
 
@@ -74,6 +79,7 @@ class ExpertRank {
     // i+1's rows land while i is computed).
     AlignedBuffer ahead;
     bool have_ahead = false;
+    bool ahead_needed = false;  // its experts were asked of the cache
     AlignedBuffer in[2];
     int next_in = 0;
     Request rows_req;
@@ -91,7 +97,12 @@ class ExpertRank {
   Status ServeRouter(int router, bool* progressed);
   // A router whose process died: its transfers are withdrawn and it is served no more.
   void DropRouter(int router, const Status& why);
-  Status Handle(int router, const EpHeaderFixed& h, const EpEntry* entries);
+  Status Handle(int router, const EpHeaderFixed& h, const EpEntry* entries, bool needed);
+  // Asks the cache for the experts a dispatch header names (their loads start now).
+  void NeedExperts(const EpHeaderFixed& h, const EpEntry* entries);
+  // The grouped pass over groups_: with a cache, the resident experts first, then each of the
+  // others as its load finishes (at most the deadline).
+  Status RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy);
   // Whether the header's entry count fits this job's header (its entries can be read).
   bool SlotsFit(const EpHeaderFixed& h) const;
   // The rows a dispatch header announces, after checking its experts against what is held.
@@ -112,6 +123,10 @@ class ExpertRank {
   AlignedBuffer y_;
   std::vector<int32_t> rows_;
   std::vector<ExpertGroup> groups_;
+  std::vector<int32_t> group_ids_;  // the expert of each entry of groups_
+  std::vector<ExpertGroup> ready_;
+  std::vector<size_t> pending_;
+  std::function<void(double)> cache_wait_;
   uint64_t served_ = 0;
   uint64_t rows_served_ = 0;
   std::function<void(int, int, int64_t)> rows_observer_;

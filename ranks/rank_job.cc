@@ -1,5 +1,7 @@
 #include "ranks/rank_job.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -44,6 +46,15 @@ Result<std::unique_ptr<RankJob>> RankJob::Prepare(Transport* t, const JobOptions
   job->threads_ =
       opts.threads > 0 ? opts.threads : DefaultThreads(t->rank(), t->size(), opts.routers);
   job->kernels_ = &KernelsFor(opts.isa);
+  if (opts.cache.budget_bytes > 0) {
+    for (int e : opts.cache_pinned) {
+      if (e < 0 || e >= job->spec_.num_experts) {
+        return Status::InvalidArgument("expert cache: pinned expert " + std::to_string(e) +
+                                       " is not an expert of the model (0.." +
+                                       std::to_string(job->spec_.num_experts - 1) + ")");
+      }
+    }
+  }
   return job;
 }
 
@@ -52,21 +63,101 @@ Status RankJob::Load() {
   const int me = rank();
   const auto started = std::chrono::steady_clock::now();
   size_t experts_here = 0;
+  const bool cached = opts_.cache.budget_bytes > 0 && !is_router() && !opts_.joined;
+  if (cached) return LoadCached();
+  std::map<int, std::vector<bool>> masks;
   for (int layer : opts_.layers) {
-    std::vector<bool> mask = is_router() || opts_.joined
-                                 ? std::vector<bool>(static_cast<size_t>(spec_.num_experts), false)
-                                 : placement_->ExpertsOf(me, layer);
-    for (bool b : mask) experts_here += b;
-    MOERUN_ASSIGN_OR_RETURN(
-        weights_[layer],
-        LoadWeights(opts_.source, spec_, layer, std::move(mask), *kernels_, threads_,
-                    "rank " + std::to_string(me) + " layer " + std::to_string(layer)));
+    masks[layer] = is_router() || opts_.joined
+                       ? std::vector<bool>(static_cast<size_t>(spec_.num_experts), false)
+                       : placement_->ExpertsOf(me, layer);
   }
+  MOERUN_ASSIGN_OR_RETURN(experts_here, LoadMasks(masks));
   size_t bytes = 0;
   for (const auto& [l, w] : weights_) bytes += w->ExpertBytes();
   spdlog::info(
       "{} rank {}: {} layer(s), {} expert slot(s), {:.1f} MiB of weights, loaded in {:.2f} s",
       role(), me, opts_.layers.size(), experts_here, static_cast<double>(bytes) / (1 << 20),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  return Status::Ok();
+}
+
+Result<size_t> RankJob::LoadMasks(const std::map<int, std::vector<bool>>& masks) {
+  size_t experts = 0;
+  for (const auto& [layer, mask] : masks) {
+    for (bool b : mask) experts += b;
+    MOERUN_ASSIGN_OR_RETURN(
+        weights_[layer],
+        LoadWeights(opts_.source, spec_, layer, mask, *kernels_, threads_,
+                    "rank " + std::to_string(rank()) + " layer " + std::to_string(layer)));
+  }
+  return experts;
+}
+
+Status RankJob::LoadCached() {
+  const int me = rank();
+  const auto started = std::chrono::steady_clock::now();
+  MOERUN_ASSIGN_OR_RETURN(reader_, ExpertReader::Open(opts_.source, spec_, *kernels_));
+  // The order experts fill the budget in: the pinned ones, then by number (every layer).
+  std::vector<std::pair<int, int>> order;
+  size_t hosted_count = 0;
+  for (int layer : opts_.layers) {
+    hosted_[layer] = placement_->ExpertsOf(me, layer);
+    pinned_[layer].assign(static_cast<size_t>(spec_.num_experts), false);
+    for (int e : opts_.cache_pinned) {
+      if (hosted_[layer][static_cast<size_t>(e)]) pinned_[layer][static_cast<size_t>(e)] = true;
+    }
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int layer : opts_.layers) {
+      for (int e = 0; e < spec_.num_experts; ++e) {
+        const size_t i = static_cast<size_t>(e);
+        if (!hosted_[layer][i] || pinned_[layer][i] != (pass == 0)) continue;
+        order.push_back({layer, e});
+        ++hosted_count;
+      }
+    }
+  }
+  // One expert first: its size says how many fit.
+  size_t one = 0;
+  if (!order.empty()) {
+    MOERUN_ASSIGN_OR_RETURN(ExpertWeights w, reader_->Load(order[0].first, order[0].second));
+    one = w.bytes();
+    if (one > opts_.cache.budget_bytes) {
+      return Status::InvalidArgument(fmt::format(
+          "expert cache of {:.2f} MiB is smaller than one expert of this model ({:.2f} MiB as "
+          "held): give expert_cache_mib at least {}",
+          static_cast<double>(opts_.cache.budget_bytes) / (1 << 20),
+          static_cast<double>(one) / (1 << 20), (one + (1 << 20) - 1) >> 20));
+    }
+  }
+  const size_t fit = one > 0 ? opts_.cache.budget_bytes / one : 0;
+  size_t pinned_count = 0;
+  for (const auto& [layer, mask] : pinned_) {
+    for (bool b : mask) pinned_count += b;
+  }
+  if (pinned_count > fit) {
+    return Status::InvalidArgument(fmt::format(
+        "expert cache: {} pinned experts on rank {} need {:.1f} MiB, more than the budget of "
+        "{:.1f} MiB",
+        pinned_count, me, static_cast<double>(pinned_count * one) / (1 << 20),
+        static_cast<double>(opts_.cache.budget_bytes) / (1 << 20)));
+  }
+  std::map<int, std::vector<bool>> initial;
+  for (int layer : opts_.layers) {
+    initial[layer].assign(static_cast<size_t>(spec_.num_experts), false);
+  }
+  for (size_t i = 0; i < order.size() && i < fit; ++i) {
+    initial[order[i].first][static_cast<size_t>(order[i].second)] = true;
+  }
+  MOERUN_ASSIGN_OR_RETURN(const size_t resident, LoadMasks(initial));
+  size_t bytes = 0;
+  for (const auto& [l, w] : weights_) bytes += w->ExpertBytes();
+  spdlog::info(
+      "expert rank {}: {} layer(s), {} expert slot(s) hosted, {} resident in the expert cache "
+      "({:.1f} of {:.1f} MiB, {}), loaded in {:.2f} s",
+      me, opts_.layers.size(), hosted_count, resident, static_cast<double>(bytes) / (1 << 20),
+      static_cast<double>(opts_.cache.budget_bytes) / (1 << 20),
+      EvictionPolicyName(opts_.cache.policy),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   return Status::Ok();
 }
@@ -94,6 +185,11 @@ Result<std::unique_ptr<ExpertRank>> RankJob::MakeExpert(ExpertCompute compute) {
   ExpertRankOptions o;
   o.deadline = opts_.ep.deadline;
   auto host = std::make_unique<ExpertRank>(t_, *placement_, weights_, *kernels_, pool_.get(), o);
+  if (compute && reader_) {
+    return Status::Unsupported(
+        "the expert cache is not available with --device cuda yet: the device holds a copy of "
+        "every hosted expert made at start (leave expert_cache_mib at 0)");
+  }
   if (compute) host->set_compute(std::move(compute));
   // Loads while serving run on one background thread (the pool computes); the job outlives the
   // rank, so the loaders may refer to it.
@@ -117,6 +213,22 @@ Result<std::unique_ptr<ExpertRank>> RankJob::MakeExpert(ExpertCompute compute) {
       [this](int layer, int expert, const std::string& file) -> Result<ExpertWeights> {
         return LoadExpertFile(file, spec_, layer, expert, weights_.at(layer)->dtype, *kernels_);
       });
+  if (reader_) {
+    std::unique_ptr<SpillFile> spill;
+    if (!opts_.cache_spill_dir.empty()) {
+      MOERUN_ASSIGN_OR_RETURN(spill, SpillFile::Create(opts_.cache_spill_dir));
+    }
+    const ExpertReader* reader = reader_.get();
+    host->control().EnableCache(
+        opts_.cache,
+        [this, reader](int layer, int expert, const std::string& file) -> Result<ExpertWeights> {
+          if (!file.empty()) {
+            return LoadExpertFile(file, spec_, layer, expert, weights_.at(layer)->dtype, *kernels_);
+          }
+          return reader->Load(layer, expert);
+        },
+        hosted_, pinned_, std::move(spill));
+  }
   return host;
 }
 

@@ -25,6 +25,7 @@
 
 #include "base/status.h"
 #include "base/thread_pool.h"
+#include "cache/expert_cache.h"
 #include "ep/router_layer.h"
 #include "experts/cpu/isa.h"
 #include "experts/cpu/kernels.h"
@@ -52,6 +53,14 @@ struct JobOptions {
   // loads no experts (the placement in use holds none on it; a rebalance brings them) and waits
   // for no other rank.
   bool joined = false;
+  // Expert ranks: an expert cache of this many bytes (0: every hosted expert resident). At start
+  // the pinned experts (every layer) and then the others in expert order are loaded up to the
+  // budget; the rest load when a microbatch needs them (cache/expert_cache.h).
+  ExpertCacheOptions cache;
+  std::vector<int> cache_pinned;
+  // A folder for the cache's spill file (loaded experts written once, later misses read back);
+  // empty: misses load from the source each time.
+  std::string cache_spill_dir;
 };
 
 // The weights an expert rank loaded, by layer number (what a device copy is made from).
@@ -81,6 +90,9 @@ class RankJob {
 
  private:
   RankJob() = default;
+  Status LoadCached();  // Load for an expert rank with an expert cache
+  // Loads each layer's experts of its mask (and the router's tensors); the experts loaded.
+  Result<size_t> LoadMasks(const std::map<int, std::vector<bool>>& masks);
 
   Transport* t_ = nullptr;
   JobOptions opts_;
@@ -91,6 +103,9 @@ class RankJob {
   std::unique_ptr<ThreadPool> pool_;
   const CpuKernels* kernels_ = nullptr;
   std::map<int, std::shared_ptr<MoeLayerWeights>> weights_;
+  // With an expert cache: what the placement gives this rank, and the source of its misses.
+  std::map<int, std::vector<bool>> hosted_, pinned_;
+  std::unique_ptr<ExpertReader> reader_;
 };
 
 // What each router rank does once the job is ready.

@@ -112,6 +112,10 @@ class PackedMatrix {
   size_t bytes() const { return buf_.size(); }
   int block_k() const { return BlockK(dtype_); }
 
+  // The packed bytes whole (a copy made elsewhere, e.g. an expert cache's spill file, is
+  // restored into a matrix made with the same type, shape and nr).
+  const uint8_t* data() const { return buf_.as<uint8_t>(); }
+  uint8_t* mutable_data() { return buf_.as<uint8_t>(); }
   const uint8_t* panel(int64_t p) const { return buf_.as<uint8_t>() + p * panel_bytes_; }
   int64_t panel_bytes() const { return panel_bytes_; }
   // Where panel p's data for k rows from k0 on begin; k0 is a multiple of block_k().

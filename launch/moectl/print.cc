@@ -75,6 +75,19 @@ void PrintStatus(const v1::StatusResponse& s) {
                 static_cast<unsigned long long>(r.rows_served()), Mib(r.resident_bytes()).c_str(),
                 experts.c_str());
   }
+  bool any_cache = false;
+  for (const auto& r : s.ranks()) any_cache = any_cache || r.has_cache();
+  if (!any_cache) return;
+  std::printf("\nexpert cache:\n%-5s %12s %14s %10s %10s %12s %12s %9s\n", "rank", "budget_mib",
+              "resident_mib", "resident", "hosted", "hits", "misses", "hit_rate");
+  for (const auto& r : s.ranks()) {
+    if (!r.has_cache()) continue;
+    const auto& c = r.cache();
+    std::printf("%-5d %12s %14s %10u %10u %12llu %12llu %9.3f\n", r.rank(),
+                Mib(c.budget_bytes()).c_str(), Mib(c.resident_bytes()).c_str(),
+                c.resident_experts(), c.hosted_experts(), static_cast<unsigned long long>(c.hits()),
+                static_cast<unsigned long long>(c.misses()), c.hit_rate());
+  }
 }
 
 void PrintStats(const v1::StatsResponse& s) {

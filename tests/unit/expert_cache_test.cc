@@ -1,0 +1,359 @@
+// The expert cache (cache/): loads on need from a real source (a seeded layer, or a checkpoint),
+// eviction by decayed frequency or recency, pinned and held experts, warm loads, failures, the
+// spill file; and whole jobs (ranks as threads, inproc) with a cache smaller than what each rank
+// hosts: every answer bitwise the single-process layer's, also with the checkpoint deleted under
+// the running job.
+#include "cache/expert_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "cache/spill_file.h"
+#include "model/weight_source.h"
+#include "ranks/rank_job.h"
+#include "tests/unit/inproc_job.h"
+#include "tests/unit/layer_fixtures.h"
+
+namespace moerun {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace moerun::testing;
+
+bool SameWeights(const ExpertWeights& a, const ExpertWeights& b) {
+  return a.w13.bytes() == b.w13.bytes() && a.w2.bytes() == b.w2.bytes() &&
+         std::memcmp(a.w13.data(), b.w13.data(), a.w13.bytes()) == 0 &&
+         std::memcmp(a.w2.data(), b.w2.data(), a.w2.bytes()) == 0 && a.bias_gate == b.bias_gate &&
+         a.bias_up == b.bias_up && a.bias_down == b.bias_down;
+}
+
+// A seeded layer of 8 experts; experts [0, resident) start resident; the cache holds `budget`.
+struct Fixture {
+  explicit Fixture(int budget_experts, int resident, EvictionPolicy policy = EvictionPolicy::kLfu,
+                   std::unique_ptr<SpillFile> spill = nullptr) {
+    spec = SmallSpec(Family::kQwen3Moe);
+    spec.num_experts = spec.gate.num_experts = 8;
+    source.spec = spec;
+    source.seed = 7;
+    auto opened = ExpertReader::Open(source, spec, KernelsFor(BestIsa()));
+    EXPECT_TRUE(opened.ok()) << opened.status().ToString();
+    reader = std::move(*opened);
+    experts.resize(8);
+    for (int e = 0; e < resident; ++e) {
+      auto w = reader->Load(0, e);
+      EXPECT_TRUE(w.ok()) << w.status().ToString();
+      if (w.ok()) experts[static_cast<size_t>(e)] = std::move(*w);
+    }
+    auto first = reader->Load(0, 0);
+    EXPECT_TRUE(first.ok()) << first.status().ToString();
+    one = first.ok() ? first->bytes() : 1;
+    ExpertCacheOptions o;
+    o.budget_bytes = one * static_cast<size_t>(budget_experts);
+    o.policy = policy;
+    cache = std::make_unique<ExpertCache>(
+        o,
+        [this](int layer, int expert, const std::string&) -> Result<ExpertWeights> {
+          ++fetches;
+          if (fail_expert == expert) return Status::IoError("the disk is gone");
+          while (slow.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          return reader->Load(layer, expert);
+        },
+        std::map<int, std::vector<ExpertWeights>*>{{0, &experts}}, std::move(spill));
+    for (int e = 0; e < 8; ++e) cache->Host(0, e, true);
+  }
+  // One microbatch that needs `list`: loads what is missing, waits for it, then lets go.
+  void Microbatch(const std::vector<int>& list) {
+    cache->Tick();
+    for (int e : list) cache->Need(0, e);
+    ASSERT_TRUE(cache->Poll().ok());
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (int e : list) {
+      while (!cache->resident(0, e)) {
+        ASSERT_TRUE(cache->Failed(0, e).ok()) << cache->Failed(0, e).ToString();
+        ASSERT_LT(std::chrono::steady_clock::now(), until) << "expert " << e << " never loaded";
+        cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+        ASSERT_TRUE(cache->Poll().ok());
+      }
+      EXPECT_TRUE(SameWeights(experts[static_cast<size_t>(e)], *reader->Load(0, e)));
+    }
+    for (int e : list) cache->Done(0, e);
+    ASSERT_TRUE(cache->Poll().ok());
+  }
+  int Resident() const {
+    int n = 0;
+    for (int e = 0; e < 8; ++e) n += cache->resident(0, e);
+    return n;
+  }
+
+  ModelSpec spec;
+  WeightSource source;
+  std::unique_ptr<ExpertReader> reader;
+  std::vector<ExpertWeights> experts;
+  size_t one = 0;
+  std::atomic<int> fetches{0};
+  std::atomic<bool> slow{false};
+  std::atomic<int> fail_expert{-1};
+  std::unique_ptr<ExpertCache> cache;
+};
+
+TEST(ExpertCacheTest, LoadsOnNeedAndKeepsTheHotOnes) {
+  Fixture f(3, 0);
+  EXPECT_EQ(f.Resident(), 0);
+  // 0 and 1 are hot; 2..7 come once each.
+  for (int i = 0; i < 6; ++i) {
+    f.Microbatch({0, 1});
+    f.Microbatch({2 + i});
+  }
+  EXPECT_TRUE(f.cache->resident(0, 0));
+  EXPECT_TRUE(f.cache->resident(0, 1));
+  EXPECT_EQ(f.Resident(), 3);
+  EXPECT_LE(f.cache->resident_bytes(), 3 * f.one);
+  const ExpertCacheStats& st = f.cache->stats();
+  EXPECT_EQ(st.misses.load(), 2u + 6u);  // 0 and 1 once, each cold one once
+  EXPECT_EQ(st.hits.load(), 10u);
+  EXPECT_EQ(st.evictions.load(), 5u);
+  EXPECT_EQ(st.loaded_bytes.load(), 8 * f.one);
+  EXPECT_EQ(st.resident_experts.load(), 3u);
+  EXPECT_EQ(st.hosted_experts.load(), 8u);
+}
+
+TEST(ExpertCacheTest, LruEvictsTheLeastRecentlyUsed) {
+  Fixture f(2, 0, EvictionPolicy::kLru);
+  for (int i = 0; i < 5; ++i) f.Microbatch({0});
+  f.Microbatch({1});
+  f.Microbatch({2});  // lru: 0 (used long ago, though often) goes
+  EXPECT_FALSE(f.cache->resident(0, 0));
+  EXPECT_TRUE(f.cache->resident(0, 1));
+  EXPECT_TRUE(f.cache->resident(0, 2));
+
+  Fixture g(2, 0, EvictionPolicy::kLfu);
+  for (int i = 0; i < 5; ++i) g.Microbatch({0});
+  g.Microbatch({1});
+  g.Microbatch({2});  // lfu: 1 (used once) goes
+  EXPECT_TRUE(g.cache->resident(0, 0));
+  EXPECT_FALSE(g.cache->resident(0, 1));
+}
+
+TEST(ExpertCacheTest, PinnedExpertsNeverLeave) {
+  Fixture f(2, 1);
+  f.cache->Pin(0, 0);
+  for (int e = 1; e < 8; ++e) {
+    f.Microbatch({e});
+    f.Microbatch({e});
+  }
+  EXPECT_TRUE(f.cache->resident(0, 0));
+  EXPECT_EQ(f.Resident(), 2);
+}
+
+TEST(ExpertCacheTest, HeldExpertsStayAndTheBudgetComesBackAfter) {
+  Fixture f(2, 0);
+  // One microbatch needs 4 experts with room for 2: all 4 are resident while it runs.
+  f.cache->Tick();
+  for (int e = 0; e < 4; ++e) f.cache->Need(0, e);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (f.Resident() < 4 && std::chrono::steady_clock::now() < until) {
+    ASSERT_TRUE(f.cache->Poll().ok());
+    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(f.Resident(), 4);
+  for (int e = 0; e < 4; ++e) f.cache->Done(0, e);
+  ASSERT_TRUE(f.cache->Poll().ok());
+  EXPECT_EQ(f.Resident(), 2);
+  EXPECT_LE(f.cache->resident_bytes(), 2 * f.one);
+}
+
+TEST(ExpertCacheTest, WarmLoadsOnlyIntoRoomNobodyUses) {
+  Fixture f(3, 0);
+  f.Microbatch({0});
+  f.Microbatch({1});
+  f.cache->Warm(0, {4, 5, 6});  // room for one more: 4 loads; nothing is evicted for 5 and 6
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (f.cache->Loading(0, {4, 5, 6}) && std::chrono::steady_clock::now() < until) {
+    ASSERT_TRUE(f.cache->Poll().ok());
+    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+  }
+  EXPECT_FALSE(f.cache->Loading(0, {4, 5, 6}));
+  EXPECT_TRUE(f.cache->resident(0, 0));
+  EXPECT_TRUE(f.cache->resident(0, 1));
+  EXPECT_TRUE(f.cache->resident(0, 4));
+  EXPECT_EQ(f.Resident(), 3);
+  EXPECT_EQ(f.cache->stats().evictions.load(), 0u);
+}
+
+TEST(ExpertCacheTest, AFailedLoadNamesTheExpertAndTheReason) {
+  Fixture f(2, 0);
+  f.fail_expert = 3;
+  f.cache->Tick();
+  f.cache->Need(0, 3);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (f.cache->Failed(0, 3).ok() && std::chrono::steady_clock::now() < until) {
+    ASSERT_TRUE(f.cache->Poll().ok());
+    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+  }
+  const Status s = f.cache->Failed(0, 3);
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.ToString().find("layer 0 expert 3"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.ToString().find("the disk is gone"), std::string::npos) << s.ToString();
+  EXPECT_FALSE(f.cache->resident(0, 3));
+  // Needed again later, it is tried again.
+  f.fail_expert = -1;
+  f.cache->Done(0, 3);
+  f.Microbatch({3});
+  EXPECT_TRUE(f.cache->resident(0, 3));
+}
+
+TEST(ExpertCacheTest, ASlowLoadIsAWaitWithABound) {
+  Fixture f(2, 0);
+  f.slow = true;
+  f.cache->Tick();
+  f.cache->Need(0, 5);
+  ASSERT_TRUE(f.cache->Poll().ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(f.cache->WaitForLoad(t0 + std::chrono::milliseconds(50)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_FALSE(f.cache->resident(0, 5));
+  f.slow = false;
+  f.cache->Done(0, 5);
+  f.Microbatch({5});
+  EXPECT_TRUE(f.cache->resident(0, 5));
+}
+
+TEST(ExpertCacheTest, ReleasedWhileLoadingIsDropped) {
+  Fixture f(2, 0);
+  f.slow = true;
+  f.cache->Tick();
+  f.cache->Need(0, 6);
+  ASSERT_TRUE(f.cache->Poll().ok());
+  f.cache->Done(0, 6);
+  f.cache->Host(0, 6, false);
+  f.slow = false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (f.cache->Loading(0, {6}) && std::chrono::steady_clock::now() < until) {
+    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+    ASSERT_TRUE(f.cache->Poll().ok());
+  }
+  EXPECT_FALSE(f.cache->resident(0, 6));
+  EXPECT_FALSE(f.cache->hosted(0, 6));
+  EXPECT_TRUE(f.experts[6].w13.empty());
+}
+
+TEST(ExpertCacheTest, MissesReadTheSpillFileBitwise) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("moerun-spill-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  {
+    auto spill = SpillFile::Create(dir.string());
+    ASSERT_TRUE(spill.ok()) << spill.status().ToString();
+    EXPECT_TRUE(fs::is_empty(dir));  // unlinked at once
+    Fixture f(1, 0, EvictionPolicy::kLfu, std::move(*spill));
+    for (int round = 0; round < 3; ++round) {
+      for (int e = 0; e < 4; ++e) f.Microbatch({e});  // checks the weights bitwise each time
+    }
+    EXPECT_EQ(f.fetches.load(), 4);  // from the source once each, then from the spill file
+    EXPECT_EQ(f.cache->stats().spill_reads.load(), 8u);
+    // A promoted update: the spilled copy is no longer used.
+    f.cache->SetFile(0, 2, "");
+    f.Microbatch({2});
+    EXPECT_EQ(f.fetches.load(), 5);
+  }
+  EXPECT_TRUE(fs::is_empty(dir));
+  fs::remove_all(dir);
+}
+
+TEST(ExpertCacheTest, SpillFileInAFolderThatIsNotThere) {
+  auto spill = SpillFile::Create("/nonexistent/moerun");
+  ASSERT_FALSE(spill.ok());
+  EXPECT_NE(spill.status().ToString().find("/nonexistent/moerun"), std::string::npos);
+}
+
+TEST(ExpertCacheTest, PolicyNames) {
+  EXPECT_EQ(*ParseEvictionPolicy("lfu"), EvictionPolicy::kLfu);
+  EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
+  EXPECT_FALSE(ParseEvictionPolicy("fifo").ok());
+}
+
+// Whole jobs: 1 router and 3 expert ranks as threads; each expert rank hosts ~5 of the fixture's
+// 16 experts with a cache of `budget` of them.
+std::vector<float> Input(int64_t tokens, int64_t hidden, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(tokens * hidden));
+  for (float& v : x) v = d(rng);
+  return x;
+}
+
+void ServeCached(const std::string& model_dir, size_t budget_bytes, const std::string& spill,
+                 const std::function<void()>& midway = nullptr) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(1);
+  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
+  JobOptions opts = FixtureJob("deepseek_v3", 0);
+  opts.source.model = model_dir;
+  opts.cache.budget_bytes = budget_bytes;
+  opts.cache_spill_dir = spill;
+  opts.cache_pinned = {0};
+  const int64_t hidden = single.weights().spec.hidden;
+  int checked = 0;
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    for (int b = 0; b < 24; ++b) {
+      if (b == 12 && midway) midway();
+      const int64_t tokens = 1 + b % 5;
+      const std::vector<float> x = Input(tokens, hidden, static_cast<uint32_t>(b));
+      std::vector<float> want(x.size()), got(x.size());
+      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
+      MOERUN_RETURN_IF_ERROR(router.Forward(0, x.data(), tokens, got.data()));
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+          << "batch " << b;
+      ++checked;
+    }
+    return Status::Ok();
+  };
+  const std::vector<Status> st = RunInprocJob(4, opts, work);
+  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
+  EXPECT_EQ(checked, 24);
+}
+
+size_t FixtureExpertBytes() {
+  const ModelSpec spec = *LoadModelSpec(FixtureDir("deepseek_v3"));
+  WeightSource src;
+  src.model = FixtureDir("deepseek_v3");
+  return (*ExpertReader::Open(src, spec, KernelsFor(BestIsa())))->Load(0, 1)->bytes();
+}
+
+TEST(ExpertCacheJobTest, BitwiseWithTwoExpertsResidentPerRank) {
+  ServeCached(FixtureDir("deepseek_v3"), 2 * FixtureExpertBytes(), "");
+}
+
+TEST(ExpertCacheJobTest, BitwiseWithASpillFile) {
+  ServeCached(FixtureDir("deepseek_v3"), 2 * FixtureExpertBytes(), fs::temp_directory_path());
+}
+
+TEST(ExpertCacheJobTest, TheCheckpointDeletedUnderTheJob) {
+  const fs::path copy =
+      fs::temp_directory_path() / ("moerun-cache-ckpt-" + std::to_string(::getpid()));
+  fs::remove_all(copy);
+  fs::copy(FixtureDir("deepseek_v3"), copy, fs::copy_options::recursive);
+  // Halfway, the folder goes; misses keep loading from the files the job holds open.
+  ServeCached(copy.string(), 2 * FixtureExpertBytes(), "", [&] { fs::remove_all(copy); });
+  EXPECT_FALSE(fs::exists(copy));
+}
+
+TEST(ExpertCacheJobTest, ABudgetSmallerThanOneExpertIsAClearError) {
+  JobOptions opts = FixtureJob("deepseek_v3", 0);
+  opts.cache.budget_bytes = FixtureExpertBytes() / 2;
+  opts.startup_timeout = std::chrono::milliseconds(3000);  // the others stop waiting for it
+  const std::vector<Status> st = RunInprocJob(4, opts, [](RouterRank&) { return Status::Ok(); });
+  bool said = false;
+  for (const Status& s : st) {
+    if (s.ToString().find("smaller than one expert") != std::string::npos) said = true;
+  }
+  EXPECT_TRUE(said) << st[1].ToString();
+}
+
+}  // namespace
+}  // namespace moerun
