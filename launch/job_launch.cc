@@ -4,6 +4,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/exit_code.h"
 #include "base/log.h"
 #include "transport/mpi/mpi_transport.h"
 #include "transport/ucx/ucx_transport.h"
@@ -108,6 +109,9 @@ Status JobLaunch::Run(const RankMain& rank_main) {
       if (!s.ok()) {
         spdlog::error("{}", s.ToString());
         record(s);
+        // The others may wait for it (until the startup timeout, when it cannot load): the job
+        // ends now with this rank's exit code, as under mpirun.
+        Abort(ExitCodeOf(s));
       }
     });
   }

@@ -117,7 +117,10 @@ out = {"cache_mib": mib, "policy": policy if mib else "resident",
        "hits": hits, "misses": misses,
        "evictions": m.get("moerun_expert_cache_evictions_total", 0),
        "resident_mib": m.get("moerun_expert_cache_resident_bytes", 0) / 2**20,
-       "hosted_experts": m.get("moerun_expert_cache_hosted_experts", 0)}
+       "hosted_experts": m.get("moerun_expert_cache_hosted_experts", 0),
+       "waits": m.get("moerun_expert_cache_wait_seconds_count", 0),
+       "mean_wait_ms": 1e3 * m.get("moerun_expert_cache_wait_seconds_sum", 0)
+                       / max(1, m.get("moerun_expert_cache_wait_seconds_count", 0))}
 json.dump(out, open(f"{work}/run.json", "w"))
 EOF
 }

@@ -48,7 +48,8 @@ std::vector<float> SingleProcess(const std::string& fixture, const std::vector<f
 // until router 0 is done.
 void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
               const std::string& placement,
-              const std::function<void(std::map<int, RouterLayer*>&, RouterControl*)>& work) {
+              const std::function<void(std::map<int, RouterLayer*>&, RouterControl*)>& work,
+              const std::function<void(JobOptions*)>& tweak = nullptr) {
   JobOptions opts;
   opts.routers = routers;
   opts.source = source;
@@ -58,6 +59,7 @@ void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ra
   opts.threads = 1;
   opts.isa = BestIsa();
   opts.router.control = true;
+  if (tweak) tweak(&opts);
   std::atomic<bool> finished{false};
   const RouterWork rw = [&](RouterRank& router) -> Status {
     RouterControl* c = router.control();
@@ -82,11 +84,13 @@ void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ra
 }
 
 void RunJob(const std::string& fixture, int ranks, int routers, const std::string& placement,
-            const std::function<void(RouterLayer*, RouterControl*)>& work) {
+            const std::function<void(RouterLayer*, RouterControl*)>& work,
+            const std::function<void(JobOptions*)>& tweak = nullptr) {
   WeightSource source;
   source.model = FixtureDir(fixture);
-  RunJobOn(source, {0}, ranks, routers, placement,
-           [&](std::map<int, RouterLayer*>& layers, RouterControl* c) { work(layers.at(0), c); });
+  RunJobOn(
+      source, {0}, ranks, routers, placement,
+      [&](std::map<int, RouterLayer*>& layers, RouterControl* c) { work(layers.at(0), c); }, tweak);
 }
 
 // Every expert moved to another rank, some replicated: linear over ranks [routers, ranks)
@@ -183,6 +187,39 @@ INSTANTIATE_TEST_SUITE_P(Routers, MigrationTest, ::testing::Values(1, 2),
 
 // Two layers move one after the other; each switch makes a version, and both keep answering
 // exactly as before.
+// Expert ranks with an expert cache of 2 experts each (of ~5 hosted): the migration hosts the
+// new experts, warms the cache where there is room, evicts the released ones; every answer
+// before, during and after is bitwise the single-process layer's.
+TEST(MigrationTest, ServesBitwiseThroughTheMigrationWithAnExpertCache) {
+  const std::string fixture = "deepseek_v3";
+  const int ranks = 4, routers = 1;
+  const auto spec = LoadModelSpec(FixtureDir(fixture));
+  ASSERT_TRUE(spec.ok());
+  const int64_t tokens = 16;
+  const auto x = RandomInput(tokens, spec->hidden, 11);
+  const auto want = SingleProcess(fixture, x, tokens);
+  const size_t one = LoadFixture(fixture, KernelsFor(BestIsa()))->experts[0].bytes();
+  RunJob(
+      fixture, ranks, routers, "linear",
+      [&](RouterLayer* layer, RouterControl* c) {
+        int batches = 0;
+        std::vector<float> out(x.size());
+        ASSERT_TRUE(layer->Forward(x.data(), tokens, out.data()).ok());
+        EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
+        MigrationOptions o;
+        o.expert_bytes = 1;
+        auto started = c->Apply(Shifted(spec->num_experts, ranks, routers, 9), o);
+        ASSERT_TRUE(started.ok()) << started.status().ToString();
+        const MigrationView v = ServeThrough(layer, c, x, tokens, want, &batches);
+        ASSERT_EQ(v.state, "done") << v.error;
+        for (int i = 0; i < 3; ++i) {
+          ASSERT_TRUE(layer->Forward(x.data(), tokens, out.data()).ok());
+          EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
+        }
+      },
+      [&](JobOptions* o) { o->cache.budget_bytes = 2 * one; });
+}
+
 TEST(MigrationTest, OneLayerAtATime) {
   ModelSpec spec;
   spec.family = Family::kQwen3Moe;

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The expert cache end to end: `moerun serve` (4 ranks as threads, a skewed preset, round robin)
+# whose expert ranks each hold ~25% of the experts they host, under moebench serve --verify:
+# every answer bitwise right; moectl status shows each expert rank's cache (budget, resident
+# set, hits and misses); /metrics has the moerun_expert_cache_* series; resident bytes stay within
+# the budget. Then the bad configs: a budget smaller than one expert, pinned experts over the
+# budget, an unknown policy, each a clear one-line error and exit 2.
+#
+#   expert_cache.sh MOERUN MOECTL MOEBENCH
+set -uo pipefail
+[[ $# -ge 3 ]] || { echo "usage: expert_cache.sh MOERUN MOECTL MOEBENCH" >&2; exit 2; }
+MOERUN=$(realpath "$1")
+MOECTL=$(realpath "$2")
+MOEBENCH=$(realpath "$3")
+WORK=$(mktemp -d /tmp/moerun-expert-cache.XXXXXX)
+source "$(dirname "$0")/ports.sh"
+cleanup() {
+  [[ -f "$WORK/pid" ]] && kill -KILL "$(cat "$WORK/pid")" 2>/dev/null
+  [[ -n "${SERVE_PID:-}" ]] && kill -KILL "$SERVE_PID" 2>/dev/null
+  [[ -n "${KEEP:-}" ]] || rm -rf "$WORK"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; tail -30 "$WORK/serve.log" >&2; exit 1; }
+printf 'cache-test-token-%s\n' "$RANDOM$RANDOM" >"$WORK/token"
+chmod 600 "$WORK/token"
+mkdir -p "$WORK/spill"
+# qwen3-30b-a3b's shape, 32 experts in bf16 (9 MiB each): ~11 per expert rank; 24 MiB holds 2.
+write_config() {
+  cat >"$WORK/serve.yaml" <<EOC
+preset: {name: qwen3-30b-a3b, seed: 3, experts: 32, dtype: bf16, gate_skew: 1.0}
+transport: inproc
+ranks: 4
+threads: 1
+placement: round_robin
+expert_cache_mib: 24
+expert_cache_pinned: [0]
+expert_cache_spill_dir: $WORK/spill
+serving:
+  listen: 127.0.0.1:$PORT
+  control_listen: 127.0.0.1:$((PORT + 100))
+  metrics_listen: 127.0.0.1:$((PORT + 200))
+  token_file: $WORK/token
+EOC
+}
+rm -f "$WORK/pid"
+start_serving write_config "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" \
+  --pid-file "$WORK/pid" || fail "serve did not get ready"
+"$MOEBENCH" serve --target "127.0.0.1:$PORT" --concurrency 2 --duration 4 \
+  --tokens-per-request 2 --verify --preset qwen3-30b-a3b --seed 3 --experts 32 \
+  --weights-dtype bf16 --gate-skew 1.0 --json >"$WORK/bench.json" 2>"$WORK/bench.log" ||
+  fail "moebench saw failed or wrong answers: $(tail -3 "$WORK/bench.log")"
+sleep 1.5  # a probe round: the routers' view of the expert ranks' counters
+"$MOECTL" --target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token" status --json \
+  >"$WORK/status.json" || fail "moectl status --json"
+"$MOECTL" --target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token" status \
+  >"$WORK/status.txt" || fail "moectl status"
+grep -q "expert cache:" "$WORK/status.txt" || fail "moectl status shows no expert cache"
+for r in 1 2 3; do
+  curl -s "http://127.0.0.1:$((PORT + 200 + r))/metrics" >"$WORK/metrics.$r" ||
+    fail "metrics of rank $r"
+done
+kill -TERM "$(cat "$WORK/pid")"
+for _ in $(seq 1 60); do kill -0 "$(cat "$WORK/pid")" 2>/dev/null || break; sleep 0.5; done
+[[ -z "$(ls -A "$WORK/spill")" ]] || fail "the spill file was left behind: $(ls "$WORK/spill")"
+python3 - "$WORK" <<'PY' || fail "the expert cache did not behave"
+import json, sys
+w = sys.argv[1]
+b = json.load(open(f"{w}/bench.json"))
+s = json.load(open(f"{w}/status.json"))
+assert b["error_count"] == 0 and b["verified"] == b["ok"] > 0, b
+caches = {r["rank"]: r["cache"] for r in s["ranks"] if "cache" in r}
+assert sorted(caches) == [1, 2, 3], caches
+budget = 24 << 20
+for rank, c in caches.items():
+    assert int(c["budget_bytes"]) == budget, c
+    assert int(c.get("hits", 0)) + int(c.get("misses", 0)) > 0, c
+    assert c.get("hosted_experts", 0) >= 10, c
+    assert 1 <= c.get("resident_experts", 0) <= 3, c
+series = {}
+for r in (1, 2, 3):
+    for line in open(f"{w}/metrics.{r}"):
+        if line.startswith("moerun_expert_cache_"):
+            name, value = line.rsplit(" ", 1)
+            series.setdefault(name.split("{")[0], []).append(float(value))
+for name in ("moerun_expert_cache_hits_total", "moerun_expert_cache_misses_total",
+             "moerun_expert_cache_evictions_total", "moerun_expert_cache_loaded_bytes_total",
+             "moerun_expert_cache_resident_bytes", "moerun_expert_cache_wait_seconds_count"):
+    assert name in series and len(series[name]) == 3, (name, series.get(name))
+assert sum(series["moerun_expert_cache_misses_total"]) > 0, series
+assert all(v <= budget for v in series["moerun_expert_cache_resident_bytes"]), series
+hits = sum(series["moerun_expert_cache_hits_total"])
+misses = sum(series["moerun_expert_cache_misses_total"])
+print(json.dumps({"verified": b["verified"], "tokens_per_s": round(b["tokens_per_s"], 1),
+                  "hit_rate": round(hits / (hits + misses), 3), "misses": misses}))
+PY
+
+# Bad configs: one line, exit 2, nothing served.
+bad() {  # bad WHAT EXPECTED-TEXT KEY-LINES...
+  local what=$1 want=$2
+  shift 2
+  printf '%s\n' "preset: {name: qwen3-30b-a3b, seed: 3, experts: 32, dtype: bf16}" \
+    "transport: inproc" "ranks: 4" "threads: 1" "startup_timeout_s: 5" "$@" \
+    "serving: {listen: 127.0.0.1:0, metrics_listen: 127.0.0.1:0}" >"$WORK/bad.yaml"
+  timeout 60 "$MOERUN" serve --config "$WORK/bad.yaml" >"$WORK/bad.log" 2>&1
+  local rc=$?
+  [[ $rc -eq 2 ]] || fail "$what: exit $rc, not 2: $(tail -3 "$WORK/bad.log")"
+  grep -q "$want" "$WORK/bad.log" || fail "$what: no '$want' in: $(tail -3 "$WORK/bad.log")"
+}
+bad "a budget smaller than one expert" "smaller than one expert" "expert_cache_mib: 4"
+bad "pinned experts over the budget" "pinned experts" "expert_cache_mib: 10" \
+  "expert_cache_pinned: [0, 3, 6, 9]"
+bad "an unknown policy" "expert_cache_policy" "expert_cache_mib: 24" "expert_cache_policy: fifo"
+bad "a pinned expert that is not one" "not an expert of the model" "expert_cache_mib: 24" \
+  "expert_cache_pinned: [99]"
+echo "expert cache: OK"
