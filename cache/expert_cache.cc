@@ -211,6 +211,10 @@ bool ExpertCache::Loading(int layer, const std::vector<int>& experts) const {
 
 void ExpertCache::Evict(int layer, int expert, Entry& e) {
   ExpertWeights& w = (*layers_.at(layer))[static_cast<size_t>(expert)];
+  if (spill_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spare_.size() < static_cast<size_t>(opts_.loaders)) spare_.push_back(std::move(w));
+  }
   w = ExpertWeights{};
   resident_bytes_ -= e.bytes;
   e.bytes = 0;
@@ -354,7 +358,15 @@ void ExpertCache::LoaderMain() {
     const int layer = job.first.first, expert = job.first.second;
     Result<ExpertWeights> w = Status::NotFound("not spilled");
     if (spill_) {
-      w = spill_->Get(layer, expert);
+      ExpertWeights reuse;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!spare_.empty()) {
+          reuse = std::move(spare_.back());
+          spare_.pop_back();
+        }
+      }
+      w = spill_->Get(layer, expert, std::move(reuse));
       if (w.ok()) stats_->spill_reads.fetch_add(1, std::memory_order_relaxed);
     }
     if (!w.ok()) {

@@ -18,7 +18,9 @@
 //        cache replays the gate's routing through both policies; see the README's figures).
 //   lru:  the least recently used.
 // Resident bytes stay within the budget, except while the experts held by microbatches in flight
-// need more (then the rank holds exactly those, and says so once in the log).
+// need more (then the rank holds exactly those, and says so once in the log). With a spill file,
+// up to `loaders` evicted experts' buffers are kept for the next reads (no new allocation and no
+// page faults per miss): memory is at most the budget plus those and the loads in flight.
 //
 // Threads: every method on the serving thread; the loads run on `loaders` threads of their own
 // that call `fetch` and touch nothing else. stats() may be read from any thread.
@@ -183,6 +185,7 @@ class ExpertCache {
   std::condition_variable work_cv_, done_cv_;
   std::deque<std::pair<Key, std::string>> work_;
   std::deque<Finished> done_;
+  std::vector<ExpertWeights> spare_;  // evicted weights whose memory a spill read reuses
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };

@@ -121,7 +121,7 @@ Status SpillFile::Put(int layer, int expert, uint64_t generation, const ExpertWe
   return Status::Ok();
 }
 
-Result<ExpertWeights> SpillFile::Get(int layer, int expert) const {
+Result<ExpertWeights> SpillFile::Get(int layer, int expert, ExpertWeights reuse) const {
   Entry e;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -129,12 +129,16 @@ Result<ExpertWeights> SpillFile::Get(int layer, int expert) const {
     if (it == entries_.end() || !it->second.stored) return Status::NotFound("not spilled");
     e = it->second;
   }
-  ExpertWeights w;
+  auto same = [](const PackedMatrix& m, const Matrix& want) {
+    return !m.empty() && m.dtype() == want.dtype && m.n() == want.n && m.k() == want.k &&
+           m.nr() == want.nr && m.bytes() == want.bytes;
+  };
+  ExpertWeights w = std::move(reuse);
   w.hidden = e.hidden;
   w.inter = e.inter;
   w.pairs = e.pairs;
-  w.w13 = PackedMatrix(e.w13.dtype, e.w13.n, e.w13.k, e.w13.nr);
-  w.w2 = PackedMatrix(e.w2.dtype, e.w2.n, e.w2.k, e.w2.nr);
+  if (!same(w.w13, e.w13)) w.w13 = PackedMatrix(e.w13.dtype, e.w13.n, e.w13.k, e.w13.nr);
+  if (!same(w.w2, e.w2)) w.w2 = PackedMatrix(e.w2.dtype, e.w2.n, e.w2.k, e.w2.nr);
   if (w.w13.bytes() != e.w13.bytes || w.w2.bytes() != e.w2.bytes) {
     return Status::Internal("expert cache: a spilled expert's layout does not match");
   }

@@ -30,8 +30,9 @@ class SpillFile {
   uint64_t Generation(int layer, int expert) const;
   // Stores the expert's packed weights (once per generation); an error if the write fails.
   Status Put(int layer, int expert, uint64_t generation, const ExpertWeights& w);
-  // The stored weights, or NotFound.
-  Result<ExpertWeights> Get(int layer, int expert) const;
+  // The stored weights, or NotFound. `reuse` (may be empty): weights whose matrices are read
+  // into where they have the same type and shape (no new allocation, no page faults).
+  Result<ExpertWeights> Get(int layer, int expert, ExpertWeights reuse = {}) const;
   // The expert's weights changed (a promoted update): its copy is no longer used.
   void Forget(int layer, int expert);
   uint64_t bytes() const;
