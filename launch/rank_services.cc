@@ -450,6 +450,8 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
     lp->set_balancedness_after(l.balancedness_after);
     lp->set_experts_to_load(l.experts_to_load);
     lp->set_bytes_to_move(l.bytes_to_move);
+    lp->set_hit_rate_before(l.hit_rate_before);
+    lp->set_hit_rate_after(l.hit_rate_after);
   }
   r.set_placement_json(rep.placement_json);
   r.set_note(rep.note);
@@ -473,10 +475,21 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   }
   o.groups = request.groups() > 0 ? request.groups() : gate_groups_;
   o.nodes = request.nodes() > 0 ? request.nodes() : 1;
+  const int routers = Current()->num_routers();  // (takes mu_)
+  const int64_t one = expert_bytes_.load();
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const PeerView& p : peers_) {
       if (p.dead) o.exclude.push_back(p.rank);  // the plan puts nothing on a dead rank
+    }
+    // Each expert rank's cache, in experts per layer (its budget over every layer it serves).
+    for (const PeerView& p : peers_) {
+      if (p.rank < routers || p.cache_budget_bytes == 0 || one <= 0) continue;
+      const size_t i = static_cast<size_t>(p.rank - routers);
+      if (o.cache_experts.size() <= i) o.cache_experts.resize(i + 1, 0);
+      const uint64_t per_layer =
+          p.cache_budget_bytes / static_cast<uint64_t>(one) / std::max<uint64_t>(1, layers_.size());
+      o.cache_experts[i] = static_cast<int>(std::max<uint64_t>(1, per_layer));
     }
   }
   std::map<int, std::vector<double>> loads;

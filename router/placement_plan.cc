@@ -7,6 +7,8 @@
 #include <cmath>
 #include <set>
 
+#include "router/cache_plan.h"
+
 namespace moerun {
 namespace {
 
@@ -67,6 +69,8 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                                    std::to_string(64 * experts));
   }
   const int slots = experts + options.redundant;
+  MOERUN_RETURN_IF_ERROR(CheckCacheExperts(options.cache_experts, current.num_ranks() - routers,
+                                           "plan: cache_experts"));
   if (slots % ranks != 0) {
     const int up = (ranks - slots % ranks) % ranks;
     return Status::InvalidArgument(fmt::format(
@@ -97,6 +101,18 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
         "--loads FILE)");
   }
   MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan, PlanPlacement(in, options.policy));
+  // The caches of the planned ranks (planned rank i is live[i]); with any, keep hot experts
+  // resident where that does not raise the max rank load.
+  std::vector<int> cache(static_cast<size_t>(ranks), 0);
+  for (size_t k = 0; k < cache.size(); ++k) {
+    const size_t index = static_cast<size_t>(live[k] - routers);
+    if (index < options.cache_experts.size()) cache[k] = options.cache_experts[index];
+  }
+  if (AnyCache(cache)) {
+    for (size_t k = 0; k < plan.size(); ++k) {
+      plan[k] = ImproveForCache(in.load[k], plan[k], ranks, cache);
+    }
+  }
 
   PlanReport report;
   report.policy = PlannerPolicyName(options.policy);
@@ -111,6 +127,8 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     for (double v : l) r.load += static_cast<uint64_t>(std::llround(v));
     r.balancedness_before = PlacementBalancedness(l, cur, routers, options.exclude);
     r.balancedness_after = PredictedBalancedness(l, maps, ranks);
+    r.hit_rate_before = PlacementHitRate(l, cur, routers, options.cache_experts, options.exclude);
+    r.hit_rate_after = PredictedHitRate(l, maps, ranks, cache);
     // Copies to load: (rank, expert) pairs of the plan that the rank does not hold now.
     const int per_rank = slots / ranks;
     for (int rank = 0; rank < ranks; ++rank) {

@@ -1,6 +1,9 @@
 // A placement plan as operators see it (`moectl placement plan`, a dry run): from measured loads
 // and the current placement, the planner's new placement (router/planner.h), the predicted
-// balancedness before and after, and the expert weights each rank would have to load.
+// balancedness before and after, and the expert weights each rank would have to load. Where expert
+// ranks have an expert cache (cache/: more hosted experts than resident ones), the plan is then
+// refined to keep hot experts resident (router/cache_plan.h: ImproveForCache, which never raises
+// the plan's max rank load) and the report gives the predicted cache hit rates.
 // Pure; used by router 0's control endpoint (window loads) and by moectl offline (--loads FILE).
 #pragma once
 
@@ -22,6 +25,10 @@ struct PlanOptions {
   int nodes = 1;   // nodes the expert ranks span
   // Expert ranks left out (dead): the plan's slots go to the others, none to these.
   std::vector<int> exclude;
+  // Per expert rank (index 0 = the first expert rank, whether excluded or not): the experts of
+  // each layer its expert cache holds; empty, missing or 0 for a rank: no cache (everything it
+  // hosts is resident). Longer than the expert ranks, or negative: InvalidArgument.
+  std::vector<int> cache_experts;
 };
 
 struct LayerPlanReport {
@@ -31,6 +38,13 @@ struct LayerPlanReport {
   int experts_to_load = 0;           // (rank, expert) copies the plan adds
   int64_t bytes_to_move = 0;         // their weights
   uint64_t load = 0;                 // assignments the plan is made from
+  // The predicted expert-cache hit rate of the current placement and of the plan, on the same
+  // loads: each expert's load split evenly over its replicas; on a rank whose cache holds B
+  // experts, the B experts it hosts with the most load (ties: the lower expert number) are
+  // resident; hit rate = load on resident copies ÷ total load, over the live expert ranks (the
+  // excluded ones left out). 1 where all loads are 0 or no rank has a cache.
+  double hit_rate_before = 1.0;
+  double hit_rate_after = 1.0;
 };
 
 struct PlanReport {
@@ -43,7 +57,7 @@ struct PlanReport {
 
 // loads: per served layer, assignments per logical expert. expert_bytes: the weights of one
 // expert (0: report copies only). InvalidArgument for loads that do not match the placement, no
-// load at all, or slots that do not divide evenly over the expert ranks.
+// load at all, slots that do not divide evenly over the expert ranks, or bad cache_experts.
 Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                             const Placement& current, int64_t expert_bytes,
                             const PlanOptions& options);

@@ -3,7 +3,9 @@
 // rebalance) or follow its migration (placement progress), with --wait.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -41,6 +43,7 @@ struct PlanFlags {  // placement plan
   std::string loads_path, placement_path;  // --loads, --placement: offline
   int ranks = 0, routers = 1;
   int64_t expert_bytes = 0;
+  std::string cache_experts;  // --cache-experts N[,N...]: offline
 };
 
 struct MigrateFlags {      // placement apply/import/progress, rebalance
@@ -95,6 +98,35 @@ Result<std::map<int, std::vector<double>>> ReadLoads(const std::string& path) {
   if (loads.empty()) return Status::InvalidArgument(path + ": no loads");
   return loads;
 }
+
+// --cache-experts N[,N...]: experts of each layer every expert rank's cache holds (0: no cache).
+Result<std::vector<int>> ParseCacheExperts(const std::string& text) {
+  std::vector<int> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    int v = -1;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size() || v < 0) {
+      return Status::InvalidArgument(fmt::format(
+          "must be whole numbers >= 0 (experts per layer each cache holds), comma-separated, "
+          "not {}",
+          text));
+    }
+    out.push_back(v);
+    if (comma == text.size()) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+const CLI::Validator kCacheExperts(
+    [](std::string& text) -> std::string {
+      auto v = ParseCacheExperts(text);
+      return v.ok() ? std::string() : v.status().message();
+    },
+    "N[,N...]");
 
 // The whole of a file the user named ("placement apply FILE"): a clear error if it is missing,
 // a folder or unreadable.
@@ -151,6 +183,23 @@ int PlanOffline(const PlanFlags& f) {
   o.policy = *pol;
   o.groups = f.planner.groups > 0 ? f.planner.groups : 1;
   o.nodes = f.planner.nodes > 0 ? f.planner.nodes : 1;
+  if (!f.cache_experts.empty()) {
+    auto cache = ParseCacheExperts(f.cache_experts);
+    if (!cache.ok())
+      return Fail("--cache-experts " + cache.status().message() + " (see --help)", 2);
+    const int expert_ranks = current->num_ranks() - current->num_routers();
+    if (cache->size() == 1) {
+      o.cache_experts.assign(static_cast<size_t>(std::max(expert_ranks, 0)), cache->front());
+    } else if (static_cast<int>(cache->size()) == expert_ranks) {
+      o.cache_experts = *cache;
+    } else {
+      return Fail(
+          fmt::format("--cache-experts gives {} values: give one (for every expert rank) or "
+                      "one per expert rank ({}) (see --help)",
+                      cache->size(), expert_ranks),
+          2);
+    }
+  }
   auto rep = MakePlan(*loads, *current, f.expert_bytes, o);
   if (!rep.ok()) return Fail(rep.status().ToString(), 2);
   return FinishPlan(PlanToProto(*rep), f);
@@ -178,11 +227,17 @@ void AddPlanCommand(CLI::App& placement, Session& s) {
   plan->add_option("--nodes", f->planner.nodes, "Nodes the expert ranks span (default 1)");
   plan->add_option("--out", f->out, "Write the planned placement JSON to FILE");
   plan->add_flag("--json", f->json, "Print JSON");
-  plan->add_option("--loads", f->loads_path, "Plan offline from this load matrix (JSON)");
+  CLI::Option* loads =
+      plan->add_option("--loads", f->loads_path, "Plan offline from this load matrix (JSON)");
   plan->add_option("--placement", f->placement_path, "Offline: the current placement JSON");
   plan->add_option("--ranks", f->ranks, "Offline, without --placement: ranks (linear placement)");
   plan->add_option("--routers", f->routers, "Offline, with --ranks: router ranks")->default_val(1);
   plan->add_option("--expert-bytes", f->expert_bytes, "Offline: bytes of one expert's weights");
+  plan->add_option("--cache-experts", f->cache_experts,
+                   "Offline: experts of each layer each expert rank's cache holds (one value for "
+                   "every rank, or one per expert rank; 0: no cache)")
+      ->check(kCacheExperts)
+      ->needs(loads);
   plan->callback([&s, f] { s.rc = RunPlan(s, *f); });
 }
 

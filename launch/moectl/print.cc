@@ -103,14 +103,22 @@ void PrintPlan(const v1::PlanResponse& p) {
       "plan (%s policy, %d slots per expert rank%s): a dry run, nothing changed\n",
       p.policy().c_str(), p.slots_per_rank(),
       p.window_s() > 0 ? fmt::format(", loads of the last {:.0f} s", p.window_s()).c_str() : "");
-  std::printf("%-6s %12s %10s %10s %8s %12s\n", "layer", "assignments", "balanced", "planned",
-              "copies", "bytes");
+  // The predicted expert-cache hit rates, where any expert rank has a cache.
+  bool cache = false;
+  for (const auto& l : p.layers()) {
+    cache = cache || l.hit_rate_before() != 1.0 || l.hit_rate_after() != 1.0;
+  }
+  std::printf("%-6s %12s %10s %10s %8s %12s%s\n", "layer", "assignments", "balanced", "planned",
+              "copies", "bytes",
+              cache ? fmt::format(" {:>9} {:>11}", "hit_rate", "planned_hit").c_str() : "");
   for (const auto& l : p.layers()) {
     std::printf(
-        "%-6d %12llu %10.3f %10.3f %8d %12s\n", l.layer(),
+        "%-6d %12llu %10.3f %10.3f %8d %12s%s\n", l.layer(),
         static_cast<unsigned long long>(l.load()), l.balancedness_before(), l.balancedness_after(),
         l.experts_to_load(),
-        fmt::format("{:.1f} MiB", static_cast<double>(l.bytes_to_move()) / (1 << 20)).c_str());
+        fmt::format("{:.1f} MiB", static_cast<double>(l.bytes_to_move()) / (1 << 20)).c_str(),
+        cache ? fmt::format(" {:9.3f} {:11.3f}", l.hit_rate_before(), l.hit_rate_after()).c_str()
+              : "");
   }
   if (!p.note().empty()) std::printf("note: %s\n", p.note().c_str());
 }

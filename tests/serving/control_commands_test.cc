@@ -1,7 +1,7 @@
 // moectl's commands that change a job (placement apply / import / progress, rebalance, expert
 // update / status / promote / rollback) against a real ControlEndpoint whose provider is a small
 // in-test state machine: what reaches the provider, --wait, --json and the exit codes (0 ok, 1
-// refused or failed, 2 bad usage).
+// refused or failed, 2 bad usage). And placement plan offline (--loads) with --cache-experts.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -472,6 +472,62 @@ TEST_F(ControlCommandsTest, CommandsNotOfferedAreRefused) {
     EXPECT_NE(r.output.find("refused: invalid_argument: "), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("not offered"), std::string::npos) << r.output;
   }
+}
+
+// placement plan offline (--loads, no job) with expert caches: --cache-experts N (every expert
+// rank) or one value per expert rank, and the predicted hit rates it prints.
+class OfflinePlanTest : public ::testing::Test {
+ protected:
+  ProcessResult Plan(std::vector<std::string> extra) {
+    const std::string loads = dir_.File("loads.json");
+    // 9 experts over 3 expert ranks: the plain plan puts the two hottest (0 and 6) on one rank.
+    WriteFile(loads, R"({"layers": {"0": [10, 8, 9, 0, 7, 8, 10, 1, 7]}})");
+    std::vector<std::string> argv = {MOECTL_BIN, "placement", "plan", "--loads",
+                                     loads,      "--ranks",   "4"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunProcess(argv, 60);
+  }
+  TempDir dir_;
+};
+
+TEST_F(OfflinePlanTest, CacheExpertsShowTheHitRate) {
+  ProcessResult r = Plan({"--cache-experts", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("hit_rate"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("0.467"), std::string::npos) << r.output;  // 28 of 60 resident
+  r = Plan({"--cache-experts", "1,1,1", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_NEAR(j["layers"][0]["hit_rate_before"].get<double>(), 28.0 / 60, 1e-9);
+  EXPECT_NEAR(j["layers"][0]["hit_rate_after"].get<double>(), 28.0 / 60, 1e-9);
+  // Without caches: no hit rate columns, and 1 in the JSON.
+  r = Plan({});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("hit_rate"), std::string::npos) << r.output;
+  r = Plan({"--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["layers"][0]["hit_rate_after"].get<double>(), 1.0);
+}
+
+TEST_F(OfflinePlanTest, BadCacheExpertsExit2WithOneLine) {
+  for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
+           {"--cache-experts", "-1"},
+           {"--cache-experts", "two"},
+           {"--cache-experts", "1,,1"},
+           {"--cache-experts", "1,1"},  // 3 expert ranks: one value or three
+       }) {
+    ProcessResult r = Plan(extra);
+    EXPECT_EQ(r.exit_code, 2) << extra[1] << ": " << r.output;
+    std::string out = r.output;
+    while (!out.empty() && out.back() == '\n') out.pop_back();
+    EXPECT_EQ(out.find('\n'), std::string::npos) << "more than one line:\n" << r.output;
+    EXPECT_EQ(out.rfind("moectl: ", 0), 0u) << r.output;
+    EXPECT_NE(out.find("--cache-experts"), std::string::npos) << r.output;
+  }
+  // The flag is for the offline form only (with --loads).
+  ProcessResult r = RunProcess({MOECTL_BIN, "placement", "plan", "--cache-experts", "1"}, 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--loads"), std::string::npos) << r.output;
 }
 
 }  // namespace

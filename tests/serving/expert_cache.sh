@@ -55,6 +55,9 @@ sleep 1.5  # a probe round: the routers' view of the expert ranks' counters
 "$MOECTL" --target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token" status \
   >"$WORK/status.txt" || fail "moectl status"
 grep -q "expert cache:" "$WORK/status.txt" || fail "moectl status shows no expert cache"
+# The planner knows each rank's cache: the plan reports the predicted hit rate before and after.
+"$MOECTL" --target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token" placement plan --redundant 1 --json \
+  >"$WORK/plan.json" || fail "moectl placement plan --json"
 for r in 1 2 3; do
   curl -s "http://127.0.0.1:$((PORT + 200 + r))/metrics" >"$WORK/metrics.$r" ||
     fail "metrics of rank $r"
@@ -76,6 +79,10 @@ for rank, c in caches.items():
     assert int(c.get("hits", 0)) + int(c.get("misses", 0)) > 0, c
     assert c.get("hosted_experts", 0) >= 10, c
     assert 1 <= c.get("resident_experts", 0) <= 3, c
+p = json.load(open(f"{w}/plan.json"))
+for l in p["layers"]:
+    # 2 of ~11 hosted experts resident: both well under 1 (1 would mean no cache was seen)
+    assert 0 < l["hit_rate_before"] < 1 and 0 < l["hit_rate_after"] < 1, l
 series = {}
 for r in (1, 2, 3):
     for line in open(f"{w}/metrics.{r}"):
@@ -91,6 +98,7 @@ assert all(v <= budget for v in series["moerun_expert_cache_resident_bytes"]), s
 hits = sum(series["moerun_expert_cache_hits_total"])
 misses = sum(series["moerun_expert_cache_misses_total"])
 print(json.dumps({"verified": b["verified"], "tokens_per_s": round(b["tokens_per_s"], 1),
+                  "plan_hit_rate": [p["layers"][0]["hit_rate_before"], p["layers"][0]["hit_rate_after"]],
                   "hit_rate": round(hits / (hits + misses), 3), "misses": misses}))
 PY
 
