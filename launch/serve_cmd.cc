@@ -252,6 +252,11 @@ int RunServe(const ServeFlags& f) {
   auto options = JobOptionsFor(c);
   if (!options.ok()) return FailWith(options.status());
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
+  if (f.dev.device == "cuda" && c.expert_cache_mib > 0) {
+    return FailWith(Status::InvalidArgument(
+        "the expert cache (expert_cache_mib) is not available with --device cuda yet: the device "
+        "holds a copy of every hosted expert made at start"));
+  }
   if (f.dev.device == "cuda") {  // before anything starts: no GPU is a clear error, exit 2
     if (auto probe = RequireCuda(); !probe.ok()) return FailWith(probe.status());
   }

@@ -120,4 +120,10 @@ bad "pinned experts over the budget" "pinned experts" "expert_cache_mib: 10" \
 bad "an unknown policy" "expert_cache_policy" "expert_cache_mib: 24" "expert_cache_policy: fifo"
 bad "a pinned expert that is not one" "not an expert of the model" "expert_cache_mib: 24" \
   "expert_cache_pinned: [99]"
+printf '%s\n' "preset: {name: qwen3-30b-a3b, seed: 3, experts: 32, dtype: bf16}" \
+  "transport: inproc" "ranks: 4" "expert_cache_mib: 24" >"$WORK/cuda.yaml"
+timeout 60 "$MOERUN" serve --config "$WORK/cuda.yaml" --device cuda >"$WORK/bad.log" 2>&1
+rc=$?
+[[ $rc -eq 2 ]] && grep -q "not available with --device cuda" "$WORK/bad.log" ||
+  fail "a cache with --device cuda: exit $rc: $(tail -3 "$WORK/bad.log")"
 echo "expert cache: OK"
