@@ -7,13 +7,14 @@
 #
 #   scripts/bench-expert-cache.sh [--preset qwen3-30b-a3b] [--experts 128] [--dtype bf16]
 #       [--skew 1.0] [--budgets 10,25,50,100] [--policies lfu] [--ranks 4] [--duration 10]
-#       [--concurrency 4] [--tokens 1] [--spill DIR|none] [--placement round_robin] [--bin build/bin]
+#       [--concurrency 4] [--tokens 1] [--spill DIR|none] [--placement round_robin] [--loaders 2]
+#       [--bin build/bin]
 #
 # Needs mpirun, curl and python3. Every job it starts is stopped on exit, whatever happens.
 set -euo pipefail
 
 preset=qwen3-30b-a3b experts=128 dtype=bf16 skew=1.0 budgets=10,25,50,100 policies=lfu
-ranks=4 duration=10 concurrency=4 tokens=1 spill="" placement=round_robin bin=build/bin
+ranks=4 duration=10 concurrency=4 tokens=1 spill="" placement=round_robin bin=build/bin loaders=2
 port=5790 metrics=9790
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,6 +31,7 @@ while [ $# -gt 0 ]; do
     --spill) spill=$2; shift 2 ;;
     --placement) placement=$2; shift 2 ;;
     --bin) bin=$2; shift 2 ;;
+    --loaders) loaders=$2; shift 2 ;;
     *) echo "bench-expert-cache.sh: unknown argument '$1' (see the comment at the top)" >&2; exit 2 ;;
   esac
 done
@@ -56,6 +58,7 @@ preset:
 layers: [0]
 routers: 1
 placement: $placement
+expert_cache_loaders: $loaders
 microbatch_tokens: 0
 deadline_ms: 30000
 batching:
