@@ -133,8 +133,17 @@ void ExpertRank::DropRouter(int r, const Status& why) {
     if (q->valid()) (void)t_->Cancel(*q);  // sends too: only a backend that can tell withdraws
     *q = Request{};
   }
+  if (rs.have_ahead && rs.ahead_needed) {
+    // The experts its next header asked the cache for are not needed any more.
+    EpHeaderFixed h;
+    std::memcpy(&h, rs.ahead.data(), sizeof h);
+    const EpEntry* entries = HeaderEntries(rs.ahead.data());
+    for (int i = 0; i < h.slots; ++i) {
+      if (entries[i].rows > 0) control_.cache()->Done(h.layer, entries[i].expert);
+    }
+  }
   rs.have_ahead = false;
-  rs.ahead_needed = false;  // (held experts stay held: the rank serves no more of this router)
+  rs.ahead_needed = false;
   rs.pre = -1;
   rs.done = true;
 }
