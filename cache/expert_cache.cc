@@ -89,6 +89,8 @@ size_t ExpertCache::Bytes(int layer) const {
 }
 
 void ExpertCache::Publish() {
+  if (!dirty_) return;  // (Poll runs in the rank's idle loop: no scan unless something changed)
+  dirty_ = false;
   uint64_t resident = 0, hosted = 0;
   for (const auto& [layer, ents] : entries_) {
     for (const Entry& e : ents) {
@@ -104,6 +106,7 @@ void ExpertCache::Publish() {
 void ExpertCache::Host(int layer, int expert, bool on) {
   Entry* e = Find(layer, expert);
   if (e == nullptr) return;
+  dirty_ = true;
   e->hosted = on;
   if (!on) {
     e->pinned = false;
@@ -130,6 +133,7 @@ void ExpertCache::Resized(int layer, int expert) {
   Entry* e = Find(layer, expert);
   if (e == nullptr) return;
   const ExpertWeights& w = (*layers_.at(layer))[static_cast<size_t>(expert)];
+  dirty_ = true;
   resident_bytes_ -= e->bytes;
   e->bytes = w.w13.empty() ? 0 : w.bytes();
   resident_bytes_ += e->bytes;
@@ -216,6 +220,7 @@ void ExpertCache::Evict(int layer, int expert, Entry& e) {
     if (spare_.size() < static_cast<size_t>(opts_.loaders)) spare_.push_back(std::move(w));
   }
   w = ExpertWeights{};
+  dirty_ = true;
   resident_bytes_ -= e.bytes;
   e.bytes = 0;
   e.state = State::kCold;
@@ -264,6 +269,7 @@ void ExpertCache::Install(Finished& d) {
   }
   ExpertWeights& slot = (*layers_.at(d.layer))[static_cast<size_t>(d.expert)];
   slot = std::move(*d.weights);
+  dirty_ = true;
   e->bytes = slot.bytes();
   e->state = State::kResident;
   expert_bytes_[d.layer] = e->bytes;

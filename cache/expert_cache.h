@@ -178,6 +178,7 @@ class ExpertCache {
   size_t inflight_bytes_ = 0;
   int inflight_ = 0;
   bool warned_over_ = false;
+  bool dirty_ = true;  // the published counts are out of date
   std::shared_ptr<ExpertCacheStats> stats_ = std::make_shared<ExpertCacheStats>();
 
   // The loaders' queue and results.
