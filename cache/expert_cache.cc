@@ -83,9 +83,8 @@ size_t ExpertCache::expert_bytes(int layer) const {
 
 size_t ExpertCache::Bytes(int layer) const {
   const size_t b = expert_bytes(layer);
-  if (b > 0) return b;
-  for (const auto& [l, bytes] : expert_bytes_) return bytes;  // layers share the shape
-  return 0;
+  if (b > 0 || expert_bytes_.empty()) return b;
+  return expert_bytes_.begin()->second;  // layers share the shape
 }
 
 void ExpertCache::Publish() {

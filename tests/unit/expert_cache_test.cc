@@ -10,7 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
-#include <random>
+#include <functional>
 #include <thread>
 
 #include "cache/spill_file.h"
@@ -84,6 +84,15 @@ struct Fixture {
     for (int e : list) cache->Done(0, e);
     ASSERT_TRUE(cache->Poll().ok());
   }
+  // Polls (and waits for loads) while `busy` holds, at most 20 s; every Poll must succeed.
+  void PollWhile(const std::function<bool()>& busy) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (busy() && std::chrono::steady_clock::now() < until) {
+      ASSERT_TRUE(cache->Poll().ok());
+      cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+    }
+    ASSERT_TRUE(cache->Poll().ok());
+  }
   int Resident() const {
     int n = 0;
     for (int e = 0; e < 8; ++e) n += cache->resident(0, e);
@@ -155,11 +164,7 @@ TEST(ExpertCacheTest, HeldExpertsStayAndTheBudgetComesBackAfter) {
   // One microbatch needs 4 experts with room for 2: all 4 are resident while it runs.
   f.cache->Tick();
   for (int e = 0; e < 4; ++e) f.cache->Need(0, e);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (f.Resident() < 4 && std::chrono::steady_clock::now() < until) {
-    ASSERT_TRUE(f.cache->Poll().ok());
-    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
-  }
+  f.PollWhile([&] { return f.Resident() < 4; });
   EXPECT_EQ(f.Resident(), 4);
   for (int e = 0; e < 4; ++e) f.cache->Done(0, e);
   ASSERT_TRUE(f.cache->Poll().ok());
@@ -172,11 +177,7 @@ TEST(ExpertCacheTest, WarmLoadsOnlyIntoRoomNobodyUses) {
   f.Microbatch({0});
   f.Microbatch({1});
   f.cache->Warm(0, {4, 5, 6});  // room for one more: 4 loads; nothing is evicted for 5 and 6
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (f.cache->Loading(0, {4, 5, 6}) && std::chrono::steady_clock::now() < until) {
-    ASSERT_TRUE(f.cache->Poll().ok());
-    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
-  }
+  f.PollWhile([&] { return f.cache->Loading(0, {4, 5, 6}); });
   EXPECT_FALSE(f.cache->Loading(0, {4, 5, 6}));
   EXPECT_TRUE(f.cache->resident(0, 0));
   EXPECT_TRUE(f.cache->resident(0, 1));
@@ -190,11 +191,7 @@ TEST(ExpertCacheTest, AFailedLoadNamesTheExpertAndTheReason) {
   f.fail_expert = 3;
   f.cache->Tick();
   f.cache->Need(0, 3);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (f.cache->Failed(0, 3).ok() && std::chrono::steady_clock::now() < until) {
-    ASSERT_TRUE(f.cache->Poll().ok());
-    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
-  }
+  f.PollWhile([&] { return f.cache->Failed(0, 3).ok(); });
   const Status s = f.cache->Failed(0, 3);
   EXPECT_EQ(s.code(), StatusCode::kIoError);
   EXPECT_NE(s.ToString().find("layer 0 expert 3"), std::string::npos) << s.ToString();
@@ -232,11 +229,7 @@ TEST(ExpertCacheTest, ReleasedWhileLoadingIsDropped) {
   f.cache->Done(0, 6);
   f.cache->Host(0, 6, false);
   f.slow = false;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (f.cache->Loading(0, {6}) && std::chrono::steady_clock::now() < until) {
-    f.cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
-    ASSERT_TRUE(f.cache->Poll().ok());
-  }
+  f.PollWhile([&] { return f.cache->Loading(0, {6}); });
   EXPECT_FALSE(f.cache->resident(0, 6));
   EXPECT_FALSE(f.cache->hosted(0, 6));
   EXPECT_TRUE(f.experts[6].w13.empty());
@@ -279,13 +272,6 @@ TEST(ExpertCacheTest, PolicyNames) {
 
 // Whole jobs: 1 router and 3 expert ranks as threads; each expert rank hosts ~5 of the fixture's
 // 16 experts with a cache of `budget` of them.
-std::vector<float> Input(int64_t tokens, int64_t hidden, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(tokens * hidden));
-  for (float& v : x) v = d(rng);
-  return x;
-}
 
 void ServeCached(const std::string& model_dir, size_t budget_bytes, const std::string& spill,
                  const std::function<void()>& midway = nullptr) {
@@ -303,7 +289,7 @@ void ServeCached(const std::string& model_dir, size_t budget_bytes, const std::s
     for (int b = 0; b < 24; ++b) {
       if (b == 12 && midway) midway();
       const int64_t tokens = 1 + b % 5;
-      const std::vector<float> x = Input(tokens, hidden, static_cast<uint32_t>(b));
+      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(b));
       std::vector<float> want(x.size()), got(x.size());
       MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
       MOERUN_RETURN_IF_ERROR(router.Forward(0, x.data(), tokens, got.data()));
