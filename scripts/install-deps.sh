@@ -17,7 +17,8 @@ want=(
 )
 if [[ "${1:-}" == "--test" ]]; then
   want+=(clang libclang-rt-14-dev clang-format iproute2 prometheus curl python3-pytest
-    python3-venv python3-pip)
+    python3-venv python3-pip
+    slurm-wlm)
 fi
 
 missing=()
