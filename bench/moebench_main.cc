@@ -13,6 +13,7 @@
 #include "bench/transport_bench.h"
 #include "launch/cli_options.h"
 #include "launch/job_launch.h"
+#include "launch/layer_flags.h"
 
 int main(int argc, char** argv) {
   try {
@@ -97,6 +98,17 @@ int main(int argc, char** argv) {
     transport->add_flag("--no-layer{false}", tf.layer, "Skip the whole-layer timing");
     transport->add_flag("--json", tf.json, "Print the JSON report on rank 0's stdout");
     moerun::AddLaunchFlags(transport, &tf.launch);
+    // As for serve below: what the flags alone say is wrong fails the parse (one line, exit 2).
+    layer->callback([&lf] {
+      if (const moerun::Status s = moerun::ValidateLayerFlags(lf.layer); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+    transport->callback([&tf] {
+      if (const moerun::Status s = moerun::ValidateLaunchFlags(tf.launch); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
 
     moerun::bench::ServeBenchFlags sf;
     CLI::App* serve = app.add_subcommand(
@@ -136,6 +148,13 @@ int main(int argc, char** argv) {
         ->default_val("f32");
     serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
+    // The flags' combinations are checked while parsing, so that a bad one ends as any bad
+    // command line does (one line, exit 2) before anything connects.
+    serve->callback([&sf] {
+      if (const moerun::Status s = moerun::bench::Validate(sf); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
 
     std::string shapes;
     int threads = 0;
@@ -164,8 +183,8 @@ int main(int argc, char** argv) {
           if (used != item.size()) throw std::invalid_argument(item);
           lf.tokens.push_back(v);
         } catch (const std::exception&) {
-          spdlog::error("--tokens: '{}' is not a number", item);
-          return 2;
+          return moerun::ExitForParseError(
+              app, CLI::ValidationError("--tokens: '" + item + "' is not a number"));
         }
       }
       return moerun::bench::RunLayerBench(lf);

@@ -404,6 +404,8 @@ double Percentile(const std::vector<double>& sorted, double q) {
   return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
 }
 
+}  // namespace
+
 Status Validate(const ServeBenchFlags& f) {
   const auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (f.target.empty()) return bad("--target HOST:PORT is required");
@@ -442,6 +444,8 @@ Status Validate(const ServeBenchFlags& f) {
   }
   return ValidateLayerFlags(f.layer);
 }
+
+namespace {
 
 // The request bodies, and with --verify the local layer's answers (hidden from the layer).
 Status BuildWorkload(const ServeBenchFlags& f, Workload* w) {

@@ -41,5 +41,7 @@ struct ServeBenchFlags {
 };
 
 int RunServeBench(const ServeBenchFlags& f);
+// The flags' own checks (ranges, combinations), no I/O; RunServeBench checks them too.
+Status Validate(const ServeBenchFlags& f);
 
 }  // namespace moerun::bench

@@ -303,6 +303,14 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
                   "(exit 3 if above --tolerance)");
   cmd->add_option("--tolerance", flags->tolerance, "for --check")->default_val(1e-5);
   AddLaunchFlags(cmd, &flags->launch);
+  // What the flags alone say is wrong ends as any bad command line (one line, exit 2).
+  cmd->callback([flags] {
+    Status s = ValidateDeviceFlags(flags->dev);
+    if (s.ok()) s = ValidateLayerFlags(flags->layer);
+    if (s.ok()) s = ValidateLaunchFlags(flags->launch);
+    if (s.ok()) s = ParseWeightDType(flags->layer.dtype).status();
+    if (!s.ok()) throw CLI::ValidationError(s.message());
+  });
   return [flags, cmd]() -> int {
     if (!cmd->parsed()) return -1;
     return RunForward(*flags);

@@ -1,6 +1,7 @@
 #include "launch/job_launch.h"
 
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
@@ -27,18 +28,39 @@ void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
       ->default_val(30000);
 }
 
-Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
-  std::unique_ptr<JobLaunch> j(new JobLaunch());
-  j->flags_ = flags;
-  j->transport_ =
-      flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc") : flags.transport;
+Status ValidateLaunchFlags(const LaunchFlags& flags) {
+  const std::string& t = flags.transport;
+  if (!t.empty() && t != "mpi" && t != "ucx" && t != "inproc") {
+    return Status::InvalidArgument("--transport must be mpi, ucx or inproc, not '" + t + "'");
+  }
   if (flags.routers < 1) return Status::InvalidArgument("--routers must be at least 1");
+  const bool inproc = t == "inproc" || (t.empty() && !LaunchedByMpiLauncher());
+  if (inproc && (flags.ranks < 1 || flags.ranks > 256)) {
+    return Status::InvalidArgument("--ranks must be in 1..256");
+  }
   if (flags.microbatch_tokens < 0) {
     return Status::InvalidArgument("--microbatch-tokens must not be negative");
   }
   if (flags.deadline_ms <= 0 || flags.deadline_ms > 86400000) {
     return Status::InvalidArgument("--deadline-ms must be in 1..86400000");
   }
+  const std::string& p = flags.placement;
+  std::error_code ec;
+  if (p != "linear" && p != "round_robin" && !std::filesystem::is_regular_file(p, ec)) {
+    return Status::InvalidArgument(
+        "--placement must be linear, round_robin or a placement "
+        "JSON file; '" +
+        p + "' is none of them (no such file)");
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
+  std::unique_ptr<JobLaunch> j(new JobLaunch());
+  j->flags_ = flags;
+  j->transport_ =
+      flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc") : flags.transport;
+  MOERUN_RETURN_IF_ERROR(ValidateLaunchFlags(flags));
   if (j->transport_ == "mpi" || j->transport_ == "ucx") {
     if (j->transport_ == "ucx" && !LaunchedByMpiLauncher()) {
       return Status::InvalidArgument(

@@ -27,6 +27,10 @@ struct LaunchFlags {
 // Adds --transport, --ranks, --routers, --placement, --microbatch-tokens, --deadline-ms.
 void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f);
 
+// The flags' own checks (names, ranges; --placement names linear, round_robin or an existing
+// file), no transport started: the commands run it while parsing, JobLaunch::Create again.
+Status ValidateLaunchFlags(const LaunchFlags& flags);
+
 // JobOptions::ep, the routers, the placement and the start-up timeout from launch flags.
 void FillJobOptions(const LaunchFlags& flags, JobOptions* options);
 

@@ -39,6 +39,9 @@ Status ValidateLayerFlags(const LayerFlags& f) {
   if (f.gate_skew > 0 && !f.model.empty()) {
     return Status::InvalidArgument("--gate-skew applies to presets, not to --model checkpoints");
   }
+  if (!f.isa.empty() && !ParseIsa(f.isa)) {
+    return Status::InvalidArgument("--isa must be scalar, avx2 or avx512, not '" + f.isa + "'");
+  }
   return Status::Ok();
 }
 

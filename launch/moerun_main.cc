@@ -58,8 +58,8 @@ int main(int argc, char** argv) {
     }
     if (const int rc = forward(); rc >= 0) return rc;
     if (const int rc = serve(); rc >= 0) return rc;
-    std::fprintf(stderr, "%s", app.help().c_str());
-    return 2;
+    // No subcommand: one line, as every other bad command line.
+    return moerun::ExitForParseError(app, CLI::RequiredError("A subcommand (forward or serve)"));
   } catch (const std::bad_alloc&) {
     spdlog::error("out of memory");
     return 1;

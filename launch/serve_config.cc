@@ -252,7 +252,15 @@ Result<ServeConfig> LoadServeConfig(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   if (ss.str().size() > (1u << 20)) return Status::InvalidArgument(path + ": too large");
-  return ParseServeConfig(ss.str(), path, fs::path(path).parent_path().string());
+  MOERUN_ASSIGN_OR_RETURN(ServeConfig c,
+                          ParseServeConfig(ss.str(), path, fs::path(path).parent_path().string()));
+  std::error_code ec;
+  if (c.placement != "linear" && c.placement != "round_robin" &&
+      !fs::is_regular_file(c.placement, ec)) {
+    return Status::InvalidArgument(path + ": placement must be linear, round_robin or a " +
+                                   "placement JSON file; '" + c.placement + "' is not a file");
+  }
+  return c;
 }
 
 }  // namespace moerun
