@@ -15,7 +15,8 @@
 //   lfu: a use count that halves every `half_life` microbatches (exponentially decayed frequency),
 //        ties by recency. Routing is skewed and changes slowly: a cold expert that one microbatch
 //        needed has a count near 1 and leaves first, instead of pushing out a hot one (moebench
-//        cache replays the gate's routing through both policies; see the README's figures).
+//        cache replays the gate's routing through both policies; see docs/operator-guide.md, "the
+//        expert cache").
 //   lru:  the least recently used.
 // Resident bytes stay within the budget, except while the experts held by microbatches in flight
 // need more (then the rank holds exactly those, and says so once in the log). With a spill file,
