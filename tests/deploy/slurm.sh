@@ -226,11 +226,47 @@ assert r["warmup"]["errors"] == 0
 P
 grep -q "shut down cleanly" "$OUTF" || fail "the serve job did not drain (no clean shutdown line)"
 if [[ $TWO == 1 ]]; then
-  grep -q "h2" "$OUTF" || fail "no rank ran on node h2"
+  grep -Eq "^[0-9]+ +expert +h2 " "$OUTF" || fail "moectl status shows no expert rank on node h2"
 fi
 echo "PASS serve job: ready file, moectl status, every answer verified, drained, exit 0"
 
-# 2. The benchmark job.
+# 2. The default mode: serves until cancelled. moectl from here with the ready file's address
+# and token, then `scancel --batch --signal=TERM` drains it (exit 0).
+R2=$WORK/jobs/serve2
+in_ctl env CONFIG="$SRC/configs/tiny.yaml" MOERUN_BIN="$MOERUN" MOECTL_BIN="$MOECTL" \
+  MOERUN_PORT_BASE="$SERVE_BASE" MOERUN_RUN_DIR="$R2" MOERUN_READY_TIMEOUT=120 \
+  sbatch --parsable --time=5 "${NODEARGS[@]}" --output="$WORK/jobs/serve2-%j.out" \
+  "$SRC/deploy/slurm/moerun-serve.sbatch" >"$WORK/jobs/serve2.id" 2>"$WORK/jobs/serve2.err" ||
+  die_slurm "sbatch did not submit the second serve job: $(cat "$WORK/jobs/serve2.err")"
+S2=$(cut -d';' -f1 "$WORK/jobs/serve2.id")
+OUT2=$WORK/jobs/serve2-$S2.out
+for _ in $(seq 240); do
+  [[ -f $R2/ready ]] && break
+  in_ctl squeue -h -j "$S2" 2>/dev/null | grep -q . || { dump_job "$S2" "$OUT2"; fail "job $S2 ended before it was ready"; }
+  sleep 0.5
+done
+[[ -f $R2/ready ]] || { dump_job "$S2" "$OUT2"; fail "job $S2 not ready within 120 s"; }
+ctl=$(sed -n 's/^control=//p' "$R2/ready")
+in_ctl "$MOECTL" --target "$ctl" --token-file "$(sed -n 's/^token_file=//p' "$R2/ready")" status \
+  >"$WORK/jobs/status2" 2>&1 || { dump_job "$S2" "$OUT2"; fail "moectl status against $ctl failed: $(cat "$WORK/jobs/status2")"; }
+grep -q "4 ranks (1 router), placement v1, ready" "$WORK/jobs/status2" ||
+  fail "moectl status from the ready file: $(cat "$WORK/jobs/status2")"
+sleep 1
+in_ctl squeue -h -j "$S2" -o %T | grep -q RUNNING || fail "job $S2 is not running after ready"
+in_ctl scancel --batch --signal=TERM "$S2"
+for _ in $(seq 120); do
+  st=$(in_ctl scontrol show job "$S2" -o 2>/dev/null | grep -o 'JobState=[A-Z]*' || true)
+  [[ $st == JobState=RUNNING || $st == JobState=COMPLETING ]] || break
+  sleep 0.5
+done
+dump_job "$S2" "$OUT2"
+code=$(in_ctl scontrol show job "$S2" -o | grep -o 'ExitCode=[0-9:]*' || true)
+echo "serve job $S2 after scancel --batch --signal=TERM: $st $code"
+[[ $st == JobState=COMPLETED && $code == ExitCode=0:0 ]] || fail "job $S2 did not drain to exit 0: $st $code"
+grep -q "shut down cleanly" "$OUT2" || fail "job $S2: no clean shutdown line"
+echo "PASS serve job until scancel: moectl from the ready file, drained on TERM, exit 0"
+
+# 3. The benchmark job.
 set +e
 in_ctl env MOEBENCH_BIN="$MOEBENCH" MOEBENCH_MODEL="$SRC/tests/data/hf-moe/deepseek_v3" \
   MOEBENCH_TOKENS=1,16 MOEBENCH_OUT="$WORK/jobs/bench" \
