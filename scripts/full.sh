@@ -51,6 +51,7 @@ bash tests/serving/rebalance_restart.sh build/bin/moerun build/bin/moectl build/
 printf '\n==== online migration: expert ranks on namespace hosts behind 50 Mbit/s links ====\n'
 bash tests/serving/migrate_netns.sh build/bin/moerun build/bin/moectl build/bin/moebench 8 ||
   [[ $? == 77 ]]
+printf '\n==== Slurm (tests/deploy/slurm.sh): serve -N 2 across two namespace nodes, verified, drained ====\n'; bash tests/deploy/slurm.sh build/bin/moerun build/bin/moectl build/bin/moebench . --two-nodes
 
 printf '\n==== online migration and a canary expert update over ucx (2 routers) ====\n'
 UCX_TLS=sm,self MOERUN_UCX_PUT_MIN=256 \
