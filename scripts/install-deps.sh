@@ -18,7 +18,7 @@ want=(
 if [[ "${1:-}" == "--test" ]]; then
   want+=(clang libclang-rt-14-dev clang-format iproute2 prometheus curl python3-pytest
     python3-venv python3-pip
-    slurm-wlm)
+    slurm-wlm file)
 fi
 
 missing=()
