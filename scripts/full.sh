@@ -47,6 +47,7 @@ bash tests/serving/serve_e2e.sh build/bin/moerun build/bin/moectl build/bin/moeb
 
 printf '\n==== the planner on skewed traffic (applied by a restart) ====\n'
 bash tests/serving/rebalance_restart.sh build/bin/moerun build/bin/moectl build/bin/moebench 8
+MOERUN_K8S_REQUIRE_CRD=1 bash tests/deploy/k8s_validate.sh build/bin/moerun build/bin/moectl
 
 printf '\n==== online migration: expert ranks on namespace hosts behind 50 Mbit/s links ====\n'
 bash tests/serving/migrate_netns.sh build/bin/moerun build/bin/moectl build/bin/moebench 8 ||

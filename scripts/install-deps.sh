@@ -18,7 +18,19 @@ want=(
 if [[ "${1:-}" == "--test" ]]; then
   want+=(clang libclang-rt-14-dev clang-format iproute2 prometheus curl python3-pytest
     python3-venv python3-pip
-    slurm-wlm file)
+    slurm-wlm file nodejs)
+  # tests/deploy/k8s_validate.sh: npm (unless node brings it) and the Kubernetes schemas from npm,
+  # installed on the way out (also when apt has nothing to do).
+  command -v npm >/dev/null || want+=(npm)
+  k8s_schemas() {
+    [[ $? -eq 0 ]] || return 0
+    NODE_PATH=$(npm root -g) node -e 'require("kubernetes-models/v1");
+      require("@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1")' 2>/dev/null && return 0
+    echo "install-deps: npm install -g kubernetes-models @kubernetes-models/prometheus-operator"
+    $([[ $(id -u) -eq 0 ]] || echo sudo) npm install -g --no-fund --no-audit --loglevel=error \
+      kubernetes-models@4.5.1 @kubernetes-models/prometheus-operator@4.4.4 || exit 1
+  }
+  trap k8s_schemas EXIT
 fi
 
 missing=()
