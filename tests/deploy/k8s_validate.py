@@ -203,10 +203,11 @@ def main():
         v = p["httpGet"]["port"]
         return named.get(v) if isinstance(v, str) else v
 
+    check(rank.get("readinessProbe"), "Worker: readinessProbe missing")
     for probe, path in (("readinessProbe", "/health/ready"), ("livenessProbe", "/health/live"),
                         ("startupProbe", "/health/live")):
         p = rank.get(probe)
-        if check(p and "httpGet" in p, f"Worker: {probe} httpGet missing"):
+        if p and check("httpGet" in p, f"Worker: {probe} must be an httpGet"):
             check(p["httpGet"].get("path") == path, f"Worker: {probe} path {p['httpGet'].get('path')}, want {path}")
             check(probe_port(p) == metrics_port, f"Worker: {probe} port {p['httpGet']['port']}, the config's metrics port is {metrics_port}")
     ann = wt["metadata"].get("annotations", {})

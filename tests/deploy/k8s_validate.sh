@@ -146,7 +146,8 @@ for r in 0 1; do
   port=$((p_metrics + r))
   [[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health/live") == 200 ]] \
     || { echo "FAIL: rank $r /health/live"; exit 1; }
-  curl -s "http://127.0.0.1:$port/metrics" | grep -q '^moerun_' || { echo "FAIL: rank $r /metrics"; exit 1; }
+  curl -s -o "$tmp/metrics" "http://127.0.0.1:$port/metrics" || true
+  grep -q '^moerun_' "$tmp/metrics" || { echo "FAIL: rank $r /metrics"; exit 1; }
   echo "rank $r: /health/live 200, /metrics has moerun_ series (port $port)"
 done
 "$moectl" --target "127.0.0.1:$p_control" --token-file "$tmp/token" status >"$tmp/status.txt" \
