@@ -1,9 +1,9 @@
 #!/usr/bin/python3
 """The checks of deploy/k8s that are moerun's own, and the YAML -> JSON step for the schema check.
 
-  /usr/bin/python3 tests/deploy/k8s_validate.py DIR OUT.json [CRD.yaml CRD_OUT.json]
+  /usr/bin/python3 tests/deploy/k8s_validate.py deploy/k8s/base OUT.json [CRD.yaml CRD_OUT.json]
 
-Reads every *.yaml in DIR (the manifests), writes them as a JSON array of {file, object} for
+Reads every *.yaml in the base (the manifests) and renders DIR/../overlays/* (their JSON patches), writes them as a JSON array of {file, object} for
 tests/deploy/k8s_validate.js, converts the MPIJob CRD if given, and checks that the manifests
 agree with each other and with what moerun expects: the probes and the scrape annotations on
 the config's metrics port, the token file from the Secret with a mode moerun accepts, the
@@ -40,6 +40,71 @@ def port_of(hostport, what):
     return m.group(1), int(m.group(2))
 
 
+def pointer_set(doc, path, op, value):
+    """One JSON-patch (RFC 6902) add or replace on doc."""
+    keys = [k.replace("~1", "/").replace("~0", "~") for k in path.lstrip("/").split("/")]
+    node = doc
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if isinstance(node, list):
+        if op == "add":
+            node.insert(len(node) if last == "-" else int(last), value)
+        else:
+            node[int(last)] = value
+    else:
+        if op == "replace" and last not in node:
+            raise KeyError(f"replace of missing {path}")
+        node[last] = value
+
+
+def render_overlays(base, objects):
+    """What kustomize makes of each ../overlays/*/ on the base: its JSON patches applied. Checks
+    that a GPU limit and MOERUN_DEVICE=cuda go together."""
+    out = []
+    root = os.path.join(base, "..", "overlays")
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        with open(os.path.join(root, name, "kustomization.yaml")) as fh:
+            k = yaml.safe_load(fh)
+        if not check(k.get("resources") == ["../../base"], f"overlays/{name}: resources must be [../../base]"):
+            continue
+        objs = [(f, json.loads(json.dumps(o))) for f, o in objects if f in k_resources(base)]
+        for p in k.get("patches", []):
+            t = p["target"]
+            hit = [o for _, o in objs if o["kind"] == t["kind"] and o["metadata"]["name"] == t.get("name")]
+            check(len(hit) == 1, f"overlays/{name}: patch target {t} matches {len(hit)} objects")
+            for o in hit:
+                for op in yaml.safe_load(p["patch"]):
+                    check(op["op"] in ("add", "replace"), f"overlays/{name}: op {op['op']} (this check knows add, replace)")
+                    try:
+                        pointer_set(o, op["path"], op["op"], op["value"])
+                    except (KeyError, IndexError, ValueError, TypeError) as e:
+                        fail(f"overlays/{name}: {op['path']}: {e}")
+        for f, o in objs:
+            out.append((f"overlays/{name} {f}", o))
+            if o["kind"] != "MPIJob":
+                continue
+            reps = o["spec"]["mpiReplicaSpecs"]
+            gpu = "nvidia.com/gpu" in reps["Worker"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+            env = {e["name"]: e.get("value") for e in reps["Launcher"]["template"]["spec"]["containers"][0].get("env", [])}
+            check(gpu == (env.get("MOERUN_DEVICE") == "cuda"),
+                  f"overlays/{name}: nvidia.com/gpu limit ({gpu}) and MOERUN_DEVICE={env.get('MOERUN_DEVICE')} disagree")
+            print(f"overlays/{name}: MPIJob rendered, GPU {gpu}, MOERUN_DEVICE={env.get('MOERUN_DEVICE')}")
+            ref = os.environ.get("K8S_RENDERED_" + name.upper())
+            if ref:  # kubectl kustomize's output of the same overlay
+                with open(ref) as fh:
+                    theirs = [x for x in yaml.safe_load_all(fh) if x and x["kind"] == "MPIJob"]
+                check(theirs and theirs[0]["spec"] == o["spec"],
+                      f"overlays/{name}: kubectl kustomize renders the MPIJob's spec differently")
+                print(f"overlays/{name}: the same MPIJob spec as kubectl kustomize")
+    return out
+
+
+def k_resources(base):
+    with open(os.path.join(base, "kustomization.yaml")) as fh:
+        return yaml.safe_load(fh).get("resources", [])
+
+
 def main():
     if len(sys.argv) not in (3, 5):
         print("usage: k8s_validate.py DIR OUT.json [CRD.yaml CRD_OUT.json]", file=sys.stderr)
@@ -61,8 +126,9 @@ def main():
                 fail(f"{f}: a document without apiVersion and kind")
                 continue
             objects.append((f, o))
+    rendered = render_overlays(d, objects)
     with open(out, "w") as fh:
-        json.dump([{"file": f, "object": o} for f, o in objects], fh)
+        json.dump([{"file": f, "object": o} for f, o in objects + rendered], fh)
     if len(sys.argv) == 5:
         with open(sys.argv[3]) as fh:
             crds = [x for x in yaml.safe_load_all(fh) if x]
@@ -186,10 +252,12 @@ def main():
     check("--enable-recovery" in cmd, "Launcher: mpirun --enable-recovery (the job outlives a dead rank)")
     forwarded = {cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "-x"}
     lenv = {e["name"] for e in launcher.get("env", [])}
-    check("UCX_TLS" in forwarded and "UCX_TLS" in lenv, "Launcher: UCX_TLS set and forwarded with -x")
+    for v in ("UCX_TLS", "MOERUN_DEVICE"):
+        check(v in forwarded and v in lenv, f"Launcher: {v} set and forwarded with -x")
     script = cmd[-1]
     check(f"--metrics-listen 0.0.0.0:$(({metrics_port} - OMPI_COMM_WORLD_RANK))" in script,
           f"Launcher: each rank must get --metrics-listen 0.0.0.0:$(({metrics_port} - OMPI_COMM_WORLD_RANK))")
+    check('--device "$MOERUN_DEVICE"' in script, 'Launcher: moerun serve --device "$MOERUN_DEVICE"')
     check("--config /etc/moerun/serve.yaml" in script, "Launcher: moerun serve --config /etc/moerun/serve.yaml")
     check(job["spec"].get("sshAuthMountPath", "/root/.ssh").startswith("/home/moerun"),
           "MPIJob: sshAuthMountPath must be the image user's home (/home/moerun/.ssh)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks the Kubernetes manifests in deploy/k8s (ctest k8s_manifests):
+# Checks the Kubernetes manifests in deploy/k8s/base and deploy/k8s/overlays (ctest k8s_manifests):
 #   1. every object against the official schemas (npm kubernetes-models and
 #      @kubernetes-models/prometheus-operator, run by node; the MPIJob's pod templates as core/v1
 #      PodTemplateSpecs and, when the mpi-operator's CRD is at hand, the whole MPIJob against its
@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 moerun=${1:-}
 moectl=${2:-}
-dir=deploy/k8s
+dir=deploy/k8s/base
 tmp=$(mktemp -d)
 pid=""
 cleanup() {
@@ -61,12 +61,21 @@ validate() { # DIR: the own invariants, then the schemas
   return $rc
 }
 
-echo "==== the manifests in $dir ===="
+if command -v kubectl >/dev/null; then  # the overlays as kustomize itself renders them, to compare
+  for o in deploy/k8s/overlays/*/; do
+    n=$(basename "$o")
+    kubectl kustomize "$o" >"$tmp/rendered-$n.yaml"
+    export "K8S_RENDERED_${n^^}=$tmp/rendered-$n.yaml"
+  done
+  kubectl kustomize deploy/k8s >/dev/null
+  echo "kubectl kustomize: deploy/k8s and its overlays build"
+fi
+echo "==== the manifests in $dir and the overlays ===="
 validate "$dir"
 
 echo "==== broken copies must fail ===="
 mkdir "$tmp/bad1" "$tmp/bad2"
-cp "$dir"/*.yaml "$tmp/bad1/"; cp "$dir"/*.yaml "$tmp/bad2/"
+cp "$dir"/*.yaml "$tmp/bad1/"; cp "$dir"/*.yaml "$tmp/bad2/"  # (no overlays next to them)
 sed -i 's|path: /health/ready|path: /healthz|' "$tmp/bad1/mpijob.yaml"
 sed -i 's|containerPort: 5800|containerPort: "5800"|' "$tmp/bad2/mpijob.yaml"
 for b in bad1 bad2; do
@@ -121,6 +130,8 @@ script = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["contain
 port = int(re.search(r"metrics_listen: \S+:(\d+)", cm["data"]["serve.yaml"]).group(1))
 open(f"{tmp}/script", "w").write(script.replace("/etc/moerun/serve.yaml", f"{tmp}/serve.yaml"))
 open(f"{tmp}/probe", "w").write(str(port))
+env = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["env"]
+open(f"{tmp}/device", "w").write(next(e["value"] for e in env if e["name"] == "MOERUN_DEVICE"))
 PY
 manifest_port=$(cat "$tmp/probe")
 # The token as the Secret volume gives it: mode 0440.
@@ -130,7 +141,7 @@ mkdir "$tmp/bin"; ln -s "$moerun" "$tmp/bin/moerun"
 # OMPI_COMM_WORLD_RANK as the rank that makes 9700 - rank the free port here (rank 0 of the
 # inproc job then listens there, rank 1 on the next port).
 echo "script: $(cat "$tmp/script")"
-(cd "$tmp" && PATH="$tmp/bin:$PATH" OMPI_COMM_WORLD_RANK=$((manifest_port - p_metrics)) \
+(cd "$tmp" && PATH="$tmp/bin:$PATH" MOERUN_DEVICE=$(cat "$tmp/device") OMPI_COMM_WORLD_RANK=$((manifest_port - p_metrics)) \
   exec sh -c "$(cat "$tmp/script")") >"$tmp/serve.log" 2>&1 &
 pid=$!
 ready=""
