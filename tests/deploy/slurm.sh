@@ -230,15 +230,16 @@ if [[ $TWO == 1 ]]; then
 fi
 echo "PASS serve job: ready file, moectl status, every answer verified, drained, exit 0"
 
-# 2. The default mode, with 2 routers: serves until cancelled. moectl and a verified client
-# from here with the ready file's addresses and token, then `scancel --batch --signal=TERM`
-# drains it (exit 0).
+# 2. The default mode, with 2 routers (--two-nodes: 3, so that router 2 is on h2): serves until
+# cancelled. moectl and a verified client from here with the ready file's addresses and token,
+# then `scancel --batch --signal=TERM` drains it (exit 0).
 R2=$WORK/jobs/serve2
 MODEL=$SRC/tests/data/hf-moe/deepseek_v3
-sed -e "s|^model:.*|model: $MODEL|" -e 's/^routers:.*/routers: 2/' "$SRC/configs/tiny.yaml" \
-  >"$WORK/jobs/two-routers.yaml"
-grep -q "^routers: 2$" "$WORK/jobs/two-routers.yaml" || fail "could not write a 2-router config"
-in_ctl env CONFIG="$WORK/jobs/two-routers.yaml" MOERUN_BIN="$MOERUN" MOECTL_BIN="$MOECTL" \
+NR=2; [[ $TWO == 1 ]] && NR=3
+sed -e "s|^model:.*|model: $MODEL|" -e "s/^routers:.*/routers: $NR/" "$SRC/configs/tiny.yaml" \
+  >"$WORK/jobs/routers.yaml"
+grep -q "^routers: $NR$" "$WORK/jobs/routers.yaml" || fail "could not write a $NR-router config"
+in_ctl env CONFIG="$WORK/jobs/routers.yaml" MOERUN_BIN="$MOERUN" MOECTL_BIN="$MOECTL" \
   MOERUN_PORT_BASE="$SERVE_BASE" MOERUN_RUN_DIR="$R2" MOERUN_READY_TIMEOUT=120 \
   sbatch --parsable --time=5 "${NODEARGS[@]}" --output="$WORK/jobs/serve2-%j.out" \
   "$SRC/deploy/slurm/moerun-serve.sbatch" >"$WORK/jobs/serve2.id" 2>"$WORK/jobs/serve2.err" ||
@@ -254,11 +255,14 @@ done
 ctl=$(sed -n 's/^control=//p' "$R2/ready")
 in_ctl "$MOECTL" --target "$ctl" --token-file "$(sed -n 's/^token_file=//p' "$R2/ready")" status \
   >"$WORK/jobs/status2" 2>&1 || { dump_job "$S2" "$OUT2"; fail "moectl status against $ctl failed: $(cat "$WORK/jobs/status2")"; }
-grep -q "4 ranks (2 routers), placement v1, ready" "$WORK/jobs/status2" ||
+grep -q "4 ranks ($NR routers), placement v1, ready" "$WORK/jobs/status2" ||
   fail "moectl status from the ready file: $(cat "$WORK/jobs/status2")"
 targets=$(sed -n 's/^routers=//p' "$R2/ready")
-[[ $targets == *:$SERVE_BASE,*:$((SERVE_BASE + 1)) ]] || fail "ready file routers= is not both routers: $targets"
-in_ctl "$MOEBENCH" serve --target "$targets" --concurrency 2 --duration 2 --tokens-per-request 8 \
+want_t=$CTL_ADDR:$SERVE_BASE,$CTL_ADDR:$((SERVE_BASE + 1))
+[[ $TWO == 1 ]] && want_t+=",$IP2:$((SERVE_BASE + 2))"
+[[ $TWO == 1 || $targets == *:$SERVE_BASE,*:$((SERVE_BASE + 1)) ]] &&
+  [[ $TWO == 0 || $targets == "$want_t" ]] || fail "ready file routers=$targets, expected every router ($want_t)"
+in_ctl "$MOEBENCH" serve --target "$targets" --concurrency "$NR" --duration 2 --tokens-per-request 8 \
   --warmup 0.3 --verify --model "$MODEL" --json >"$WORK/jobs/client2.json" 2>"$WORK/jobs/client2.err" ||
   { dump_job "$S2" "$OUT2"; fail "moebench serve --verify against $targets: $(cat "$WORK/jobs/client2.err")"; }
 grep "verified" "$WORK/jobs/client2.err"
@@ -277,7 +281,10 @@ code=$(in_ctl scontrol show job "$S2" -o | grep -o 'ExitCode=[0-9:]*' || true)
 echo "serve job $S2 after scancel --batch --signal=TERM: $st $code"
 [[ $st == JobState=COMPLETED && $code == ExitCode=0:0 ]] || fail "job $S2 did not drain to exit 0: $st $code"
 grep -q "shut down cleanly" "$OUT2" || fail "job $S2: no clean shutdown line"
-echo "PASS serve job (2 routers) until scancel: moectl and verified clients from the ready file, drained on TERM, exit 0"
+for ((i = 0; i < NR; i++)); do
+  grep -Eq "router $i stopping: [1-9][0-9]* batches" "$OUT2" || fail "job $S2: router $i served nothing"
+done
+echo "PASS serve job ($NR routers) until scancel: moectl and verified clients from the ready file, drained on TERM, exit 0"
 
 # 3. The benchmark job.
 set +e
