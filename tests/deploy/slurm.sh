@@ -23,7 +23,8 @@ if [[ $# -ge 5 ]]; then [[ $5 == --two-nodes ]] || usage; TWO=1; fi
 
 fail() { echo "FAIL: $*"; exit 1; }
 for t in slurmctld slurmd sbatch squeue sacct scontrol sinfo srun munged mungekey; do
-  command -v "$t" >/dev/null || [[ -x /usr/sbin/$t ]] ||
+  p=$(command -v "$t" || echo "/usr/sbin/$t")
+  [[ -f $p && -x $p ]] ||
     fail "$t is not installed: Slurm tests need slurm-wlm and munge (scripts/install-deps.sh --test)"
 done
 export PATH=$PATH:/usr/sbin
@@ -155,7 +156,7 @@ export SLURM_CONF=$WORK/slurm.conf
 
 slurm_logs() {
   local f
-  for f in "$WORK"/log/*.log; do echo "--- $f (tail)"; tail -20 "$f"; done
+  for f in "$WORK"/log/*; do [[ -s $f ]] && { echo "--- $f (tail)"; tail -20 "$f"; }; done
 }
 die_slurm() { echo "FAIL: $*"; slurm_logs; exit 1; }
 
