@@ -13,6 +13,40 @@
 #include "serving/serving_endpoint.h"
 
 namespace moerun {
+
+ExpertUpdateMetrics::ExpertUpdateMetrics(MetricsRegistry* metrics) : metrics_(metrics) {
+  const char* help = "Expert weight updates that ended, by result";
+  promoted_ = metrics_->AddCounter("moerun_expert_updates_total", help, {{"result", "promoted"}});
+  rolled_back_ =
+      metrics_->AddCounter("moerun_expert_updates_total", help, {{"result", "rolled_back"}});
+  failed_ = metrics_->AddCounter("moerun_expert_updates_total", help, {{"result", "failed"}});
+}
+
+void ExpertUpdateMetrics::Refresh(const std::vector<ExpertUpdateView>& updates,
+                                  const ExpertUpdateResults& results) {
+  promoted_->Inc(results.promoted - counted_.promoted);
+  rolled_back_->Inc(results.rolled_back - counted_.rolled_back);
+  failed_->Inc(results.failed - counted_.failed);
+  counted_ = results;
+  for (const ExpertUpdateView& u : updates) {
+    PerExpert& e = experts_[{u.layer, u.expert}];
+    if (e.share == nullptr) {
+      const Labels l = {{"layer", std::to_string(u.layer)}, {"expert", std::to_string(u.expert)}};
+      e.share = metrics_->AddGauge(
+          "moerun_expert_update_canary_share",
+          "Share of the expert's rows its new weights compute while in canary (0: none)", l);
+      e.rows = metrics_->AddGauge("moerun_expert_update_rows",
+                                  "Rows the expert computed since its last update began", l);
+      e.canary_rows = metrics_->AddGauge(
+          "moerun_expert_update_canary_rows",
+          "Rows the expert's new weights computed since its last update began", l);
+    }
+    e.share->Set(u.state == "canary" ? u.canary : 0.0);
+    e.rows->Set(static_cast<double>(u.rows));
+    e.canary_rows->Set(static_cast<double>(u.canary_rows));
+  }
+}
+
 namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point t) {
@@ -110,9 +144,12 @@ class RouterServer {
   std::chrono::steady_clock::time_point drain_until_{};
   Counter* batches_ = nullptr;
   Counter* batch_tokens_ = nullptr;
-  Gauge* version_ = nullptr;            // routers with a RouterControl
-  Gauge* migration_running_ = nullptr;  // router 0
-  Gauge* migration_bytes_ = nullptr;    // router 0
+  Gauge* version_ = nullptr;                             // routers with a RouterControl
+  Gauge* migration_running_ = nullptr;                   // router 0
+  Gauge* migration_bytes_ = nullptr;                     // router 0
+  Gauge* migration_to_move_ = nullptr;                   // router 0
+  std::unique_ptr<ExpertUpdateMetrics> update_metrics_;  // router 0
+  std::chrono::steady_clock::time_point updates_refreshed_{};
 };
 
 void RouterServer::StartPlacementControl() {
@@ -130,6 +167,10 @@ void RouterServer::StartPlacementControl() {
       rs_.metrics().AddGauge("moerun_migration_running", "1 while a migration runs");
   migration_bytes_ = rs_.metrics().AddGauge("moerun_migration_bytes_loaded",
                                             "Bytes of expert weights the last migration loaded");
+  migration_to_move_ = rs_.metrics().AddGauge(
+      "moerun_migration_bytes_to_move",
+      "Bytes of expert weights the last migration loads in all (progress: loaded / to move)");
+  update_metrics_ = std::make_unique<ExpertUpdateMetrics>(&rs_.metrics());
 }
 
 Status RouterServer::Start() {
@@ -217,6 +258,14 @@ void RouterServer::Refresh() {
     const MigrationView mv = router_.control()->Progress();
     migration_running_->Set(mv.state == "running" ? 1.0 : 0.0);
     migration_bytes_->Set(static_cast<double>(mv.bytes_loaded));
+    migration_to_move_->Set(static_cast<double>(mv.bytes_to_move));
+    // The updates' views are copied: 5 times a second is plenty for a 1 s scrape.
+    const auto now = std::chrono::steady_clock::now();
+    if (now - updates_refreshed_ >= std::chrono::milliseconds(200)) {
+      updates_refreshed_ = now;
+      RouterControl* rc = router_.control();
+      update_metrics_->Refresh(rc->Updates(), rc->update_results());
+    }
   }
   if (version_ != nullptr) {
     version_->Set(static_cast<double>(router_.control()->placement()->version()));

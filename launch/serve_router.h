@@ -9,12 +9,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "base/metrics.h"
 #include "base/status.h"
 #include "launch/rank_services.h"
 #include "launch/serve_config.h"
+#include "migration/router_control.h"
 #include "ranks/router_rank.h"
 #include "serving/host_port.h"
 
@@ -31,6 +35,35 @@ struct ServeSetup {
   std::string family;
   int ranks = 0;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+};
+
+// Router 0's metrics of the expert weight updates (moectl expert update / promote / rollback):
+//   moerun_expert_updates_total{result="promoted|rolled_back|failed"}  updates that ended so
+//       (registered at 0, so the series exist before the first update)
+//   moerun_expert_update_canary_share{layer,expert}  the share of the expert's rows the new
+//       weights compute while the update is in canary (0 once promoted, rolled back or failed)
+//   moerun_expert_update_rows{layer,expert}, moerun_expert_update_canary_rows{layer,expert}:
+//       rows the expert's ranks computed since its last update began, and those of them the new
+//       weights computed (router 0 asks the ranks once a second while in canary)
+// The per-expert series appear with the expert's first update. Not thread-safe: one thread
+// (router 0's serving loop) calls Refresh.
+class ExpertUpdateMetrics {
+ public:
+  explicit ExpertUpdateMetrics(MetricsRegistry* metrics);
+  void Refresh(const std::vector<ExpertUpdateView>& updates, const ExpertUpdateResults& results);
+
+ private:
+  struct PerExpert {
+    Gauge* share = nullptr;
+    Gauge* rows = nullptr;
+    Gauge* canary_rows = nullptr;
+  };
+  MetricsRegistry* metrics_;
+  Counter* promoted_;
+  Counter* rolled_back_;
+  Counter* failed_;
+  ExpertUpdateResults counted_;
+  std::map<std::pair<int, int>, PerExpert> experts_;
 };
 
 // Serves until `stop` is set (SIGTERM) and the requests in flight are answered (or the drain

@@ -849,6 +849,11 @@ Result<ExpertUpdateView> RouterControl::Act(const std::string& action, int layer
   return u.view;
 }
 
+ExpertUpdateResults RouterControl::update_results() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return update_results_;
+}
+
 std::vector<ExpertUpdateView> RouterControl::Updates() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<ExpertUpdateView> out;
@@ -896,6 +901,7 @@ Status RouterControl::StepUpdates() {
                              st.view.canary * 100);
               } else {
                 st.view.state = "failed";
+                ++update_results_.failed;
                 spdlog::error("layer {} expert {}: update failed: {}", key.first, key.second,
                               st.view.error);
                 for (int d2 : st.view.ranks) {  // those that did load drop their copy
@@ -908,9 +914,11 @@ Status RouterControl::StepUpdates() {
             } else if (action == "promote") {
               st.view.state = st.view.error.empty() ? "promoted" : "failed";
               if (st.view.error.empty()) promoted_[key] = st.view.file;
+              ++(st.view.error.empty() ? update_results_.promoted : update_results_.failed);
               spdlog::info("layer {} expert {}: {}", key.first, key.second, st.view.state);
             } else {
               st.view.state = st.view.error.empty() ? "rolled back" : "failed";
+              ++(st.view.error.empty() ? update_results_.rolled_back : update_results_.failed);
               spdlog::info("layer {} expert {}: {}", key.first, key.second, st.view.state);
             }
           }));

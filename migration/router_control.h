@@ -77,6 +77,12 @@ struct ExpertUpdateView {
   std::string error;
 };
 
+// How the expert updates ended so far (router 0): each update counts once, when it is promoted,
+// rolled back, or fails (loading, promoting or rolling back).
+struct ExpertUpdateResults {
+  uint64_t promoted = 0, rolled_back = 0, failed = 0;
+};
+
 // What router 0 grants a process that joins the job (moerun serve --join).
 struct JoinGrant {
   int rank = -1;  // the dead expert rank it takes over
@@ -133,6 +139,7 @@ class RouterControl {
   // action: promote | rollback. The answer is the state before the action completes.
   Result<ExpertUpdateView> Act(const std::string& action, int layer, int expert);
   std::vector<ExpertUpdateView> Updates() const;
+  ExpertUpdateResults update_results() const;
   // Router 0, any thread: a process outside the job asks to take over a dead expert rank. At
   // the next Poll the lowest dead expert rank that the placement in use no longer holds experts
   // on (its recovery is done) is given the joiner's address on every router, taken back by
@@ -233,6 +240,7 @@ class RouterControl {
   uint64_t recovered_generation_ = 0;                    // the deaths the last recovery covered
   uint64_t recovery_blocked_ = 0;  // the generation whose recovery had to wait (logged)
   uint64_t experts_replaced_ = 0;  // by recovery migrations that are done
+  ExpertUpdateResults update_results_;
   // The recovery migration in progress (0: none), the copies it re-places, and when a failed one
   // is tried again.
   uint64_t recovery_id_ = 0;

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "launch/serve_router.h"
 #include "router/placement.h"
 #include "serving/control_endpoint.h"
 #include "serving/host_port.h"
@@ -528,6 +529,58 @@ TEST_F(OfflinePlanTest, BadCacheExpertsExit2WithOneLine) {
   ProcessResult r = RunProcess({MOECTL_BIN, "placement", "plan", "--cache-experts", "1"}, 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--loads"), std::string::npos) << r.output;
+}
+
+// Router 0's expert update metrics (launch/serve_router.h): the result counters exist at 0, the
+// per-expert series appear with the expert's first update, the canary share is the configured
+// one while in canary and 0 after, and each ended update counts once.
+TEST(ExpertUpdateMetricsTest, CanaryShareRowsAndResults) {
+  MetricsRegistry m;
+  ExpertUpdateMetrics um(&m);
+  std::string text = m.Render();
+  for (const char* r : {"promoted", "rolled_back", "failed"}) {
+    EXPECT_NE(text.find("moerun_expert_updates_total{result=\"" + std::string(r) + "\"} 0"),
+              std::string::npos)
+        << text;
+  }
+  EXPECT_EQ(text.find("moerun_expert_update_canary_share"), std::string::npos) << text;
+  ExpertUpdateView v;
+  v.layer = 2;
+  v.expert = 5;
+  v.canary = 0.25;
+  v.state = "canary";
+  v.rows = 400;
+  v.canary_rows = 101;
+  um.Refresh({v}, {});
+  text = m.Render();
+  EXPECT_NE(text.find("moerun_expert_update_canary_share{layer=\"2\",expert=\"5\"} 0.25"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moerun_expert_update_rows{layer=\"2\",expert=\"5\"} 400"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moerun_expert_update_canary_rows{layer=\"2\",expert=\"5\"} 101"),
+            std::string::npos)
+      << text;
+  v.state = "promoted";
+  um.Refresh({v}, {.promoted = 1});
+  um.Refresh({v}, {.promoted = 1});  // counted once
+  ExpertUpdateView w = v;
+  w.expert = 7;
+  w.state = "failed";
+  um.Refresh({v, w}, {.promoted = 1, .failed = 1});
+  text = m.Render();
+  EXPECT_NE(text.find("moerun_expert_update_canary_share{layer=\"2\",expert=\"5\"} 0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moerun_expert_update_canary_share{layer=\"2\",expert=\"7\"} 0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moerun_expert_updates_total{result=\"promoted\"} 1"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moerun_expert_updates_total{result=\"rolled_back\"} 0"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("moerun_expert_updates_total{result=\"failed\"} 1"), std::string::npos)
+      << text;
 }
 
 }  // namespace
