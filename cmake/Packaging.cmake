@@ -1,6 +1,6 @@
 # install() rules and the CPack Debian package (deploy/PACKAGES.md).
 #   cmake --install build --prefix /opt/moerun     the files below, under any prefix
-#   (cd build && cpack -G DEB)                      build/moerun_<version>_<arch>.deb (prefix /usr)
+#   (cd build && cpack -G DEB)                      ./moerun_<version>_<arch>.deb (prefix /usr)
 # Installing never rebuilds the tree (CMAKE_SKIP_INSTALL_ALL_DEPENDENCY): it copies what is built,
 # so build the targets first (cmake --build build --target moerun moectl moebench moerun_client).
 include(GNUInstallDirs)
@@ -77,5 +77,4 @@ set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)  # moerun_<version>_<arch>.deb
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA
   ${PROJECT_SOURCE_DIR}/deploy/systemd/postinst ${PROJECT_SOURCE_DIR}/deploy/systemd/postrm)
 set(CPACK_DEBIAN_PACKAGE_CONTROL_STRICT_PERMISSION ON)
-set(CPACK_OUTPUT_FILE_PREFIX ${PROJECT_BINARY_DIR})
 include(CPack)
