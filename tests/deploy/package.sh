@@ -4,8 +4,9 @@
 # tree on PATH, the installed files alone are run: moerun --version, moerun forward on the shipped
 # DeepSeek-V3 fixture against its golden output, moectl/moebench --help, a project outside the tree
 # that find_package(moerun)s the client library and sends the golden input to an installed
-# `moerun serve`, and systemd-analyze verify of the unit. The package is purged at the end, even
-# on failure. Last, `cmake --install --prefix` into a temporary folder is checked file by file.
+# `moerun serve` of the unit's /etc/moerun/moerun.yaml, and systemd-analyze verify of the unit.
+# The package is purged at the end, even on failure. Last, `cmake --install --prefix` into a
+# temporary folder is checked file by file, and the consumer is built against that prefix too.
 #   sudo tests/deploy/package.sh [BUILD_DIR]      (default: build; ctest: package_deb)
 # Needs root (dpkg -i), dpkg-dev (dpkg-shlibdeps), and a built BUILD_DIR (moerun moectl moebench).
 set -euo pipefail
@@ -94,7 +95,7 @@ cmake -S "$tmp/consumer" -B "$tmp/consumer-build" -G Ninja -DCMAKE_BUILD_TYPE=Re
   cmake --build "$tmp/consumer-build" >>"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log" >&2; die "the consumer project did not build"; }
 "$tmp/consumer-build/moerun_consumer"
 
-echo "== the consumer against moerun serve (the installed configs/tiny.yaml)"
+echo "== the consumer against moerun serve (the systemd unit's /etc/moerun/moerun.yaml)"
 # Four free ports in a row for the metrics endpoints (rank r: port + r), two more for the rest.
 read -r listen control metrics < <("$py" - <<'PY'
 import random, socket
@@ -112,7 +113,7 @@ while True:
         print(base, base + 1, base + 2); break
 PY
 )
-moerun serve --config /usr/share/moerun/configs/tiny.yaml --transport inproc \
+moerun serve --config /etc/moerun/moerun.yaml --transport inproc \
   --listen "127.0.0.1:$listen" --control-listen "127.0.0.1:$control" \
   --metrics-listen "127.0.0.1:$metrics" --ready-file "$tmp/ready" >"$tmp/serve.log" 2>&1 &
 serve_pid=$!
@@ -130,7 +131,10 @@ kill "$serve_pid"; wait "$serve_pid" 2>/dev/null || true; serve_pid=
 if command -v systemd-analyze >/dev/null; then
   echo "== systemd-analyze verify"
   # Its own man-page lookups (Documentation=) are not what this checks.
-  SYSTEMD_LOG_LEVEL=warning systemd-analyze verify --man=no /usr/lib/systemd/system/moerun.service
+  # Warnings (an unknown key, a typo) fail it too, not only errors.
+  SYSTEMD_LOG_LEVEL=warning systemd-analyze verify --man=no /usr/lib/systemd/system/moerun.service \
+    >"$tmp/verify.log" 2>&1 || { cat "$tmp/verify.log" >&2; die "systemd-analyze verify failed"; }
+  [[ ! -s $tmp/verify.log ]] || { cat "$tmp/verify.log" >&2; die "systemd-analyze verify warned"; }
 fi
 
 echo "== dpkg --purge"
