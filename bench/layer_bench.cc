@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <string>
 
 #include "base/exit_code.h"
 #include "base/log.h"
@@ -17,6 +18,7 @@
 #include "layer/moe_layer.h"
 #include "layer/reference_layer.h"
 #include "model/preset.h"
+#include "plot/svg_plot.h"
 
 namespace moerun::bench {
 
@@ -132,7 +134,48 @@ Result<std::vector<TypedLayer>> LoadTypedLayers(const LayerFlags& flags, const C
 
 }  // namespace
 
+// --plot: per weight type, the time per token (and the sgemm baseline's) and how far above its
+// floor the layer runs, over the token counts (log scale).
+std::string LayerSvg(const json& report, const std::string& isa) {
+  plot::LineChart per_token{"Time per token", "tokens per batch (T)", "\u00b5s per token", {}};
+  plot::LineChart floor{
+      "Layer time \u00f7 its floor (1 = at the floor)", "tokens per batch (T)", "x_floor", {}};
+  per_token.log_x = floor.log_x = true;
+  plot::LineSeries sgemm{"OpenBLAS sgemm, same shape (f32)", {}, {}};
+  std::map<std::string, size_t> at;  // weight type -> its series
+  for (const json& r : report["results"]) {
+    const std::string dt = r["weight_dtype"].get<std::string>();
+    if (!at.count(dt)) {
+      at[dt] = per_token.series.size();
+      per_token.series.push_back({"moerun " + dt, {}, {}});
+      floor.series.push_back({"moerun " + dt, {}, {}});
+    }
+    const double t = r["tokens"].get<double>();
+    per_token.series[at[dt]].x.push_back(t);
+    per_token.series[at[dt]].y.push_back(r["ms"].get<double>() * 1e3 / t);
+    floor.series[at[dt]].x.push_back(t);
+    floor.series[at[dt]].y.push_back(r["x_floor"].get<double>());
+    if (r.contains("sgemm") && at[dt] == 0) {
+      sgemm.x.push_back(t);
+      sgemm.y.push_back(r["sgemm"]["best"]["ms"].get<double>() * 1e3 / t);
+    }
+  }
+  if (!sgemm.x.empty()) per_token.series.push_back(sgemm);
+  plot::LineFigure fig;
+  fig.title = fmt::format("moebench layer ({} kernels): {}, {} experts, top-{}", isa,
+                          report.at("model").get<std::string>(), report.at("experts").get<int>(),
+                          report.at("top_k").get<int>());
+  fig.charts = {per_token, floor};
+  return plot::LineFigureSvg(fig);
+}
+
 int RunLayerBench(const LayerBenchFlags& f) {
+  if (!f.plot.empty()) {
+    if (f.device == "cuda") {
+      return FailWith(Status::InvalidArgument("--plot: only with --device cpu for now"));
+    }
+    if (Status s = plot::CheckSvgPath("--plot", f.plot); !s.ok()) return FailWith(s);
+  }
   if (f.device == "cuda") return RunCudaLayerBench(f);
   if (f.anchors) {
     return FailWith(Status::InvalidArgument(
@@ -307,6 +350,12 @@ int RunLayerBench(const LayerBenchFlags& f) {
   }
   if (f.json) {
     std::printf("%s\n", report.dump(2).c_str());
+  }
+  if (!f.plot.empty()) {
+    if (Status s = plot::WriteSvg(f.plot, LayerSvg(report, IsaName(*isa))); !s.ok()) {
+      return FailWith(s);
+    }
+    std::fprintf(stderr, "layer: plot written to %s\n", f.plot.c_str());
   }
   return 0;
 }

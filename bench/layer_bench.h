@@ -26,6 +26,7 @@ struct LayerBenchFlags {
   int reference_tokens = 2;  // tokens the reference loop runs (its time is scaled to T)
   bool sgemm = true;
   bool json = false;
+  std::string plot;           // --plot FILE.svg: time per token and x_floor over the token counts
   bool tokens_given = false;  // --tokens was on the command line
 
   // --device cuda (bench/cuda_layer_bench.h).

@@ -78,6 +78,8 @@ int main(int argc, char** argv) {
         ->default_val(2);
     layer->add_flag("--no-sgemm{false}", lf.sgemm, "Skip the OpenBLAS baseline");
     layer->add_flag("--json", lf.json, "Print the JSON report on stdout");
+    layer->add_option("--plot", lf.plot,
+                      "Also draw the time per token and x_floor over --tokens: an SVG FILE");
 
     moerun::bench::TransportBenchFlags tf;
     CLI::App* transport = app.add_subcommand(
@@ -148,6 +150,8 @@ int main(int argc, char** argv) {
         ->default_val("f32");
     serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
+    serve->add_option("--plot", sf.plot,
+                      "Also draw latency and throughput per second of the run: an SVG FILE");
     // The flags' combinations are checked while parsing, so that a bad one ends as any bad
     // command line does (one line, exit 2) before anything connects.
     serve->callback([&sf] {

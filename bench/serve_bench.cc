@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include "base/log.h"
 #include "base/thread_pool.h"
 #include "layer/moe_layer.h"
+#include "plot/svg_plot.h"
 #include "serving/failover_client.h"
 #include "serving/frame.h"
 #include "serving/serve_client.h"
@@ -512,8 +514,47 @@ Status BuildWorkload(const ServeBenchFlags& f, Workload* w) {
 
 }  // namespace
 
+// --plot: the per-second timeline (second i: what completed in [i, i+1) s of the measured run,
+// drawn at its middle, i + 0.5): latency above, answers and errors per second below.
+std::string TimelineSvg(const ServeBenchFlags& f, const Workload& w, const json& timeline,
+                        double rps, double tps) {
+  plot::LineChart lat{"Latency of the answers completed in each second",
+                      "time into the run (s)",
+                      "latency (ms)",
+                      {{"p50", {}, {}}, {"p99", {}, {}}, {"max", {}, {}}}};
+  plot::LineChart thr{
+      fmt::format("Throughput: {:.1f} requests/s, {:.0f} tokens/s over the run", rps, tps),
+      "time into the run (s)",
+      "per second",
+      {{"answers", {}, {}}, {"errors", {}, {}}}};
+  for (const json& p : timeline) {
+    const double x = p["t_s"].get<double>() + 0.5;
+    const bool any = p["ok"].get<int64_t>() > 0;
+    const double none = std::numeric_limits<double>::quiet_NaN();  // no answer: no point
+    const char* keys[] = {"p50_ms", "p99_ms", "max_ms"};
+    for (size_t k = 0; k < 3; ++k) {
+      lat.series[k].x.push_back(x);
+      lat.series[k].y.push_back(any ? p[keys[k]].get<double>() : none);
+    }
+    thr.series[0].x.push_back(x);
+    thr.series[0].y.push_back(p["ok"].get<double>());
+    thr.series[1].x.push_back(x);
+    thr.series[1].y.push_back(p["errors"].get<double>());
+  }
+  plot::LineFigure fig;
+  fig.title = fmt::format(
+      "moebench serve {}: {} x{}, {} tokens/request, {}", f.target,
+      f.rate > 0 ? fmt::format("open loop {:g} req/s", f.rate) : std::string("closed loop"),
+      f.concurrency, w.tokens, f.dtype);
+  fig.charts = {lat, thr};
+  return plot::LineFigureSvg(fig);
+}
+
 int RunServeBench(const ServeBenchFlags& f) {
   if (Status s = Validate(f); !s.ok()) return FailWith(s);
+  if (!f.plot.empty()) {
+    if (Status s = plot::CheckSvgPath("--plot", f.plot); !s.ok()) return FailWith(s);
+  }
   Workload w;
   w.targets = *ParseTargets(f.target);  // checked by Validate
   {
@@ -648,6 +689,13 @@ int RunServeBench(const ServeBenchFlags& f) {
       latency["p90"].get<double>(), latency["p99"].get<double>(), latency["max"].get<double>(),
       mean, f.verify ? fmt::format(" | verified {}/{} bitwise", all.verified, all.ok).c_str() : "");
   int rc = 0;
+  if (!f.plot.empty()) {
+    if (Status ps = plot::WriteSvg(f.plot, TimelineSvg(f, w, timeline, rps, tps)); !ps.ok()) {
+      rc = FailWith(ps);
+    } else {
+      std::fprintf(stderr, "serve: plot written to %s\n", f.plot.c_str());
+    }
+  }
   for (const auto& [kind, n] : all.errors) {
     std::fprintf(stderr, "serve: %lld %s errors (first: %s)\n", static_cast<long long>(n),
                  kind.c_str(), all.first_error[kind].c_str());

@@ -10,7 +10,8 @@
 // computed once before the run (the layer is batch-invariant and identical on every ISA).
 // Prints a human summary on stderr and, with --json, a JSON report on stdout (with a per-second
 // "timeline" of answers, errors and latency, and the measured run's start as a Unix time, so that
-// a fault injected at a known time can be read off it). Requests sent
+// a fault injected at a known time can be read off it; --plot FILE.svg draws that timeline:
+// latency p50/p99/max and answers per second). Requests sent
 // during the warmup are left out of the statistics (their errors still fail the run).
 // Exit code: 0 all answers OK (and verified), 1 any error or mismatch, 2 bad flags.
 #pragma once
@@ -38,6 +39,7 @@ struct ServeBenchFlags {
   LayerFlags layer;  // --layer (also the request's layer), and with --verify --model/--preset,
                      // --seed, --experts, --weights-dtype (into layer.dtype)
   bool json = false;
+  std::string plot;  // --plot FILE.svg: latency and throughput per second of the run
 };
 
 int RunServeBench(const ServeBenchFlags& f);

@@ -452,6 +452,9 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
     lp->set_bytes_to_move(l.bytes_to_move);
     lp->set_hit_rate_before(l.hit_rate_before);
     lp->set_hit_rate_after(l.hit_rate_after);
+    for (int rank : l.ranks) lp->add_ranks(rank);
+    for (double v : l.rank_load_before) lp->add_rank_load_before(v);
+    for (double v : l.rank_load_after) lp->add_rank_load_after(v);
   }
   r.set_placement_json(rep.placement_json);
   r.set_note(rep.note);

@@ -143,6 +143,23 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
       for (int e : want) r.experts_to_load += have.count(e) ? 0 : 1;
     }
     r.bytes_to_move = static_cast<int64_t>(r.experts_to_load) * expert_bytes;
+    r.ranks = live;
+    r.rank_load_before.assign(live.size(), 0.0);
+    for (const Slot& s : cur.slots) {
+      const auto e = static_cast<size_t>(s.expert);
+      const auto at = std::find(live.begin(), live.end(), s.rank);
+      if (e >= l.size() || at == live.end()) continue;
+      r.rank_load_before[static_cast<size_t>(at - live.begin())] +=
+          l[e] / static_cast<double>(cur.replicas[e].size());
+    }
+    r.rank_load_after.assign(live.size(), 0.0);
+    for (size_t s = 0; s < maps.phy2log.size(); ++s) {
+      const auto e = static_cast<size_t>(maps.phy2log[s]);
+      if (e < l.size() && s / static_cast<size_t>(per_rank) < live.size()) {
+        r.rank_load_after[s / static_cast<size_t>(per_rank)] +=
+            l[e] / static_cast<double>(maps.logcnt[e]);
+      }
+    }
     report.layers.push_back(r);
     Result<LayerPlacement> lp = ToLayerPlacement(maps, ranks, routers);
     if (!lp.ok()) {

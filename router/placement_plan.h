@@ -45,6 +45,11 @@ struct LayerPlanReport {
   // excluded ones left out). 1 where all loads are 0 or no rank has a cache.
   double hit_rate_before = 1.0;
   double hit_rate_after = 1.0;
+  // The load of each live expert rank (ranks[i], in rank order), each expert's load split evenly
+  // over its replicas: under the current placement and under the plan (what the balancedness
+  // figures are the mean ÷ max of; moectl placement plan --plot draws them).
+  std::vector<int> ranks;
+  std::vector<double> rank_load_before, rank_load_after;
 };
 
 struct PlanReport {

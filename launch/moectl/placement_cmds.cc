@@ -22,6 +22,7 @@
 #include "launch/moectl/commands.h"
 #include "launch/moectl/print.h"
 #include "launch/rank_services.h"
+#include "plot/svg_plot.h"
 #include "router/placement.h"
 #include "router/placement_plan.h"
 
@@ -38,7 +39,8 @@ struct PlannerFlags {
 
 struct PlanFlags {  // placement plan
   PlannerFlags planner;
-  std::string out;  // --out FILE
+  std::string out;   // --out FILE
+  std::string plot;  // --plot FILE.svg
   bool json = false;
   std::string loads_path, placement_path;  // --loads, --placement: offline
   int ranks = 0, routers = 1;
@@ -148,7 +150,34 @@ Result<std::string> ReadUserFile(const std::string& path, const std::string& wha
   return text.str();
 }
 
-// The plan printed (or its JSON), and its placement written to --out FILE.
+// --plot FILE.svg: per layer, each expert rank's load under the current placement and under the
+// plan (one panel per layer, in a grid), the balancedness before -> after in the titles.
+std::string PlanSvg(const v1::PlanResponse& p) {
+  plot::BarGrid g;
+  g.series_names = {"current placement", "plan (predicted)"};
+  g.x_label = "expert rank";
+  g.y_label = "load (assignments)";
+  double before = 0, after = 0;
+  for (const auto& l : p.layers()) {
+    plot::BarPanel panel;
+    panel.title = fmt::format("layer {}: balancedness {:.3f} \u2192 {:.3f}", l.layer(),
+                              l.balancedness_before(), l.balancedness_after());
+    for (int rank : l.ranks()) panel.categories.push_back(std::to_string(rank));
+    panel.values.emplace_back(l.rank_load_before().begin(), l.rank_load_before().end());
+    panel.values.emplace_back(l.rank_load_after().begin(), l.rank_load_after().end());
+    g.panels.push_back(std::move(panel));
+    before += l.balancedness_before();
+    after += l.balancedness_after();
+  }
+  const double n = std::max(1, p.layers_size());
+  g.title = fmt::format(
+      "Load per expert rank, current placement vs plan ({} policy): mean balancedness {:.3f} "
+      "\u2192 {:.3f}",
+      p.policy(), before / n, after / n);
+  return plot::BarGridSvg(g);
+}
+
+// The plan printed (or its JSON), its placement written to --out FILE, its chart to --plot.
 int FinishPlan(const v1::PlanResponse& p, const PlanFlags& f) {
   if (f.json) {
     std::printf("%s\n", Json(p).c_str());
@@ -162,6 +191,11 @@ int FinishPlan(const v1::PlanResponse& p, const PlanFlags& f) {
     out.close();
     if (!out) return Fail("cannot write " + f.out);
     std::fprintf(stderr, "moectl: planned placement written to %s\n", f.out.c_str());
+  }
+  if (!f.plot.empty()) {
+    if (p.layers_size() == 0) return Fail("no plan to plot: " + p.note());
+    if (Status st = plot::WriteSvg(f.plot, PlanSvg(p)); !st.ok()) return Fail(st.message(), 2);
+    std::fprintf(stderr, "moectl: plot written to %s\n", f.plot.c_str());
   }
   return 0;
 }
@@ -206,6 +240,9 @@ int PlanOffline(const PlanFlags& f) {
 }
 
 int RunPlan(const Session& s, const PlanFlags& f) {
+  if (!f.plot.empty()) {
+    if (Status st = plot::CheckSvgPath("--plot", f.plot); !st.ok()) return Fail(st.message(), 2);
+  }
   if (!f.loads_path.empty()) return PlanOffline(f);
   v1::ControlRequest req;
   SetPlanRequest(f.planner, req.mutable_plan());
@@ -226,6 +263,8 @@ void AddPlanCommand(CLI::App& placement, Session& s) {
                    "Expert groups (default: the model's gate groups)");
   plan->add_option("--nodes", f->planner.nodes, "Nodes the expert ranks span (default 1)");
   plan->add_option("--out", f->out, "Write the planned placement JSON to FILE");
+  plan->add_option("--plot", f->plot,
+                   "Also draw each expert rank's load, now and planned, per layer: an SVG FILE");
   plan->add_flag("--json", f->json, "Print JSON");
   CLI::Option* loads =
       plan->add_option("--loads", f->loads_path, "Plan offline from this load matrix (JSON)");
