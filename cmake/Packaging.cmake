@@ -7,8 +7,13 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 set(CMAKE_SKIP_INSTALL_ALL_DEPENDENCY ON)
 
-# The three commands.
-install(TARGETS moerun moectl moebench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# The three commands, copied as built and then stripped of their RUNPATH (they need only the
+# system's libraries; ours are static). Not install(TARGETS): its RPATH_CHANGE insists on the
+# build RPATH of the current build files, and fails on a binary linked before they last changed.
+foreach(cmd moerun moectl moebench)
+  install(PROGRAMS $<TARGET_FILE:${cmd}> DESTINATION ${CMAKE_INSTALL_BINDIR})
+  install(CODE "file(RPATH_REMOVE FILE \"\$ENV{DESTDIR}\${CMAKE_INSTALL_PREFIX}/${CMAKE_INSTALL_BINDIR}/${cmd}\")")
+endforeach()
 
 # The C++ client library: moerun::client (with moerun::proto, moerun::base and the interface target
 # moerun::flags, which it links) and the headers of its public interface, under include/moerun

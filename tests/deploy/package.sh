@@ -74,6 +74,9 @@ cd "$tmp"
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 unset LD_LIBRARY_PATH PYTHONPATH CMAKE_PREFIX_PATH
 [[ $(command -v moerun) == /usr/bin/moerun ]] || die "moerun on PATH is $(command -v moerun)"
+for b in moerun moectl moebench; do
+  if readelf -d "/usr/bin/$b" | grep -Eq 'RUNPATH|RPATH'; then die "/usr/bin/$b has an RPATH"; fi
+done
 
 echo "== moerun --version"
 /usr/bin/moerun --version | tee version.txt
