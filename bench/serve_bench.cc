@@ -521,7 +521,7 @@ std::string TimelineSvg(const ServeBenchFlags& f, const Workload& w, const json&
   plot::LineChart lat{"Latency of the answers completed in each second",
                       "time into the run (s)",
                       "latency (ms)",
-                      {{"p50", {}, {}}, {"p99", {}, {}}, {"max", {}, {}}}};
+                      {{"p50", {}, {}}, {"p99", {}, {}}, {"max", {}, {}, true}}};
   plot::LineChart thr{
       fmt::format("Throughput: {:.1f} requests/s, {:.0f} tokens/s over the run", rps, tps),
       "time into the run (s)",

@@ -91,10 +91,15 @@ void Line(std::string* out, double x1, double y1, double x2, double y2, const ch
 
 // The legend, left to right from (x, y): a swatch and the name per series. Returns its width.
 double Legend(std::string* out, double x, double y, const std::vector<std::string>& names,
-              bool lines) {
+              bool lines, const std::vector<bool>& dashed = {}) {
   const double x0 = x;
   for (size_t i = 0; i < names.size(); ++i) {
-    if (lines) {
+    if (lines && i < dashed.size() && dashed[i]) {
+      *out += fmt::format(
+          "<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"2.5\" "
+          "stroke-dasharray=\"6 4\"/>\n",
+          C(x), C(y - 4), C(x + 18), C(y - 4), Color(i));
+    } else if (lines) {
       Line(out, x, y - 4, x + 18, y - 4, Color(i), 2.5);
     } else {
       *out += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"11\" fill=\"{}\"/>\n",
@@ -182,26 +187,31 @@ std::string BarGridSvg(const BarGrid& g) {
   const size_t n = std::max<size_t>(1, g.panels.size());
   size_t cols = g.columns > 0 ? static_cast<size_t>(g.columns)
                               : static_cast<size_t>(std::ceil(std::sqrt(static_cast<double>(n))));
-  // The title's width (bold 17 px: about 10 px a character; UTF-8 bytes overcount a little).
-  const double title_w = 10.0 * static_cast<double>(g.title.size()) + 40;
+  // The title's width (bold 17 px: about 10 px a character; UTF-8 bytes overcount a little),
+  // the subtitle's (13 px: about 7.5).
+  const double title_w = std::max(10.0 * static_cast<double>(g.title.size()),
+                                  7.5 * static_cast<double>(g.subtitle.size())) +
+                         40;
   if (g.columns <= 0) {
     cols = std::max<size_t>(1, std::min(cols, static_cast<size_t>(1800 / panel_w)));
-    // A figure as wide as its title anyway: as many panels per row as fill it.
-    cols = std::max(cols, static_cast<size_t>((title_w - 20) / panel_w));
   }
   cols = std::min(cols, n);
   const size_t rows = (n + cols - 1) / cols;
-  const double head = 74;  // the title and the legend
+  const double head = g.subtitle.empty() ? 74 : 92;  // the title(s) and the legend
   const double width = std::max({panel_w * static_cast<double>(cols) + 20, title_w, 420.0});
   const double height = head + panel_h * static_cast<double>(rows) + 10;
 
   std::string out = Header(width, height);
   Text(&out, width / 2, 26, g.title, 17, "middle", " font-weight=\"bold\" class=\"title\"");
+  if (!g.subtitle.empty()) {
+    Text(&out, width / 2, 46, g.subtitle, 13, "middle", " class=\"subtitle\"");
+  }
   {
     // The legend centred under the title (its width estimated as Legend lays it out).
     double w = 0;
     for (const std::string& s : g.series_names) w += 23 + 7.5 * static_cast<double>(s.size()) + 18;
-    Legend(&out, std::max(10.0, (width - w) / 2), 52, g.series_names, false);
+    Legend(&out, std::max(10.0, (width - w) / 2), g.subtitle.empty() ? 52 : 70, g.series_names,
+           false);
   }
   for (size_t pi = 0; pi < g.panels.size(); ++pi) {
     const BarPanel& p = g.panels[pi];
@@ -294,8 +304,9 @@ std::string LineFigureSvg(const LineFigure& f) {
     out += fmt::format("<g class=\"chart\" data-chart=\"{}\">\n", ci);
     Text(&out, x0 + plot_w / 2, oy + top - 6, ch.title, 14, "middle", " class=\"chart-title\"");
     std::vector<std::string> names;
-    for (const LineSeries& s : ch.series) names.push_back(s.name);
-    Legend(&out, x0 + 4, oy + top + 14, names, true);
+    std::vector<bool> dashed;
+    for (const LineSeries& s : ch.series) names.push_back(s.name), dashed.push_back(s.dashed);
+    Legend(&out, x0 + 4, oy + top + 14, names, true, dashed);
     for (double t : Ticks(ya)) {
       const double y = ypos(t);
       Line(&out, x0, y, x0 + plot_w, y, "#e0e0e0");
@@ -310,7 +321,8 @@ std::string LineFigureSvg(const LineFigure& f) {
     }
     Line(&out, x0, y0, x0, y1, "#333333");
     Line(&out, x0, y1, x0 + plot_w, y1, "#333333");
-    for (size_t si = 0; si < ch.series.size(); ++si) {
+    for (size_t n = ch.series.size(); n-- > 0;) {
+      const size_t si = n;
       const LineSeries& s = ch.series[si];
       std::string pts;
       size_t npts = 0;
@@ -322,8 +334,8 @@ std::string LineFigureSvg(const LineFigure& f) {
       }
       out += fmt::format(
           "<polyline class=\"line\" data-series=\"{}\" data-points=\"{}\" points=\"{}\" "
-          "fill=\"none\" stroke=\"{}\" stroke-width=\"2\" stroke-linejoin=\"round\"/>\n",
-          si, npts, pts, Color(si));
+          "fill=\"none\" stroke=\"{}\" stroke-width=\"2\" stroke-linejoin=\"round\"{}/>\n",
+          si, npts, pts, Color(si), s.dashed ? " stroke-dasharray=\"6 4\"" : "");
       if (npts <= 40) {  // few points: each one marked
         for (size_t i = 0; i < std::min(s.x.size(), s.y.size()); ++i) {
           if (!drawn(s.x[i], s.y[i])) continue;

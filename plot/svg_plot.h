@@ -28,6 +28,7 @@ struct BarPanel {
 
 struct BarGrid {
   std::string title;                      // the whole figure's
+  std::string subtitle;                   // a second line under it (optional)
   std::string x_label, y_label;           // the same for every panel
   std::vector<std::string> series_names;  // the legend, e.g. "before", "after"
   std::vector<BarPanel> panels;
@@ -37,7 +38,9 @@ struct BarGrid {
 struct LineSeries {
   std::string name;
   std::vector<double> x, y;  // same length; points with a non-finite value are skipped
+  bool dashed = false;
 };
+// The series are drawn last to first: the first one is on top where lines overlap.
 
 struct LineChart {
   std::string title, x_label, y_label;

@@ -170,10 +170,10 @@ std::string PlanSvg(const v1::PlanResponse& p) {
     after += l.balancedness_after();
   }
   const double n = std::max(1, p.layers_size());
-  g.title = fmt::format(
-      "Load per expert rank, current placement vs plan ({} policy): mean balancedness {:.3f} "
-      "\u2192 {:.3f}",
-      p.policy(), before / n, after / n);
+  g.title = "Load per expert rank: current placement vs plan";
+  g.subtitle =
+      fmt::format("{} policy, {} slots per expert rank; mean balancedness {:.3f} \u2192 {:.3f}",
+                  p.policy(), p.slots_per_rank(), before / n, after / n);
   return plot::BarGridSvg(g);
 }
 

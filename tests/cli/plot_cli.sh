@@ -50,7 +50,8 @@ for i, p in enumerate(panels):
     title = "".join(t.text or "" for t in p.iter(ns + "text") if t.get("class") == "panel-title")
     assert f"layer {i}: balancedness" in title, title
 titles = [t.text for t in root.iter(ns + "text") if t.get("class") == "title"]
-assert titles and "mean balancedness" in titles[0], titles
+subs = [t.text for t in root.iter(ns + "text") if t.get("class") == "subtitle"]
+assert titles and subs and "mean balancedness" in subs[0], (titles, subs)
 legend = [t.text for t in root.iter(ns + "text") if t.get("class") == "legend"]
 assert legend == ["current placement", "plan (predicted)"], legend
 print(f"ok: {path}: {layers} panels x {2 * ranks} bars")

@@ -225,11 +225,15 @@ TEST(PlotTest, LinesOnePolylinePerSeriesSkippingGaps) {
   const auto all = ParseXml(svg);
   const auto lines = Named(all, "polyline", "line");
   ASSERT_EQ(lines.size(), 3u);
-  EXPECT_EQ(lines[0].attrs.at("data-points"), "3");
-  EXPECT_EQ(lines[1].attrs.at("data-points"), "2");
+  // Drawn last to first (the first series on top): p99, p50, then the throughput chart's.
+  EXPECT_EQ(lines[0].attrs.at("data-series"), "1");
+  EXPECT_EQ(lines[0].attrs.at("data-points"), "2");  // the NaN skipped
+  EXPECT_EQ(lines[1].attrs.at("data-series"), "0");
+  EXPECT_EQ(lines[1].attrs.at("data-points"), "3");
+  EXPECT_EQ(lines[2].attrs.at("data-series"), "0");
   EXPECT_EQ(Named(all, "g", "chart").size(), 2u);
   // y grows upward: p50's points go up (smaller SVG y) from left to right.
-  std::istringstream pts(lines[0].attrs.at("points"));
+  std::istringstream pts(lines[1].attrs.at("points"));
   double lx = -1, ly = 1e9, x, y;
   char comma;
   while (pts >> x >> comma >> y) {
@@ -243,6 +247,24 @@ TEST(PlotTest, LinesOnePolylinePerSeriesSkippingGaps) {
   empty.charts = {LineChart{}, LineChart{"t", "x", "y", {{"none", {}, {}}}}};
   ParseXml(LineFigureSvg(empty));
   ParseXml(LineFigureSvg(LineFigure{}));
+}
+
+TEST(PlotTest, LogXSpacesDecadesEvenly) {
+  LineFigure f;
+  LineChart c{"t", "tokens", "us", {{"a", {1, 10, 100, 1000, 0}, {4, 3, 2, 1, 9}}}};
+  c.log_x = true;
+  f.charts = {c};
+  const auto lines = Named(ParseXml(LineFigureSvg(f)), "polyline", "line");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0].attrs.at("data-points"), "4");  // x = 0 has no place on a log axis
+  std::istringstream pts(lines[0].attrs.at("points"));
+  std::vector<double> xs;
+  double x, y;
+  char comma;
+  while (pts >> x >> comma >> y) xs.push_back(x);
+  ASSERT_EQ(xs.size(), 4u);
+  EXPECT_NEAR(xs[1] - xs[0], xs[2] - xs[1], 0.11);
+  EXPECT_NEAR(xs[2] - xs[1], xs[3] - xs[2], 0.11);
 }
 
 TEST(PlotTest, TickLabels) {
