@@ -180,7 +180,9 @@ std::string BarGridSvg(const BarGrid& g) {
     most_categories = std::max(most_categories, p.categories.size());
   const size_t nseries = std::max<size_t>(1, g.series_names.size());
   // Each category gets a group of bars (at least 3 px each) and a gap.
-  const double group_w = 5.0 * static_cast<double>(nseries) + 4;
+  // Many panels: narrower bars, so that more panels fit side by side.
+  const double group_w = g.panels.size() > 4 ? 3.5 * static_cast<double>(nseries) + 1
+                                             : 5.0 * static_cast<double>(nseries) + 4;
   const double plot_w = std::clamp(group_w * static_cast<double>(most_categories), 200.0, 1000.0);
   const double panel_w = kLeft + plot_w + kRight;
   const double panel_h = kTop + kPlotH + kBottom;
