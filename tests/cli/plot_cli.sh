@@ -3,7 +3,9 @@
 # well-formed XML (xml.etree), has one bar per (expert rank, current|plan) per layer, the bars
 # carry the per-rank loads (each layer's total is conserved; the plan's busiest rank carries no
 # more than the current one's), and titles say the balancedness. Bad --plot paths (a missing
-# folder, a folder) end with exit 2 and one line, for moectl and for moebench serve.
+# folder, a folder) end with exit 2 and one line, for moectl and for moebench serve and layer.
+# moebench layer --plot on a small preset layer: one line per weight type, a point per token
+# count.
 #
 #   plot_cli.sh MOECTL MOEBENCH
 set -euo pipefail
@@ -69,6 +71,28 @@ check_svg "$WORK/a.svg" 4 4 || fail "a.svg"
 "$PY" -c "import json,sys; json.load(open(sys.argv[1]))" "$WORK/b.json" || fail "--json broken"
 check_svg "$WORK/b.svg" 4 8 || fail "b.svg"
 
+# moebench layer --plot (a small preset layer, two weight types, three token counts): one line
+# per weight type in each chart, a point per token count, the tokens' axis in decades.
+"$MOEBENCH" layer --preset qwen3-30b-a3b --experts 8 --dtype f32,bf16 --tokens 1,4,16 \
+  --min-time 0.02 --no-sgemm --threads 1 --plot "$WORK/layer.svg" >/dev/null 2>"$WORK/layer.err" ||
+  fail "moebench layer --plot: $(tail -3 "$WORK/layer.err")"
+"$PY" - "$WORK/layer.svg" <<'PY' || fail "layer.svg"
+import sys, xml.etree.ElementTree as ET
+ns = "{http://www.w3.org/2000/svg}"
+root = ET.parse(sys.argv[1]).getroot()
+charts = [g for g in root.iter(ns + "g") if g.get("class") == "chart"]
+assert len(charts) == 2, len(charts)
+for c in charts:
+    lines = [l for l in c.iter(ns + "polyline") if l.get("class") == "line"]
+    assert len(lines) == 2, len(lines)
+    assert all(l.get("data-points") == "3" for l in lines), [l.get("data-points") for l in lines]
+    legend = sorted(t.text for t in c.iter(ns + "text") if t.get("class") == "legend")
+    assert legend == ["moerun BF16", "moerun F32"], legend
+    ticks = [t.text for t in c.iter(ns + "text") if t.text in ("1", "10", "100")]
+    assert {"1", "10", "100"} <= set(ticks), ticks
+print(f"ok: {sys.argv[1]}: 2 charts x 2 lines x 3 points")
+PY
+
 # Bad paths: exit 2, one line on stderr, nothing written.
 expect_bad() {  # expect_bad WHAT COMMAND...
   local what=$1 rc=0
@@ -84,6 +108,8 @@ expect_bad "moectl, missing folder" "$MOECTL" placement plan --loads "$WORK/load
 expect_bad "moectl, a folder" "$MOECTL" placement plan --loads "$WORK/loads.json" --ranks 5 \
   --plot "$WORK"
 [[ ! -e "$WORK/nope" ]] || fail "a folder was created"
+expect_bad "moebench layer, missing folder" "$MOEBENCH" layer --preset qwen3-30b-a3b \
+  --plot "$WORK/nope/x.svg"
 expect_bad "moebench serve, missing folder" "$MOEBENCH" serve --target 127.0.0.1:1 --hidden 8 \
   --duration 1 --plot "$WORK/nope/x.svg"
 echo "PASS"
