@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace moerun {
 namespace {
 
@@ -28,6 +31,14 @@ TEST(PlacementPlanTest, SkewedLoadOnALinearPlacement) {
   EXPECT_GT(l.experts_to_load, 0);
   EXPECT_EQ(l.bytes_to_move, l.experts_to_load * int64_t{1000});
   EXPECT_EQ(rep->slots_per_rank, 3);
+  // The per-rank loads the balancedness figures summarize (moectl placement plan --plot).
+  EXPECT_EQ(l.ranks, (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_EQ(l.rank_load_before, (std::vector<double>{700, 20, 20, 20}));
+  ASSERT_EQ(l.rank_load_after.size(), 4u);
+  double total = 0, most = 0;
+  for (double v : l.rank_load_after) total += v, most = std::max(most, v);
+  EXPECT_NEAR(total, 760, 1e-9);
+  EXPECT_NEAR(total / 4 / most, l.balancedness_after, 1e-12);
   // The planned table is valid, one version up, and every expert has a slot.
   auto planned = Placement::FromJson(rep->placement_json, "test");
   ASSERT_TRUE(planned.ok()) << planned.status().ToString();
@@ -57,6 +68,10 @@ TEST(PlacementPlanTest, DeadRanksAreLeftOut) {
   ASSERT_TRUE(rep.ok()) << rep.status().ToString();
   EXPECT_EQ(rep->slots_per_rank, 3);  // 6 slots over 2 live ranks
   EXPECT_NEAR(rep->layers[0].balancedness_before, (350.0 / 2) / 320.0, 1e-12);
+  EXPECT_EQ(rep->layers[0].ranks, (std::vector<int>{1, 3}));
+  EXPECT_EQ(rep->layers[0].rank_load_before, (std::vector<double>{320, 30}));
+  ASSERT_EQ(rep->layers[0].rank_load_after.size(), 2u);
+  EXPECT_NEAR(rep->layers[0].rank_load_after[0] + rep->layers[0].rank_load_after[1], 350, 1e-9);
   auto planned = Placement::FromJson(rep->placement_json, "test");
   ASSERT_TRUE(planned.ok()) << planned.status().ToString();
   EXPECT_TRUE(planned->Layer(0)->rank_slots[2].empty());
