@@ -229,6 +229,12 @@ bool RouterServer::StopRequested() {
   if (!stop_.load()) return false;
   if (!draining_) {
     draining_ = true;
+    // Router 0 takes the other routers with it: one SIGTERM to rank 0 drains the whole job.
+    if (router_.rank() == 0 && router_.control() != nullptr) {
+      if (Status s = router_.control()->DrainOthers(); !s.ok()) {
+        spdlog::warn("router 0: could not ask the other routers to drain: {}", s.ToString());
+      }
+    }
     rs_.set_draining();
     endpoint_->BeginDrain();
     drain_until_ = std::chrono::steady_clock::now() +
@@ -245,6 +251,10 @@ bool RouterServer::StopRequested() {
 void RouterServer::Refresh() {
   if (control_failed_.ok()) {
     control_failed_ = router_.Poll();
+    if (!stop_.load() && router_.control() != nullptr && router_.control()->drain_requested()) {
+      spdlog::info("router {}: router 0 drains the job: draining", router_.rank());
+      stop_.store(true);
+    }
     if (!control_failed_.ok()) {
       spdlog::error("router {}: the control channel failed ({}): stopping", router_.rank(),
                     control_failed_.ToString());

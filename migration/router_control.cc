@@ -231,6 +231,10 @@ Status RouterControl::HandleMessage(int from, const std::string& body) {
     }
     return Status::Ok();
   }
+  if (j.contains("op") && j["op"] == "drain" && from == 0) {
+    drain_requested_.store(true);
+    return Status::Ok();
+  }
   if (j.contains("op")) {  // router 0 to this router
     if (j["op"] != "switch" || from != 0) {
       return Status::Corrupt("router " + std::to_string(me) + ": unexpected control request");
@@ -371,6 +375,15 @@ Status RouterControl::Poll() {
   MOERUN_RETURN_IF_ERROR(StepUpdates());
   MOERUN_RETURN_IF_ERROR(StepMigration());
   return Recover();
+}
+
+Status RouterControl::DrainOthers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string body = json{{"id", 0}, {"op", "drain"}}.dump();
+  for (int r = 1; r < placement_->num_routers(); ++r) {
+    if (!Gone(r)) MOERUN_RETURN_IF_ERROR(SendToRouter(r, body));
+  }
+  return Status::Ok();
 }
 
 void RouterControl::Join(JoinAsk ask) {

@@ -25,6 +25,7 @@
 // Placements that put experts on a dead rank are refused.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -148,6 +149,11 @@ class RouterControl {
   // or the joiner's model or placement differ from the job's; kUnsupported when the transport
   // cannot take a new process in (only ucx can).
   void Join(JoinAsk ask);
+  // Router 0's thread, when it begins to drain (SIGTERM): tells every other live router to
+  // drain too (in order after what it was sent before), so that one signal stops the job.
+  Status DrainOthers();
+  // Any thread: router 0 asked this router to drain (seen by a Poll).
+  bool drain_requested() const { return drain_requested_.load(); }
   // Any thread: the ranks known dead, and the expert copies recoveries re-placed so far.
   std::vector<int> dead_ranks() const;
   uint64_t experts_replaced() const;
@@ -215,6 +221,7 @@ class RouterControl {
   std::vector<EpControlHeader> in_headers_;
   std::vector<Request> in_reqs_;
   OwnedSends outgoing_;
+  std::atomic<bool> drain_requested_{false};
   // Operations awaiting answers: a rank silent for longer than the deadline (load progress comes
   // every second) fails its operation.
   struct PendingOp {

@@ -7,7 +7,8 @@
 #      beside the hottest expert: the share of its rows they compute is 20% (+-1 point) and
 #      answers change; `moectl expert rollback`: answers are bitwise right again;
 #   3. bad requests (a placement for another job, a missing file, promote without an update)
-#      are refused with exit 1 and a reason, and the job keeps serving.
+#      are refused with exit 1 and a reason, and the job keeps serving;
+#   4. one SIGTERM to rank 0 drains both routers (router 0 tells router 1) and the job exits 0.
 # Prints one JSON line with the figures. Exit 0 on success, 1 on failure, 77 (skip) without mpirun.
 #
 #   migrate_e2e.sh MOERUN MOECTL MOEBENCH [mpi|ucx]
@@ -65,7 +66,7 @@ rebalance:
 EOC
 }
 start_serving write_config mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 5 \
-  "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" ||
+  "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" --pid-file "$WORK/pid" ||
   fail "serve did not get ready"
 CTL=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
 
@@ -164,4 +165,14 @@ sys.exit(0 if ok else 1)
 PY
 rc=$?
 [[ $rc -eq 0 ]] || fail "the figures above do not hold"
+
+# 4. SIGTERM to rank 0 alone stops the whole job: both routers drain, every rank exits.
+kill -TERM "$(cat "$WORK/pid")" || fail "no rank 0 pid"
+for _ in $(seq 1 60); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
+kill -0 "$SERVE_PID" 2>/dev/null && fail "the job still runs 30 s after SIGTERM to rank 0"
+wait "$SERVE_PID"
+rc=$?
+SERVE_PID=""
+[[ $rc -eq 0 ]] || fail "the job exited $rc after SIGTERM to rank 0 (want 0: a drain)"
+grep -q "router 1: router 0 drains the job" "$WORK/serve.log" || fail "router 1 did not drain"
 echo "PASS"
