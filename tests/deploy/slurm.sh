@@ -192,7 +192,7 @@ if [[ $TWO == 1 ]]; then NODEARGS=(-N 2 --ntasks-per-node=2); else NODEARGS=(-n 
 t0=$SECONDS
 set +e
 in_ctl env CONFIG="$SRC/configs/tiny.yaml" MOERUN_BIN="$MOERUN" MOECTL_BIN="$MOECTL" \
-  MOEBENCH_BIN="$MOEBENCH" MOERUN_CHECK=1 MOERUN_CHECK_SECONDS=3 MOERUN_PORT_BASE="$SERVE_BASE" \
+  MOEBENCH_BIN="$MOEBENCH" MOERUN_CHECK=1 MOERUN_CHECK_SECONDS=6 MOERUN_PORT_BASE="$SERVE_BASE" \
   MOERUN_RUN_DIR="$WORK/jobs/serve" MOERUN_READY_TIMEOUT=120 \
   sbatch --wait --parsable --time=5 "${NODEARGS[@]}" --output="$WORK/jobs/serve-%j.out" \
   "$SRC/deploy/slurm/moerun-serve.sbatch" >"$WORK/jobs/serve.id" 2>"$WORK/jobs/serve.err"
