@@ -180,6 +180,19 @@ done
 (( n >= want )) || die_slurm "$want idle node(s) not up within 60 s: $(in_ctl sinfo 2>&1)"
 echo "Slurm up: $(in_ctl sinfo -h -N -o '%N %T %c' | paste -sd';')"
 
+# submit_wait NAME COMMAND...: runs the `sbatch --wait --parsable ... --output=$WORK/jobs/NAME-%j.out`
+# COMMAND on the control node, prints the job's output; sets JOB (its id) and RC (sbatch's exit).
+submit_wait() {
+  local name=$1
+  shift
+  set +e
+  in_ctl "$@" >"$WORK/jobs/$name.id" 2>"$WORK/jobs/$name.err"
+  RC=$?
+  set -e
+  JOB=$(head -1 "$WORK/jobs/$name.id" | cut -d';' -f1)
+  [[ -n $JOB ]] || die_slurm "sbatch did not submit the $name job: $(cat "$WORK/jobs/$name.err")"
+  dump_job "$JOB" "$WORK/jobs/$name-$JOB.out"
+}
 dump_job() {  # JOBID OUTFILE
   echo "===== sbatch output of job $1 ($2) ====="
   cat "$2" 2>/dev/null || echo "(no output file)"
@@ -190,17 +203,13 @@ dump_job() {  # JOBID OUTFILE
 cd "$WORK/jobs"
 if [[ $TWO == 1 ]]; then NODEARGS=(-N 2 --ntasks-per-node=2); else NODEARGS=(-n 4); fi
 t0=$SECONDS
-set +e
-in_ctl env CONFIG="$SRC/configs/tiny.yaml" MOERUN_BIN="$MOERUN" MOECTL_BIN="$MOECTL" \
+submit_wait serve env CONFIG="$SRC/configs/tiny.yaml" MOERUN_BIN="$MOERUN" MOECTL_BIN="$MOECTL" \
   MOEBENCH_BIN="$MOEBENCH" MOERUN_CHECK=1 MOERUN_CHECK_SECONDS=6 MOERUN_PORT_BASE="$SERVE_BASE" \
   MOERUN_RUN_DIR="$WORK/jobs/serve" MOERUN_READY_TIMEOUT=120 \
   sbatch --wait --parsable --time=5 "${NODEARGS[@]}" --output="$WORK/jobs/serve-%j.out" \
-  "$SRC/deploy/slurm/moerun-serve.sbatch" >"$WORK/jobs/serve.id" 2>"$WORK/jobs/serve.err"
-src=$?
-set -e
-SJOB=$(head -1 "$WORK/jobs/serve.id" | cut -d';' -f1)
-[[ -n $SJOB ]] || die_slurm "sbatch did not submit the serve job: $(cat "$WORK/jobs/serve.err")"
-dump_job "$SJOB" "$WORK/jobs/serve-$SJOB.out"
+  "$SRC/deploy/slurm/moerun-serve.sbatch"
+SJOB=$JOB
+src=$RC
 echo "serve job $SJOB: sbatch --wait exit $src after $((SECONDS - t0)) s"
 [[ $src == 0 ]] || die_slurm "the serve job failed (sbatch --wait exit $src): $(cat "$WORK/jobs/serve.err")"
 state=$(in_ctl scontrol show job "$SJOB" -o | grep -o 'JobState=[A-Z]*' || true)
@@ -288,17 +297,11 @@ done
 echo "PASS serve job ($NR routers) until scancel: moectl and verified clients from the ready file, drained on TERM, exit 0"
 
 # 3. The benchmark job.
-set +e
-in_ctl env MOEBENCH_BIN="$MOEBENCH" MOEBENCH_MODEL="$SRC/tests/data/hf-moe/deepseek_v3" \
+submit_wait bench env MOEBENCH_BIN="$MOEBENCH" MOEBENCH_MODEL="$SRC/tests/data/hf-moe/deepseek_v3" \
   MOEBENCH_TOKENS=1,16 MOEBENCH_OUT="$WORK/jobs/bench" \
   sbatch --wait --parsable --time=5 --cpus-per-task=2 --output="$WORK/jobs/bench-%j.out" \
-  "$SRC/deploy/slurm/moebench.sbatch" >"$WORK/jobs/bench.id" 2>"$WORK/jobs/bench.err"
-brc=$?
-set -e
-BJOB=$(head -1 "$WORK/jobs/bench.id" | cut -d';' -f1)
-[[ -n $BJOB ]] || die_slurm "sbatch did not submit the bench job: $(cat "$WORK/jobs/bench.err")"
-dump_job "$BJOB" "$WORK/jobs/bench-$BJOB.out"
-[[ $brc == 0 ]] || die_slurm "the bench job failed (sbatch --wait exit $brc)"
+  "$SRC/deploy/slurm/moebench.sbatch"
+[[ $RC == 0 ]] || die_slurm "the bench job failed (sbatch --wait exit $RC)"
 /usr/bin/python3 - "$WORK/jobs/bench/bench.json" <<'P' || fail "bench.json does not parse"
 import json, sys
 r = json.load(open(sys.argv[1]))
