@@ -78,15 +78,9 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
         j->rank_, j->rank_ < flags.routers ? "router" : "expert",
         std::string(spdlog::level::to_string_view(spdlog::default_logger()->level()).data(),
                     spdlog::level::to_string_view(spdlog::default_logger()->level()).size()));
-  } else if (j->transport_ == "inproc") {
-    if (flags.ranks < 1 || flags.ranks > 256) {
-      return Status::InvalidArgument("--ranks must be in 1..256");
-    }
+  } else {  // inproc: ValidateLaunchFlags checked the transport's name and --ranks
     j->size_ = flags.ranks;
     if (j->size_ > 1) j->fabric_ = InprocFabric::Create(j->size_);
-  } else {
-    return Status::InvalidArgument("--transport must be mpi, ucx or inproc, not '" + j->transport_ +
-                                   "'");
   }
   if (j->size_ > 1 && flags.routers >= j->size_) {
     return Status::InvalidArgument(std::to_string(j->size_) + " ranks with " +
