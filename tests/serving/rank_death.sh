@@ -115,7 +115,7 @@ routers: $ROUTERS
 placement: $PLACEMENT
 threads: 1
 microbatch_tokens: 16
-deadline_ms: 2000
+deadline_ms: $DEADLINE_MS
 batching: {max_batch_tokens: 64, max_wait_us: 300}
 serving:
   listen: 127.0.0.1:$PORT
@@ -184,12 +184,21 @@ run_case() {
   DEAD=(2)
   IN_HOST=()
   ROUTERS=1
+  # The expert-parallel deadline declares a rank dead only in the frozen case; elsewhere deaths
+  # come from the transport (kill -9 closes the sockets), and a long deadline keeps a live rank
+  # that a loaded CI machine stalls for seconds from being declared dead with the killed ones
+  # (seen once: both live ranks of the first host, 6 s, while the second host was killed).
+  DEADLINE_MS=10000
   local duration=14
   local targets
   local mpirun=(mpirun --enable-recovery --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
   case $CASE in
     replicas) PLACEMENT=$WORK/replicas.json ;;
-    orphans | frozen) PLACEMENT=round_robin ;;
+    orphans) PLACEMENT=round_robin ;;
+    frozen)
+      PLACEMENT=round_robin
+      DEADLINE_MS=2000
+      ;;
     join)
       PLACEMENT=round_robin
       duration=24
