@@ -361,6 +361,7 @@ void ExpertCache::LoaderMain() {
       work_.pop_front();
     }
     const int layer = job.first.first, expert = job.first.second;
+    const auto started = SteadyClock::now();
     Result<ExpertWeights> w = Status::NotFound("not spilled");
     if (spill_) {
       ExpertWeights reuse;
@@ -385,6 +386,18 @@ void ExpertCache::LoaderMain() {
           spdlog::warn("{} (misses load from the source)", s.ToString());
         }
       }
+    }
+    if (w.ok() && opts_.load_bytes_per_s > 0) {
+      // Paced: this load is due its bytes' worth of time after the one before it was.
+      std::unique_lock<std::mutex> lock(mu_);
+      const auto now = SteadyClock::now();
+      paced_until_ =
+          std::max(paced_until_, started) +
+          std::chrono::duration_cast<SteadyClock::duration>(std::chrono::duration<double>(
+              static_cast<double>(w->bytes()) / opts_.load_bytes_per_s));
+      const auto due = paced_until_;
+      if (due > now) work_cv_.wait_until(lock, due, [this] { return stop_; });
+      if (stop_) return;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -58,6 +58,10 @@ struct ExpertCacheOptions {
   size_t max_inflight_bytes = 0;  // bytes of loads in flight; 0: two experts' worth
   EvictionPolicy policy = EvictionPolicy::kLfu;
   double half_life = 256;  // lfu: microbatches over which a use counts half
+  // Bandwidth of the loads in all (every loader, spill reads too), in bytes/s; 0: unlimited.
+  // A load of B bytes finishes no sooner than B / rate after the previous one did (or after it
+  // started): a shared disk or network filesystem keeps room for the rest of the machine.
+  double load_bytes_per_s = 0;
 };
 
 // Loads one expert from its source (`file`: a promoted update's weights file, else empty: the
@@ -189,6 +193,7 @@ class ExpertCache {
   std::deque<Finished> done_;
   std::vector<ExpertWeights> spare_;  // evicted weights whose memory a spill read reuses
   bool stop_ = false;
+  SteadyClock::time_point paced_until_{};  // load_bytes_per_s: when the last paced load is due
   std::vector<std::thread> threads_;
 };
 

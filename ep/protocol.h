@@ -4,7 +4,10 @@
 // the job: HeaderBytes) with one entry per slot of the rank (in the rank's slot order): the
 // logical expert and its row count; then the rows themselves (rows x hidden F32, entry after
 // entry); the expert rank answers with the same number of rows, in the same order, each the
-// expert's output for that row. The header names the experts, so an expert rank needs no copy of
+// expert's output for that row, then an EpResultTrailer in the same message: whether the rows
+// are the answer (an expert the rank needs did not load in time, or failed to load: the rank
+// says so and lives on; the router sends the microbatch again or fails the batch). The header
+// names the experts, so an expert rank needs no copy of
 // the router's placement: it computes whatever experts it holds, and a router can switch to a new
 // placement at a batch boundary once the expert ranks hold the new copies. Messages between one
 // router and one expert rank keep their order, so several microbatches can be in flight.
@@ -90,6 +93,24 @@ struct EpPong {
   uint32_t cache_resident = 0;
 };
 static_assert(sizeof(EpPong) == 144);
+
+// Ends every result message (kTagResult), right after the rows: `code` 0 (StatusCode::kOk) when
+// the rows are the answer; otherwise the rows mean nothing and `message` says why (NUL-
+// terminated). kResultRetry: an expert the microbatch needs is still loading (the same rows sent
+// again later are answered once it is resident).
+struct EpResultTrailer {
+  uint32_t magic = kEpMagic;
+  uint32_t seq = 0;  // the dispatch header's
+  int32_t code = 0;  // a StatusCode
+  uint32_t flags = 0;
+  char message[112] = {};
+};
+static_assert(sizeof(EpResultTrailer) == 128);
+inline constexpr uint32_t kResultRetry = 1;
+// Floats between two ranks' result blocks in the router's receive buffer: one trailer's room
+// (a multiple of 16 floats, so every block stays 64-byte aligned).
+inline constexpr int64_t kResultGapFloats = sizeof(EpResultTrailer) / sizeof(float);
+static_assert(kResultGapFloats % 16 == 0);
 
 // Slots per expert rank a job's headers hold: the busiest rank's over all layers served, and at
 // least one per logical expert, so that any later placement without doubled experts fits.

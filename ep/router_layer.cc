@@ -22,8 +22,26 @@ struct RouterLayer::Stage {
   std::vector<double> rows_to;  // per rank, to release from in_flight_
   Deadline deadline;            // the call's or the expert-parallel one, whichever is first
   Deadline ep_deadline;         // the expert-parallel one: missing it marks a rank dead
+  uint32_t seq = 0;             // the headers'
   bool active = false;
 };
+
+namespace {
+
+// Where rank d's result block starts in a stage's receive buffer (floats): its rows, then its
+// trailer's room.
+int64_t ResultBlock(const DispatchPlan& plan, int d, int64_t hidden) {
+  return plan.rank_offset[static_cast<size_t>(d)] * hidden + d * kResultGapFloats;
+}
+
+// The rank whose block carries `row` (blocks are laid out rank after rank; ranks without rows
+// have the next one's offset).
+int RankOfRow(const DispatchPlan& plan, int64_t row) {
+  const auto it = std::upper_bound(plan.rank_offset.begin(), plan.rank_offset.end(), row);
+  return static_cast<int>(it - plan.rank_offset.begin()) - 1;
+}
+
+}  // namespace
 
 RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> placement,
                          std::shared_ptr<const MoeLayerWeights> weights, const CpuKernels& kernels,
@@ -74,6 +92,7 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
     RefreshLive();
     if (orphans_ > 0) MOERUN_RETURN_IF_ERROR(CheckOrphans(x, done, tokens));
     late_.clear();
+    answered_failure_ = false;
     const Status status = ForwardFrom(x, done, tokens, out, &done);
     if (status.ok()) return status;
     const int abandoned = Abandon(status);
@@ -108,7 +127,8 @@ Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t tokens, fl
   const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : left;
   const int64_t n = (left + mb - 1) / mb;
   Status status;
-  for (int64_t i = 0; i <= n && status.ok(); ++i) {
+  int64_t i = 0;
+  for (; i <= n && status.ok(); ++i) {
     // Dispatch microbatch i, then collect i - 1 while the expert ranks work on i.
     if (i < n) {
       Stage& st = *stages_[i % 2];
@@ -125,6 +145,23 @@ Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t tokens, fl
       if (status.ok()) *done = st.t0 + st.tokens;
       if (combine_hist_ && status.ok()) {
         combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
+      }
+    }
+  }
+  if (!status.ok() && answered_failure_ && i <= n) {
+    // Microbatch i - 2 was answered with a failure (the rank lives); i - 1 is on its way: its
+    // answer is taken in too (and computed again later), so that nothing stays in flight. A
+    // transfer failure or a missed deadline there counts instead.
+    Stage& next = *stages_[(i - 1) % 2];
+    if (next.active) {
+      const Status answered = status;
+      answered_failure_ = false;
+      const Status s = Collect(next, out);
+      if (s.ok() || answered_failure_) {
+        status = answered;
+        answered_failure_ = true;
+      } else {
+        status = s;
       }
     }
   }
@@ -256,7 +293,10 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   // Both are registered with the transport (an RDMA backend puts rows straight into rows_in at
   // the plan's offsets and sends rows_out without staging).
   MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, st.rows_out, static_cast<size_t>(rows) * row_bytes));
-  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, st.rows_in, static_cast<size_t>(rows) * row_bytes));
+  MOERUN_RETURN_IF_ERROR(
+      ReserveRegistered(t_, st.rows_in,
+                        static_cast<size_t>(rows) * row_bytes +
+                            static_cast<size_t>(ranks) * sizeof(EpResultTrailer)));
   float* send = st.rows_out.as<float>();
   const int64_t chunk = 256;
   pool_->ParallelFor((rows + chunk - 1) / chunk, [&](int64_t c, int) {
@@ -276,8 +316,9 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     const int64_t n = st.plan.rows_to(d);
     if (n == 0) continue;
     const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
-    MOERUN_ASSIGN_OR_RETURN(Request rr, t_->Irecv(d, kTagResult, recv + off * hidden,
-                                                  static_cast<size_t>(n) * row_bytes));
+    MOERUN_ASSIGN_OR_RETURN(
+        Request rr, t_->Irecv(d, kTagResult, recv + ResultBlock(st.plan, d, hidden),
+                              static_cast<size_t>(n) * row_bytes + sizeof(EpResultTrailer)));
     st.reqs.push_back(rr);
     char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
     std::memset(hdr, 0, header_bytes_);
@@ -301,6 +342,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
                                                   static_cast<size_t>(n) * row_bytes));
     st.reqs.push_back(sr);
   }
+  st.seq = seq_;
   ++seq_;
   ++stats_.microbatches;
   stats_.rows_sent += static_cast<uint64_t>(rows);
@@ -326,23 +368,93 @@ Status RouterLayer::Collect(Stage& st, float* out) {
   const MoeLayerWeights& w = *w_;
   const int64_t hidden = w.spec.hidden;
   const int k = w.spec.top_k;
-  // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
-  const Status waited = t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false);
-  if (!waited.ok()) {
-    if (waited.code() == StatusCode::kDeadlineExceeded && SteadyClock::now() >= st.ep_deadline) {
-      for (const Request& r : st.reqs) {
-        if (r.valid() && std::find(late_.begin(), late_.end(), r.peer) == late_.end()) {
-          late_.push_back(r.peer);
+  float* recv = st.rows_in.as<float>();
+  Deadline retry_until = Deadline::max();  // set by the first retry
+  while (true) {
+    // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
+    const Status waited = t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false);
+    if (!waited.ok()) {
+      if (waited.code() == StatusCode::kDeadlineExceeded && SteadyClock::now() >= st.ep_deadline) {
+        for (const Request& r : st.reqs) {
+          if (r.valid() && std::find(late_.begin(), late_.end(), r.peer) == late_.end()) {
+            late_.push_back(r.peer);
+          }
         }
       }
+      return waited;
     }
-    return waited;
+    st.reqs.clear();
+    // Every rank's trailer: were its rows the answer?
+    std::vector<int>& again = retry_ranks_;
+    again.clear();
+    Status loading;
+    for (int d = placement_->num_routers(); d < placement_->num_ranks(); ++d) {
+      const int64_t n = st.plan.rows_to(d);
+      if (n == 0) continue;
+      EpResultTrailer tr;
+      std::memcpy(static_cast<void*>(&tr), recv + ResultBlock(st.plan, d, hidden) + n * hidden,
+                  sizeof tr);
+      if (tr.magic != kEpMagic || tr.seq != st.seq) {
+        return Status::Corrupt(what_ + ": rank " + std::to_string(d) +
+                               " answered without the protocol's trailer (microbatch " +
+                               std::to_string(st.seq) + "): is every rank the same moerun?");
+      }
+      if (tr.code == 0) continue;
+      tr.message[sizeof tr.message - 1] = '\0';
+      const auto code = tr.code > 0 && tr.code <= static_cast<int32_t>(StatusCode::kInternal)
+                            ? static_cast<StatusCode>(tr.code)
+                            : StatusCode::kInternal;
+      const Status why(code, what_ + ": " + tr.message);
+      if ((tr.flags & kResultRetry) == 0) {
+        answered_failure_ = true;  // the rank lives; the batch fails
+        return why;
+      }
+      again.push_back(d);
+      if (loading.ok()) loading = why;
+    }
+    if (again.empty()) break;
+    // An expert was still loading there: those ranks get their rows again (the others' answers
+    // stand; the rank kept what it needs held, and waits up to half the deadline each time),
+    // while another such wait fits in the call's deadline (a call without one: ten deadlines).
+    const auto now = SteadyClock::now();
+    if (retry_until == Deadline::max()) {
+      retry_until = call_deadline_ != Deadline::max() ? call_deadline_ : now + 10 * opts_.deadline;
+    }
+    if (now + opts_.deadline / 2 >= retry_until) {
+      answered_failure_ = true;
+      return Status(loading.code(),
+                    loading.message() +
+                        "; the batch gave up waiting for it (a larger deadline_ms, " +
+                        "expert_cache_mib or expert_cache_load_mib_s lets such loads finish)");
+    }
+    ++stats_.load_retries;
+    if (now - last_load_warning_ >= std::chrono::seconds(10)) {
+      last_load_warning_ = now;
+      spdlog::warn("{}: microbatch {} sent again to {} rank(s) ({}; {} such retries so far)", what_,
+                   st.seq, again.size(), loading.ToString(), stats_.load_retries);
+    }
+    const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+    const float* send = st.rows_out.as<float>();
+    for (int d : again) {
+      const int64_t n = st.plan.rows_to(d);
+      const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
+      MOERUN_ASSIGN_OR_RETURN(
+          Request rr, t_->Irecv(d, kTagResult, recv + ResultBlock(st.plan, d, hidden),
+                                static_cast<size_t>(n) * row_bytes + sizeof(EpResultTrailer)));
+      st.reqs.push_back(rr);
+      const char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
+      MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
+      st.reqs.push_back(hr);
+      MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, send + off * hidden,
+                                                    static_cast<size_t>(n) * row_bytes));
+      st.reqs.push_back(sr);
+    }
+    st.ep_deadline = DeadlineIn(opts_.deadline);
+    st.deadline = std::min(st.ep_deadline, call_deadline_);
   }
-  st.reqs.clear();
   for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
   st.active = false;
 
-  const float* recv = st.rows_in.as<float>();
   const int64_t ldy = shared_ffn_.PaddedHidden(hidden);
   const float* shared = w.shared ? st.shared_y.as<float>() : nullptr;
   const int64_t chunk = 64;
@@ -351,7 +463,8 @@ Status RouterLayer::Collect(Stage& st, float* out) {
     const float* rows[64];
     for (int64_t t = c * chunk; t < std::min(tokens, (c + 1) * chunk); ++t) {
       for (int j = 0; j < k; ++j) {
-        rows[j] = recv + st.plan.assignment_row[static_cast<size_t>(t * k + j)] * hidden;
+        const int64_t r = st.plan.assignment_row[static_cast<size_t>(t * k + j)];
+        rows[j] = recv + r * hidden + RankOfRow(st.plan, r) * kResultGapFloats;
       }
       CombineToken(k, hidden, rows, st.gating.weights().data() + t * k,
                    shared ? shared + t * ldy : nullptr,

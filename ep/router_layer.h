@@ -45,6 +45,7 @@ struct EpStats {
   uint64_t microbatches = 0;
   uint64_t retried_calls = 0;         // calls that re-dispatched after a death
   uint64_t retried_microbatches = 0;  // microbatches abandoned in flight and dispatched again
+  uint64_t load_retries = 0;          // microbatches sent again: an expert was still loading
   uint64_t rows_sent = 0;
   std::vector<uint64_t> rows_per_rank;  // assignments sent to each rank, cumulative
 };
@@ -134,6 +135,9 @@ class RouterLayer {
   uint64_t live_generation_ = ~uint64_t{0};
   int orphans_ = 0;
   bool waiting_for_copies_ = false;
+  bool answered_failure_ = false;  // the last failed Collect had its answers: the ranks live
+  std::vector<int> retry_ranks_;   // Collect: the ranks to send a microbatch again
+  SteadyClock::time_point last_load_warning_{};
   std::vector<int> late_;  // ranks whose transfers missed the expert-parallel deadline
   std::function<void(const int32_t*, int64_t, int)> routing_observer_;
 };

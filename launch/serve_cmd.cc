@@ -40,7 +40,8 @@ struct ServeFlags {
   int64_t expert_cache_mib = -1;  // -1: the config's
   std::string expert_cache_policy;
   std::string expert_cache_spill_dir;
-  DeviceFlags dev;  // --device cuda: expert ranks compute on their local GPU
+  double expert_cache_load_mib_s = -1;  // -1: the config's
+  DeviceFlags dev;                      // --device cuda: expert ranks compute on their local GPU
 };
 
 Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<int>& wanted) {
@@ -85,6 +86,7 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (f.expert_cache_mib >= 0) c.expert_cache_mib = f.expert_cache_mib;
   if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
   if (!f.expert_cache_spill_dir.empty()) c.expert_cache_spill_dir = f.expert_cache_spill_dir;
+  if (f.expert_cache_load_mib_s >= 0) c.expert_cache_load_mib_s = f.expert_cache_load_mib_s;
   if (c.batching.max_batch_tokens < 1) c.batching.max_batch_tokens = 1;
   const ServingConfig& sc = c.serving;
   MOERUN_ASSIGN_OR_RETURN(s.listen, ParseHostPort(sc.listen).WithContext("serving listen address"));
@@ -132,6 +134,7 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   o.cache.budget_bytes = static_cast<size_t>(c.expert_cache_mib) << 20;
   MOERUN_ASSIGN_OR_RETURN(o.cache.policy, ParseEvictionPolicy(c.expert_cache_policy));
   o.cache.loaders = c.expert_cache_loaders;
+  o.cache.load_bytes_per_s = c.expert_cache_load_mib_s * (1 << 20);
   o.cache_pinned = c.expert_cache_pinned;
   o.cache_spill_dir = c.expert_cache_spill_dir;
   return o;
@@ -305,6 +308,10 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "Folder for the expert cache's spill file: experts loaded once are written "
                   "there packed, later misses read them back (overrides expert_cache_spill_dir)")
       ->check(CLI::ExistingDirectory);
+  cmd->add_option("--expert-cache-load-mib-s", flags->expert_cache_load_mib_s,
+                  "Bandwidth of each expert rank's cache loads in MiB/s, all loaders together "
+                  "(0: unlimited; overrides expert_cache_load_mib_s)")
+      ->check(CLI::Range(0.0, 1e9));
   cmd->add_option("--join", flags->join,
                   "Start outside the job's mpirun and take over a dead expert rank of the running "
                   "job whose router 0's control endpoint is HOST:PORT (needs the job's config, "

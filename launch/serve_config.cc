@@ -103,7 +103,8 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
                                       "expert_cache_policy",
                                       "expert_cache_loaders",
                                       "expert_cache_pinned",
-                                      "expert_cache_spill_dir"}));
+                                      "expert_cache_spill_dir",
+                                      "expert_cache_load_mib_s"}));
   MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_spill_dir", &c.expert_cache_spill_dir));
   c.expert_cache_spill_dir = Resolve(c.expert_cache_spill_dir, base_dir);
   MOERUN_RETURN_IF_ERROR(
@@ -114,6 +115,8 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
                                    c.expert_cache_policy + "'");
   }
   MOERUN_RETURN_IF_ERROR(r.Get<int>("expert_cache_loaders", &c.expert_cache_loaders, 1, 64));
+  MOERUN_RETURN_IF_ERROR(
+      r.Get<double>("expert_cache_load_mib_s", &c.expert_cache_load_mib_s, 0.0, 1e9));
   if (const YAML::Node pin = root["expert_cache_pinned"]) {
     bool ok = pin.IsSequence();
     for (size_t i = 0; ok && i < pin.size(); ++i) {

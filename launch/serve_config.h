@@ -63,6 +63,7 @@ struct ServeConfig {
   int expert_cache_loaders = 2;
   std::vector<int> expert_cache_pinned;
   std::string expert_cache_spill_dir;  // spill file folder ("": misses load from the source)
+  double expert_cache_load_mib_s = 0;  // bandwidth of the cache's loads per rank (0: unlimited)
 };
 
 Result<ServeConfig> ParseServeConfig(const std::string& yaml_text, const std::string& source,

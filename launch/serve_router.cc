@@ -144,6 +144,8 @@ class RouterServer {
   std::chrono::steady_clock::time_point drain_until_{};
   Counter* batches_ = nullptr;
   Counter* batch_tokens_ = nullptr;
+  Counter* load_retries_ = nullptr;
+  uint64_t load_retries_seen_ = 0;
   Gauge* version_ = nullptr;                             // routers with a RouterControl
   Gauge* migration_running_ = nullptr;                   // router 0
   Gauge* migration_bytes_ = nullptr;                     // router 0
@@ -183,6 +185,10 @@ Status RouterServer::Start() {
   batches_ = rs_.metrics().AddCounter("moerun_batches_total", "Batches run");
   batch_tokens_ =
       rs_.metrics().AddCounter("moerun_batch_tokens_total", "Tokens of the batches run");
+  load_retries_ = rs_.metrics().AddCounter(
+      "moerun_microbatches_resent_for_loads_total",
+      "Microbatches sent again because an expert rank was still loading an expert they need "
+      "(its expert cache; it waits half the deadline before it says so)");
   if (rank != 0) return Status::Ok();
   if (setup_.token.empty()) {
     spdlog::warn("no control token file (serving.token_file or --token-file): moectl is off");
@@ -280,8 +286,15 @@ void RouterServer::Refresh() {
   if (version_ != nullptr) {
     version_->Set(static_cast<double>(router_.control()->placement()->version()));
   }
-  uint64_t retried = 0;
-  for (const auto& [number, l] : router_.layers()) retried += l->stats().retried_microbatches;
+  uint64_t retried = 0, load_retries = 0;
+  for (const auto& [number, l] : router_.layers()) {
+    retried += l->stats().retried_microbatches;
+    load_retries += l->stats().load_retries;
+  }
+  if (load_retries_ != nullptr && load_retries > load_retries_seen_) {
+    load_retries_->Inc(load_retries - load_retries_seen_);
+    load_retries_seen_ = load_retries;
+  }
   rs_.CountRecovery(retried, router_.control() ? router_.control()->experts_replaced() : 0);
   const BatcherStats st = batcher_.stats();
   rs_.Refresh(router_.health(), static_cast<int64_t>(st.queued_requests), st.queued_tokens);

@@ -146,6 +146,29 @@ void ExpertRank::DropRouter(int r, const Status& why) {
   rs.ahead_needed = false;
   rs.pre = -1;
   rs.done = true;
+  ReleaseKept(rs);
+}
+
+void ExpertRank::ReleaseKept(RouterState& rs) {
+  if (ExpertCache* cache = control_.cache()) {
+    for (const RouterState::Kept& k : rs.kept) cache->Done(k.layer, k.expert);
+  }
+  rs.kept.clear();
+}
+
+void ExpertRank::ReleaseKeptFor(RouterState& rs, const EpHeaderFixed& h) {
+  ExpertCache* cache = control_.cache();
+  if (rs.kept.empty() || cache == nullptr) return;
+  size_t left = 0;
+  for (const RouterState::Kept& k : rs.kept) {
+    const auto ahead = static_cast<int32_t>(h.seq - k.seq);
+    if (h.layer != k.layer || ahead == 0 || ahead >= 2) {
+      cache->Done(k.layer, k.expert);
+    } else {
+      rs.kept[left++] = k;
+    }
+  }
+  rs.kept.resize(left);
 }
 
 Status ExpertRank::Serve() {
@@ -299,6 +322,8 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
   MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, entries));  // checks layer and experts
   ExpertCache* cache = control_.cache();
   if (cache != nullptr && !needed) NeedExperts(h, entries);
+  // This microbatch holds what it needs now.
+  ReleaseKeptFor(routers_[static_cast<size_t>(router)], h);
   const MoeLayerWeights& w = *control_.layer(h.layer);
   const int64_t hidden = w.spec.hidden;
 
@@ -362,29 +387,50 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
     MOERUN_RETURN_IF_ERROR(t_->Wait(rs.out_req[slot], DeadlineIn(opts_.deadline), "result send"));
     rs.out_req[slot] = Request{};
   }
-  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.out[slot], bytes));
+  // The rows, then the trailer that says whether they are the answer.
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.out[slot], bytes + sizeof(EpResultTrailer)));
   float* out = rs.out[slot].as<float>();
+  EpResultTrailer answer;
+  answer.seq = h.seq;
   const int64_t ldy = ffn_.PaddedHidden(hidden);
   if (compute_) {
     MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
   } else if (ldy == hidden) {
-    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, out, ldy));
+    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, out, ldy, &answer, &rs.kept));
   } else {
     y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));
     const float* y = y_.as<float>();
-    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, y_.as<float>(), ldy));
+    MOERUN_RETURN_IF_ERROR(
+        RunGroups(h.layer, in.as<float>(), hidden, y_.as<float>(), ldy, &answer, &rs.kept));
     for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }
   }
-  if (control_.has_updates()) RunCanaries(h, entries, in.as<float>(), out);
-  MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot], t_->Isend(router, kTagResult, out, bytes));
+  if (answer.code == 0 && control_.has_updates()) RunCanaries(h, entries, in.as<float>(), out);
+  std::memcpy(reinterpret_cast<char*>(out) + bytes, &answer, sizeof answer);
+  MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot],
+                          t_->Isend(router, kTagResult, out, bytes + sizeof(EpResultTrailer)));
   ++served_;
   rows_served_ += static_cast<uint64_t>(rows);
   return Status::Ok();
 }
 
-Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy) {
+namespace {
+
+// The microbatch is answered with `why` instead of rows.
+void AnswerWith(EpResultTrailer* answer, const Status& why, uint32_t flags) {
+  answer->code = static_cast<int32_t>(why.code());
+  answer->flags = flags;
+  const std::string text = why.message();
+  const size_t n = std::min(text.size(), sizeof answer->message - 1);
+  std::memcpy(answer->message, text.data(), n);
+  answer->message[n] = '\0';
+}
+
+}  // namespace
+
+Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy,
+                             EpResultTrailer* answer, std::vector<RouterState::Kept>* kept) {
   ExpertCache* cache = control_.cache();
   if (cache == nullptr) {
     ffn_.Run(groups_, in, hidden, rows_.data(), y, ldy);
@@ -401,18 +447,25 @@ Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* 
     }
   }
   if (!ready_.empty()) ffn_.Run(ready_, in, hidden, rows_.data(), y, ldy);
+  Status status;
   if (!pending_.empty()) {
     // Each row's output depends on its expert's weights alone: computing the groups in several
-    // passes gives the same bits as one pass.
+    // passes gives the same bits as one pass. The wait is half the deadline, so that the router
+    // hears why before its deadline would declare this rank dead.
     const auto start = SteadyClock::now();
-    const Deadline until = start + opts_.deadline;
+    const Deadline until = start + opts_.deadline / 2;
     while (!pending_.empty()) {
-      MOERUN_RETURN_IF_ERROR(cache->Poll());
+      status = cache->Poll();
+      if (!status.ok()) break;
       ready_.clear();
       for (size_t j = 0; j < pending_.size();) {
         const size_t i = pending_[j];
-        MOERUN_RETURN_IF_ERROR(
-            cache->Failed(layer, group_ids_[i]).WithContext("rank " + std::to_string(t_->rank())));
+        const Status failed = cache->Failed(layer, group_ids_[i]);
+        if (!failed.ok()) {
+          AnswerWith(answer, failed.WithContext("rank " + std::to_string(t_->rank())), 0);
+          pending_.clear();
+          break;
+        }
         if (cache->resident(layer, group_ids_[i])) {
           ready_.push_back(groups_[i]);
           pending_[j] = pending_.back();
@@ -421,14 +474,20 @@ Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* 
           ++j;
         }
       }
+      if (answer->code != 0) break;
       if (!ready_.empty()) ffn_.Run(ready_, in, hidden, rows_.data(), y, ldy);
       if (pending_.empty()) break;
       const auto now = SteadyClock::now();
       if (now >= until) {
-        return Status::DeadlineExceeded(
-            "rank " + std::to_string(t_->rank()) + ": layer " + std::to_string(layer) + " expert " +
-            std::to_string(group_ids_[pending_.front()]) + " did not load within " +
-            std::to_string(opts_.deadline.count()) + " ms (expert cache)");
+        // Its load goes on: the router sends these rows again.
+        AnswerWith(answer,
+                   Status::Unavailable(
+                       "rank " + std::to_string(t_->rank()) + ": layer " + std::to_string(layer) +
+                       " expert " + std::to_string(group_ids_[pending_.front()]) +
+                       " is still loading after " + std::to_string((opts_.deadline / 2).count()) +
+                       " ms (expert cache)"),
+                   kResultRetry);
+        break;
       }
       cache->WaitForLoad(std::min<Deadline>(until, now + std::chrono::milliseconds(2)));
     }
@@ -436,10 +495,16 @@ Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* 
       cache_wait_(std::chrono::duration<double>(SteadyClock::now() - start).count());
     }
   }
+  const bool retry = (answer->flags & kResultRetry) != 0;
   for (size_t i = 0; i < groups_.size(); ++i) {
-    if (groups_[i].rows > 0) cache->Done(layer, group_ids_[i]);
+    if (groups_[i].rows == 0) continue;
+    if (retry) {
+      kept->push_back({layer, group_ids_[i], answer->seq});
+    } else {
+      cache->Done(layer, group_ids_[i]);
+    }
   }
-  return Status::Ok();
+  return status;
 }
 
 void ExpertRank::RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in,

@@ -91,6 +91,15 @@ class ExpertRank {
     Request pong_req;
     int next_out = 0;
     bool done = false;
+    // The experts of a microbatch answered "still loading" (layer, expert), and its layer and
+    // seq: held in the cache until the router sends it again (same seq) or has moved on (a
+    // later layer, or a seq past the one microbatch that may be in flight behind it), so that
+    // what loaded meanwhile is not evicted before the retry computes with it.
+    struct Kept {
+      int layer, expert;
+      uint32_t seq;
+    };
+    std::vector<Kept> kept;
   };
 
   // One step of the serving loop for `router`: its next header, if one has come, handled.
@@ -101,8 +110,14 @@ class ExpertRank {
   // Asks the cache for the experts a dispatch header names (their loads start now).
   void NeedExperts(const EpHeaderFixed& h, const EpEntry* entries);
   // The grouped pass over groups_: with a cache, the resident experts first, then each of the
-  // others as its load finishes (at most the deadline).
-  Status RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy);
+  // others as its load finishes. An expert still loading after half the deadline, or whose load
+  // failed, makes *answer the reason (the microbatch is answered so, the rank goes on).
+  // The experts of such a microbatch go to *kept instead of being let go.
+  Status RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy,
+                   EpResultTrailer* answer, std::vector<RouterState::Kept>* kept);
+  // Lets go of a router's kept experts (with a header: once it is their retry or past it).
+  void ReleaseKept(RouterState& rs);
+  void ReleaseKeptFor(RouterState& rs, const EpHeaderFixed& h);
   // Whether the header's entry count fits this job's header (its entries can be read).
   bool SlotsFit(const EpHeaderFixed& h) const;
   // The rows a dispatch header announces, after checking its experts against what is held.

@@ -250,8 +250,10 @@ Status RunRank(Transport* t, const JobOptions& options, const RouterWork& work,
     return Status::Ok();
   }
   MOERUN_ASSIGN_OR_RETURN(auto router, job->MakeRouter());
-  MOERUN_RETURN_IF_ERROR(work ? work(*router) : Status::Ok());
-  return router->Finish();
+  // The expert ranks are told to stop even if the work failed (they would wait for it).
+  const Status worked = work ? work(*router) : Status::Ok();
+  const Status finished = router->Finish();
+  return worked.ok() ? finished : worked;
 }
 
 }  // namespace moerun

@@ -102,6 +102,70 @@ print(json.dumps({"verified": b["verified"], "tokens_per_s": round(b["tokens_per
                   "hit_rate": round(hits / (hits + misses), 3), "misses": misses}))
 PY
 
+# Loads slower than half the expert-parallel deadline (expert_cache_load_mib_s: 64 MiB/s, a 9 MiB
+# expert in 0.14 s, and a microbatch misses several per rank; the ranks wait 0.25 s, then answer
+# "still loading"): the router sends those microbatches again, every answer is right, no rank
+# is declared dead.
+slow_config() {
+  write_config
+  printf '%s\n' "deadline_ms: 500" "expert_cache_load_mib_s: ${LOAD_MIB_S}" >>"$WORK/serve.yaml"
+}
+serve_slow() {
+  rm -f "$WORK/pid" "$WORK/ready"
+  start_serving slow_config "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" \
+    --pid-file "$WORK/pid" || fail "serve (slow loads) did not get ready"
+}
+stop_serving() {
+  kill -TERM "$(cat "$WORK/pid")"
+  for _ in $(seq 1 60); do kill -0 "$(cat "$WORK/pid")" 2>/dev/null || break; sleep 0.5; done
+}
+bench() {  # bench OUT.json EXTRA-FLAGS...
+  local out=$1
+  shift
+  "$MOEBENCH" serve --target "127.0.0.1:$PORT" --concurrency 2 --duration 4 \
+    --tokens-per-request 2 --verify --preset qwen3-30b-a3b --seed 3 --experts 32 \
+    --weights-dtype bf16 --gate-skew 1.0 --json "$@" >"$out" 2>"$out.log"
+}
+LOAD_MIB_S=64
+serve_slow
+bench "$WORK/slow.json" || fail "slow loads: moebench saw failed or wrong answers: $(tail -3 "$WORK/slow.json.log")"
+curl -s "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.slow" || fail "metrics (slow loads)"
+stop_serving
+grep -q "sent again to" "$WORK/serve.log" || fail "slow loads: no microbatch was sent again"
+python3 - "$WORK" <<'PY' || fail "slow loads: not answered as they should"
+import json, sys
+w = sys.argv[1]
+b = json.load(open(f"{w}/slow.json"))
+assert b["error_count"] == 0 and b["verified"] == b["ok"] > 0, b
+m = {}
+for line in open(f"{w}/metrics.slow"):
+    if not line.startswith("#") and " " in line:
+        name, value = line.rsplit(" ", 1)
+        m[name.split("{")[0]] = float(value)
+assert m.get("moerun_microbatches_resent_for_loads_total", 0) > 0, m.get("moerun_microbatches_resent_for_loads_total")
+assert m.get("moerun_ranks_dead", -1) == 0, m.get("moerun_ranks_dead")
+print(json.dumps({"slow_loads": {"verified": b["verified"], "tokens_per_s": round(b["tokens_per_s"], 1),
+                  "resent": m["moerun_microbatches_resent_for_loads_total"]}}))
+PY
+# Loads far slower than the requests' deadline (0.5 MiB/s: 18 s an expert, a 1.5 s deadline):
+# the requests that miss fail with the rank's reason; no wrong answer, no rank dead, and the job
+# still serves (and stops) as it should.
+LOAD_MIB_S=0.5
+serve_slow
+bench "$WORK/late.json" --deadline-ms 1500
+grep -q "is still loading" "$WORK/late.json.log" ||
+  fail "too slow loads: moebench did not report the rank's reason: $(tail -3 "$WORK/late.json.log")"
+curl -s "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.late" || fail "metrics (too slow)"
+grep -Eq "^moerun_ranks_dead(\{[^}]*\})? 0$" "$WORK/metrics.late" ||
+  fail "too slow loads: a rank was declared dead: $(grep ranks_dead "$WORK/metrics.late")"
+python3 - "$WORK/late.json" <<'PY' || fail "too slow loads: wrong answers or no error"
+import json, sys
+b = json.load(open(sys.argv[1]))
+assert b["error_count"] > 0 and b["verified"] == b["ok"], b
+PY
+stop_serving
+kill -0 "$(cat "$WORK/pid")" 2>/dev/null && fail "too slow loads: the job did not stop on SIGTERM"
+
 # Bad configs: one line, exit 2, nothing served.
 bad() {  # bad WHAT EXPECTED-TEXT KEY-LINES...
   local what=$1 want=$2

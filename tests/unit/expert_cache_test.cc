@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -35,7 +36,7 @@ bool SameWeights(const ExpertWeights& a, const ExpertWeights& b) {
 // A seeded layer of 8 experts; experts [0, resident) start resident; the cache holds `budget`.
 struct Fixture {
   explicit Fixture(int budget_experts, int resident, EvictionPolicy policy = EvictionPolicy::kLfu,
-                   std::unique_ptr<SpillFile> spill = nullptr) {
+                   std::unique_ptr<SpillFile> spill = nullptr, double experts_per_s = 0) {
     spec = SmallSpec(Family::kQwen3Moe);
     spec.num_experts = spec.gate.num_experts = 8;
     source.spec = spec;
@@ -55,6 +56,7 @@ struct Fixture {
     ExpertCacheOptions o;
     o.budget_bytes = one * static_cast<size_t>(budget_experts);
     o.policy = policy;
+    o.load_bytes_per_s = experts_per_s * static_cast<double>(one);
     cache = std::make_unique<ExpertCache>(
         o,
         [this](int layer, int expert, const std::string&) -> Result<ExpertWeights> {
@@ -220,6 +222,30 @@ TEST(ExpertCacheTest, ASlowLoadIsAWaitWithABound) {
   EXPECT_TRUE(f.cache->resident(0, 5));
 }
 
+TEST(ExpertCacheTest, LoadsArePacedByTheBandwidth) {
+  // 20 experts' worth a second: 4 loads (2 loaders) take at least 4 / 20 s in all.
+  Fixture f(8, 0, EvictionPolicy::kLfu, nullptr, 20.0);
+  const auto t0 = std::chrono::steady_clock::now();
+  f.Microbatch({1, 2, 3, 4});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(s, 0.19);
+  EXPECT_EQ(f.Resident(), 4);
+  EXPECT_EQ(f.cache->stats().loaded_bytes.load(), 4 * f.one);
+}
+
+TEST(ExpertCacheTest, APacedLoadDoesNotHoldUpTheEnd) {
+  // One expert an hour: the cache still goes away at once (its loader stops waiting).
+  auto f = std::make_unique<Fixture>(2, 0, EvictionPolicy::kLfu, nullptr, 1.0 / 3600);
+  f->cache->Tick();
+  f->cache->Need(0, 1);
+  ASSERT_TRUE(f->cache->Poll().ok());
+  EXPECT_FALSE(
+      f->cache->WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(100)));
+  const auto t0 = std::chrono::steady_clock::now();
+  f->cache.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+}
+
 TEST(ExpertCacheTest, ReleasedWhileLoadingIsDropped) {
   Fixture f(2, 0);
   f.slow = true;
@@ -327,6 +353,146 @@ TEST(ExpertCacheJobTest, TheCheckpointDeletedUnderTheJob) {
   // Halfway, the folder goes; misses keep loading from the files the job holds open.
   ServeCached(copy.string(), 2 * FixtureExpertBytes(), "", [&] { fs::remove_all(copy); });
   EXPECT_FALSE(fs::exists(copy));
+}
+
+// A job whose loads take longer than half the expert-parallel deadline: the expert ranks answer
+// "still loading" (they do not die, the router does not declare them dead) and the router sends
+// the microbatch again until the expert is resident; every answer is bitwise right.
+TEST(ExpertCacheJobTest, ASlowLoadIsSentAgainAndAnsweredRight) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(1);
+  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
+  JobOptions opts = FixtureJob("deepseek_v3", 0);
+  opts.cache.budget_bytes = 2 * FixtureExpertBytes();
+  opts.cache.load_bytes_per_s = static_cast<double>(FixtureExpertBytes()) / 0.25;  // 250 ms each
+  opts.ep.deadline = std::chrono::milliseconds(300);  // the ranks wait 150 ms, then answer
+  const int64_t hidden = single.weights().spec.hidden;
+  int checked = 0;
+  uint64_t retries = 0;
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    for (int b = 0; b < 6; ++b) {
+      const int64_t tokens = 2 + b % 3;
+      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(100 + b));
+      std::vector<float> want(x.size()), got(x.size());
+      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
+      MOERUN_RETURN_IF_ERROR(router.Forward(0, x.data(), tokens, got.data()));
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+          << "batch " << b;
+      ++checked;
+    }
+    retries = router.layer(0)->stats().load_retries;
+    return Status::Ok();
+  };
+  const std::vector<Status> st = RunInprocJob(4, opts, work);
+  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
+  EXPECT_EQ(checked, 6);
+  EXPECT_GT(retries, 0u);  // the first batch misses (2 of each rank's ~5 experts are resident)
+}
+
+// A call whose deadline leaves no room for the load: it fails with the rank's answer (the
+// expert is still loading, and what to change), nothing in flight; the job goes on, and the
+// batches whose experts are resident are answered right.
+TEST(ExpertCacheJobTest, ALoadLongerThanTheCallsDeadlineIsAClearError) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(1);
+  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
+  JobOptions opts = FixtureJob("deepseek_v3", 0);
+  opts.cache.budget_bytes = FixtureExpertBytes();
+  opts.cache.load_bytes_per_s = static_cast<double>(FixtureExpertBytes()) / 3600;  // 1 h each
+  opts.ep.deadline = std::chrono::milliseconds(200);
+  const int64_t hidden = single.weights().spec.hidden;
+  int failed = 0, answered = 0;
+  std::string why;
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    for (int b = 0; b < 8; ++b) {
+      const int64_t tokens = 1 + b % 4;
+      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(200 + b));
+      std::vector<float> want(x.size()), got(x.size());
+      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
+      const Status s = router.Forward(0, x.data(), tokens, got.data(),
+                                      DeadlineIn(std::chrono::milliseconds(600)));
+      if (s.ok()) {
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+            << "batch " << b;
+        ++answered;
+      } else {
+        EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+        why = s.ToString();
+        ++failed;
+      }
+    }
+    return Status::Ok();
+  };
+  const std::vector<Status> st = RunInprocJob(4, opts, work);
+  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
+  EXPECT_EQ(failed + answered, 8);
+  EXPECT_GT(failed, 0);  // each rank holds 1 of its ~5 experts; top-k picks others
+  EXPECT_NE(why.find("is still loading"), std::string::npos) << why;
+  EXPECT_NE(why.find("expert_cache_load_mib_s"), std::string::npos) << why;
+}
+
+// Some experts' tensors in the checkpoint are broken (found only when a miss loads them): the
+// batches that need one fail with an error naming it; the rank lives, and the others are answered
+// right.
+TEST(ExpertCacheJobTest, ABrokenExpertInTheCheckpointFailsItsBatchesNotTheRank) {
+  const fs::path copy =
+      fs::temp_directory_path() / ("moerun-cache-broken-" + std::to_string(::getpid()));
+  fs::remove_all(copy);
+  fs::copy(FixtureDir("deepseek_v3"), copy, fs::copy_options::recursive);
+  {
+    // The header's dtype of expert 26's up_proj (rank 3 hosts it; not loaded at
+    // start): F32 -> I32 (same length, same bytes).
+    std::fstream f(copy / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t n = 0;
+    f.read(reinterpret_cast<char*>(&n), sizeof n);
+    std::string header(n, '\0');
+    f.read(header.data(), static_cast<std::streamsize>(n));
+    for (int e : {26}) {
+      const std::string key =
+          "\"model.layers.0.mlp.experts." + std::to_string(e) + ".up_proj.weight\"";
+      const size_t name = header.find(key);
+      ASSERT_NE(name, std::string::npos) << key;
+      const size_t dtype = header.find("\"F32\"", name);
+      ASSERT_LT(dtype, header.find('}', name));
+      header.replace(dtype, 5, "\"I32\"");
+    }
+    f.seekp(sizeof n);
+    f.write(header.data(), static_cast<std::streamsize>(n));
+  }
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(1);
+  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
+  JobOptions opts = FixtureJob("deepseek_v3", 0);
+  opts.source.model = copy.string();
+  opts.cache.budget_bytes = 2 * FixtureExpertBytes();
+  opts.cache_pinned = {0};
+  opts.startup_timeout = std::chrono::milliseconds(5000);  // (if a rank failed at start)
+  const int64_t hidden = single.weights().spec.hidden;
+  int failed = 0, answered = 0;
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    for (int b = 0; b < 24; ++b) {
+      const int64_t tokens = 1 + b % 3;
+      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(300 + b));
+      std::vector<float> want(x.size()), got(x.size());
+      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
+      const Status s = router.Forward(0, x.data(), tokens, got.data());
+      if (s.ok()) {
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+            << "batch " << b;
+        ++answered;
+      } else {
+        EXPECT_NE(s.ToString().find("I32"), std::string::npos) << s.ToString();
+        ++failed;
+      }
+    }
+    return Status::Ok();
+  };
+  const std::vector<Status> st = RunInprocJob(4, opts, work);
+  fs::remove_all(copy);
+  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
+  EXPECT_EQ(failed + answered, 24);
+  EXPECT_GT(failed, 0);
+  EXPECT_GT(answered, 0);
 }
 
 TEST(ExpertCacheJobTest, ABudgetSmallerThanOneExpertIsAClearError) {
