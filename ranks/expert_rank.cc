@@ -72,11 +72,13 @@ Status ExpertRank::ServeRouter(int r, bool* progressed) {
     needed = rs.ahead_needed;
     rs.ahead_needed = false;
     hdr = rs.ahead.as<char>();
+    rs.header_at = rs.ahead_at;
   } else {
     if (!rs.header_req.valid()) return Status::Ok();
     MOERUN_ASSIGN_OR_RETURN(const bool done, t_->Test(rs.header_req));
     if (!done) return Status::Ok();
     rs.header_req = Request{};
+    rs.header_at = SteadyClock::now();
   }
   *progressed = true;
   EpHeaderFixed h;
@@ -285,6 +287,7 @@ Status ExpertRank::LookAhead(int router) {
   rs.header_req = Request{};
   std::memcpy(rs.ahead.data(), rs.header.data(), header_bytes_);
   rs.have_ahead = true;
+  rs.ahead_at = SteadyClock::now();
   EpHeaderFixed h;
   std::memcpy(&h, rs.ahead.data(), sizeof h);
   if (h.magic != kEpMagic || h.kind == static_cast<uint32_t>(EpKind::kShutdown)) {
@@ -396,12 +399,13 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
   if (compute_) {
     MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
   } else if (ldy == hidden) {
-    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, out, ldy, &answer, &rs.kept));
+    MOERUN_RETURN_IF_ERROR(
+        RunGroups(h.layer, in.as<float>(), hidden, out, ldy, &answer, &rs.kept, rin.header_at));
   } else {
     y_.Reserve(static_cast<size_t>(rows * ldy) * sizeof(float));
     const float* y = y_.as<float>();
-    MOERUN_RETURN_IF_ERROR(
-        RunGroups(h.layer, in.as<float>(), hidden, y_.as<float>(), ldy, &answer, &rs.kept));
+    MOERUN_RETURN_IF_ERROR(RunGroups(h.layer, in.as<float>(), hidden, y_.as<float>(), ldy, &answer,
+                                     &rs.kept, rin.header_at));
     for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }
@@ -430,7 +434,8 @@ void AnswerWith(EpResultTrailer* answer, const Status& why, uint32_t flags) {
 }  // namespace
 
 Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy,
-                             EpResultTrailer* answer, std::vector<RouterState::Kept>* kept) {
+                             EpResultTrailer* answer, std::vector<RouterState::Kept>* kept,
+                             SteadyClock::time_point header_at) {
   ExpertCache* cache = control_.cache();
   if (cache == nullptr) {
     ffn_.Run(groups_, in, hidden, rows_.data(), y, ldy);
@@ -450,10 +455,11 @@ Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* 
   Status status;
   if (!pending_.empty()) {
     // Each row's output depends on its expert's weights alone: computing the groups in several
-    // passes gives the same bits as one pass. The wait is half the deadline, so that the router
-    // hears why before its deadline would declare this rank dead.
+    // passes gives the same bits as one pass. The wait ends half the deadline after the header
+    // came (a microbatch queued behind another that waited does not wait as long), so that the
+    // router hears why before its deadline would declare this rank dead.
     const auto start = SteadyClock::now();
-    const Deadline until = start + opts_.deadline / 2;
+    const Deadline until = header_at + opts_.deadline / 2;
     while (!pending_.empty()) {
       status = cache->Poll();
       if (!status.ok()) break;

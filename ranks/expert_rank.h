@@ -79,7 +79,9 @@ class ExpertRank {
     // i+1's rows land while i is computed).
     AlignedBuffer ahead;
     bool have_ahead = false;
-    bool ahead_needed = false;  // its experts were asked of the cache
+    bool ahead_needed = false;            // its experts were asked of the cache
+    SteadyClock::time_point ahead_at{};   // when it came
+    SteadyClock::time_point header_at{};  // when the header being handled came
     AlignedBuffer in[2];
     int next_in = 0;
     Request rows_req;
@@ -114,7 +116,8 @@ class ExpertRank {
   // failed, makes *answer the reason (the microbatch is answered so, the rank goes on).
   // The experts of such a microbatch go to *kept instead of being let go.
   Status RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy,
-                   EpResultTrailer* answer, std::vector<RouterState::Kept>* kept);
+                   EpResultTrailer* answer, std::vector<RouterState::Kept>* kept,
+                   SteadyClock::time_point header_at);
   // Lets go of a router's kept experts (with a header: once it is their retry or past it).
   void ReleaseKept(RouterState& rs);
   void ReleaseKeptFor(RouterState& rs, const EpHeaderFixed& h);
