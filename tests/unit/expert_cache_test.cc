@@ -355,78 +355,78 @@ TEST(ExpertCacheJobTest, TheCheckpointDeletedUnderTheJob) {
   EXPECT_FALSE(fs::exists(copy));
 }
 
+// What RunBatches saw: answered batches (each bitwise the single-process layer's), failures,
+// the router's load retries and every rank's status at the end.
+struct BatchRun {
+  int answered = 0;
+  std::vector<Status> failures;
+  uint64_t retries = 0;
+  std::vector<Status> ranks;
+};
+
+// `batches` batches of min_tokens + b % spread tokens (seeds from `seed`) through a 4-rank job
+// (threads) with `opts`, each call within `call` (0: no deadline).
+BatchRun RunBatches(const JobOptions& opts, int batches, int64_t min_tokens, int spread,
+                    uint32_t seed, std::chrono::milliseconds call = {}) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(1);
+  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
+  const int64_t hidden = single.weights().spec.hidden;
+  BatchRun run;
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    for (int b = 0; b < batches; ++b) {
+      const int64_t tokens = min_tokens + b % spread;
+      const std::vector<float> x = RandomRows(tokens, hidden, seed + static_cast<uint32_t>(b));
+      std::vector<float> want(x.size()), got(x.size());
+      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
+      const Status s = router.Forward(0, x.data(), tokens, got.data(),
+                                      call.count() > 0 ? DeadlineIn(call) : Deadline::max());
+      if (s.ok()) {
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+            << "batch " << b;
+        ++run.answered;
+      } else {
+        run.failures.push_back(s);
+      }
+    }
+    run.retries = router.layer(0)->stats().load_retries;
+    return Status::Ok();
+  };
+  run.ranks = RunInprocJob(4, opts, work);
+  for (size_t r = 0; r < run.ranks.size(); ++r) {
+    EXPECT_TRUE(run.ranks[r].ok()) << r << ": " << run.ranks[r].ToString();
+  }
+  return run;
+}
+
 // A job whose loads take longer than half the expert-parallel deadline: the expert ranks answer
 // "still loading" (they do not die, the router does not declare them dead) and the router sends
 // the microbatch again until the expert is resident; every answer is bitwise right.
 TEST(ExpertCacheJobTest, ASlowLoadIsSentAgainAndAnsweredRight) {
-  const CpuKernels& k = KernelsFor(BestIsa());
-  ThreadPool pool(1);
-  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
   JobOptions opts = FixtureJob("deepseek_v3", 0);
   opts.cache.budget_bytes = 2 * FixtureExpertBytes();
   opts.cache.load_bytes_per_s = static_cast<double>(FixtureExpertBytes()) / 0.25;  // 250 ms each
   opts.ep.deadline = std::chrono::milliseconds(300);  // the ranks wait 150 ms, then answer
-  const int64_t hidden = single.weights().spec.hidden;
-  int checked = 0;
-  uint64_t retries = 0;
-  const RouterWork work = [&](RouterRank& router) -> Status {
-    for (int b = 0; b < 6; ++b) {
-      const int64_t tokens = 2 + b % 3;
-      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(100 + b));
-      std::vector<float> want(x.size()), got(x.size());
-      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
-      MOERUN_RETURN_IF_ERROR(router.Forward(0, x.data(), tokens, got.data()));
-      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
-          << "batch " << b;
-      ++checked;
-    }
-    retries = router.layer(0)->stats().load_retries;
-    return Status::Ok();
-  };
-  const std::vector<Status> st = RunInprocJob(4, opts, work);
-  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
-  EXPECT_EQ(checked, 6);
-  EXPECT_GT(retries, 0u);  // the first batch misses (2 of each rank's ~5 experts are resident)
+  const BatchRun run = RunBatches(opts, 6, 2, 3, 100);
+  EXPECT_EQ(run.answered, 6);
+  for (const Status& s : run.failures) ADD_FAILURE() << s.ToString();
+  EXPECT_GT(run.retries, 0u);  // the first batch misses (2 of each rank's ~5 experts are resident)
 }
 
 // A call whose deadline leaves no room for the load: it fails with the rank's answer (the
 // expert is still loading, and what to change), nothing in flight; the job goes on, and the
 // batches whose experts are resident are answered right.
 TEST(ExpertCacheJobTest, ALoadLongerThanTheCallsDeadlineIsAClearError) {
-  const CpuKernels& k = KernelsFor(BestIsa());
-  ThreadPool pool(1);
-  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
   JobOptions opts = FixtureJob("deepseek_v3", 0);
   opts.cache.budget_bytes = FixtureExpertBytes();
   opts.cache.load_bytes_per_s = static_cast<double>(FixtureExpertBytes()) / 3600;  // 1 h each
   opts.ep.deadline = std::chrono::milliseconds(200);
-  const int64_t hidden = single.weights().spec.hidden;
-  int failed = 0, answered = 0;
-  std::string why;
-  const RouterWork work = [&](RouterRank& router) -> Status {
-    for (int b = 0; b < 8; ++b) {
-      const int64_t tokens = 1 + b % 4;
-      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(200 + b));
-      std::vector<float> want(x.size()), got(x.size());
-      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
-      const Status s = router.Forward(0, x.data(), tokens, got.data(),
-                                      DeadlineIn(std::chrono::milliseconds(600)));
-      if (s.ok()) {
-        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
-            << "batch " << b;
-        ++answered;
-      } else {
-        EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-        why = s.ToString();
-        ++failed;
-      }
-    }
-    return Status::Ok();
-  };
-  const std::vector<Status> st = RunInprocJob(4, opts, work);
-  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
-  EXPECT_EQ(failed + answered, 8);
-  EXPECT_GT(failed, 0);  // each rank holds 1 of its ~5 experts; top-k picks others
+  const BatchRun run = RunBatches(opts, 8, 1, 4, 200, std::chrono::milliseconds(600));
+  EXPECT_EQ(run.answered + static_cast<int>(run.failures.size()), 8);
+  ASSERT_GT(run.failures.size(), 0u);  // each rank holds 1 of its ~5 experts; top-k picks others
+  for (const Status& s : run.failures)
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  const std::string why = run.failures.back().ToString();
   EXPECT_NE(why.find("is still loading"), std::string::npos) << why;
   EXPECT_NE(why.find("expert_cache_load_mib_s"), std::string::npos) << why;
 }
@@ -459,40 +459,19 @@ TEST(ExpertCacheJobTest, ABrokenExpertInTheCheckpointFailsItsBatchesNotTheRank) 
     f.seekp(sizeof n);
     f.write(header.data(), static_cast<std::streamsize>(n));
   }
-  const CpuKernels& k = KernelsFor(BestIsa());
-  ThreadPool pool(1);
-  MoeLayer single(LoadFixture("deepseek_v3", k), k, &pool);
   JobOptions opts = FixtureJob("deepseek_v3", 0);
   opts.source.model = copy.string();
   opts.cache.budget_bytes = 2 * FixtureExpertBytes();
   opts.cache_pinned = {0};
   opts.startup_timeout = std::chrono::milliseconds(5000);  // (if a rank failed at start)
-  const int64_t hidden = single.weights().spec.hidden;
-  int failed = 0, answered = 0;
-  const RouterWork work = [&](RouterRank& router) -> Status {
-    for (int b = 0; b < 24; ++b) {
-      const int64_t tokens = 1 + b % 3;
-      const std::vector<float> x = RandomRows(tokens, hidden, static_cast<uint32_t>(300 + b));
-      std::vector<float> want(x.size()), got(x.size());
-      MOERUN_RETURN_IF_ERROR(single.Forward(x.data(), tokens, want.data()));
-      const Status s = router.Forward(0, x.data(), tokens, got.data());
-      if (s.ok()) {
-        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
-            << "batch " << b;
-        ++answered;
-      } else {
-        EXPECT_NE(s.ToString().find("I32"), std::string::npos) << s.ToString();
-        ++failed;
-      }
-    }
-    return Status::Ok();
-  };
-  const std::vector<Status> st = RunInprocJob(4, opts, work);
+  const BatchRun run = RunBatches(opts, 24, 1, 3, 300);
   fs::remove_all(copy);
-  for (size_t r = 0; r < st.size(); ++r) EXPECT_TRUE(st[r].ok()) << r << ": " << st[r].ToString();
-  EXPECT_EQ(failed + answered, 24);
-  EXPECT_GT(failed, 0);
-  EXPECT_GT(answered, 0);
+  EXPECT_EQ(run.answered + static_cast<int>(run.failures.size()), 24);
+  for (const Status& s : run.failures) {
+    EXPECT_NE(s.ToString().find("I32"), std::string::npos) << s.ToString();
+  }
+  EXPECT_GT(run.failures.size(), 0u);
+  EXPECT_GT(run.answered, 0);
 }
 
 TEST(ExpertCacheJobTest, ABudgetSmallerThanOneExpertIsAClearError) {
