@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
 fuzz_seconds=${MOERUN_FUZZ_SECONDS:-30}
-step() { printf '\n==== %s ====\n' "$*"; }
+started=$SECONDS
+step() { printf '\n==== %s (at %d s) ====\n' "$*" $((SECONDS - started)); }
 
 step "dependencies"
 scripts/install-deps.sh --test
@@ -31,6 +32,7 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 cmake --preset release "${cuda_flag[@]}" >/dev/null
 cmake --build build -j "$jobs"
+step "all tests of the release build (ctest)"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
 
 step "sanitizer build (address, undefined) + unit tests"
@@ -57,4 +59,4 @@ step "format check"
 scripts/format.sh --check
 
 echo
-echo "all tests passed"
+echo "all tests passed in $((SECONDS - started)) s"
