@@ -66,7 +66,7 @@ TEST_P(BatchInvarianceTest, Fixture) {
   CheckInvariant(w, k, x, 2);
 }
 
-std::vector<std::tuple<std::string, std::string>> Cases() {
+std::vector<std::tuple<std::string, std::string>> FixtureIsaCases() {
   std::vector<std::tuple<std::string, std::string>> out;
   for (const auto& n : FixtureNames()) {
     for (const auto& v : TestVariantNames()) out.emplace_back(n, v);
@@ -74,7 +74,7 @@ std::vector<std::tuple<std::string, std::string>> Cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFixtures, BatchInvarianceTest, ::testing::ValuesIn(Cases()),
+INSTANTIATE_TEST_SUITE_P(AllFixtures, BatchInvarianceTest, ::testing::ValuesIn(FixtureIsaCases()),
                          [](const auto& tp) {
                            return std::get<0>(tp.param) + "_" + std::get<1>(tp.param);
                          });

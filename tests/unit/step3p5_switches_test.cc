@@ -74,7 +74,7 @@ TEST_P(Step3p5SwitchesTest, MatchesTheAuthorsCode) {
   EXPECT_LE(RelativeError(ref, want), 1e-5) << name << " (reference loop)";
 }
 
-std::vector<std::tuple<std::string, std::string>> Cases() {
+std::vector<std::tuple<std::string, std::string>> SwitchCases() {
   std::vector<std::tuple<std::string, std::string>> out;
   for (const auto& n : CaseNames()) {
     for (const auto& v : TestVariantNames()) out.emplace_back(n, v);
@@ -82,7 +82,7 @@ std::vector<std::tuple<std::string, std::string>> Cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllSwitches, Step3p5SwitchesTest, ::testing::ValuesIn(Cases()),
+INSTANTIATE_TEST_SUITE_P(AllSwitches, Step3p5SwitchesTest, ::testing::ValuesIn(SwitchCases()),
                          [](const auto& tp) {
                            return std::get<0>(tp.param) + "_" + std::get<1>(tp.param);
                          });
