@@ -307,19 +307,14 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     }
   });
 
-  // Post the receives first, then send header and rows to every rank that gets rows.
+  // Every rank that gets rows: its header, then (SendTo) the receive of its answer is posted
+  // and header and rows are sent.
   st.reqs.clear();
   st.ep_deadline = DeadlineIn(opts_.deadline);
   st.deadline = std::min(st.ep_deadline, call_deadline_);
-  float* recv = st.rows_in.as<float>();
   for (int d = placement_->num_routers(); d < ranks; ++d) {
     const int64_t n = st.plan.rows_to(d);
     if (n == 0) continue;
-    const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
-    MOERUN_ASSIGN_OR_RETURN(
-        Request rr, t_->Irecv(d, kTagResult, recv + ResultBlock(st.plan, d, hidden),
-                              static_cast<size_t>(n) * row_bytes + sizeof(EpResultTrailer)));
-    st.reqs.push_back(rr);
     char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
     std::memset(hdr, 0, header_bytes_);
     EpHeaderFixed h;
@@ -336,11 +331,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
       entries[i].expert = lp.slots[static_cast<size_t>(slots[i])].expert;
       entries[i].rows = st.plan.slot_rows[static_cast<size_t>(slots[i])];
     }
-    MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
-    st.reqs.push_back(hr);
-    MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, send + off * hidden,
-                                                  static_cast<size_t>(n) * row_bytes));
-    st.reqs.push_back(sr);
+    MOERUN_RETURN_IF_ERROR(SendTo(st, d));
   }
   st.seq = seq_;
   ++seq_;
@@ -361,6 +352,24 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     shared_ffn_.Run(std::span<const ExpertGroup>(&g, 1), xs, hidden, shared_rows_.data(),
                     st.shared_y.as<float>(), ldy);
   }
+  return Status::Ok();
+}
+
+Status RouterLayer::SendTo(Stage& st, int d) {
+  const int64_t hidden = w_->spec.hidden;
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  const int64_t n = st.plan.rows_to(d);
+  const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
+  MOERUN_ASSIGN_OR_RETURN(
+      Request rr, t_->Irecv(d, kTagResult, st.rows_in.as<float>() + ResultBlock(st.plan, d, hidden),
+                            static_cast<size_t>(n) * row_bytes + sizeof(EpResultTrailer)));
+  st.reqs.push_back(rr);
+  const char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
+  MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
+  st.reqs.push_back(hr);
+  MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, st.rows_out.as<float>() + off * hidden,
+                                                static_cast<size_t>(n) * row_bytes));
+  st.reqs.push_back(sr);
   return Status::Ok();
 }
 
@@ -433,22 +442,7 @@ Status RouterLayer::Collect(Stage& st, float* out) {
       spdlog::warn("{}: microbatch {} sent again to {} rank(s) ({}; {} such retries so far)", what_,
                    st.seq, again.size(), loading.ToString(), stats_.load_retries);
     }
-    const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
-    const float* send = st.rows_out.as<float>();
-    for (int d : again) {
-      const int64_t n = st.plan.rows_to(d);
-      const int64_t off = st.plan.rank_offset[static_cast<size_t>(d)];
-      MOERUN_ASSIGN_OR_RETURN(
-          Request rr, t_->Irecv(d, kTagResult, recv + ResultBlock(st.plan, d, hidden),
-                                static_cast<size_t>(n) * row_bytes + sizeof(EpResultTrailer)));
-      st.reqs.push_back(rr);
-      const char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
-      MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
-      st.reqs.push_back(hr);
-      MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, send + off * hidden,
-                                                    static_cast<size_t>(n) * row_bytes));
-      st.reqs.push_back(sr);
-    }
+    for (int d : again) MOERUN_RETURN_IF_ERROR(SendTo(st, d));
     st.ep_deadline = DeadlineIn(opts_.deadline);
     st.deadline = std::min(st.ep_deadline, call_deadline_);
   }

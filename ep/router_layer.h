@@ -99,6 +99,9 @@ class RouterLayer {
   Status ForwardFrom(const float* x, int64_t from, int64_t tokens, float* out, int64_t* done);
   Status Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens);
   Status Collect(Stage& st, float* out);
+  // Posts the receive of rank d's answer, then sends it the stage's header and rows for it (the
+  // header already written); the requests join st.reqs.
+  Status SendTo(Stage& st, int d);
   // Strands or cancels what is in flight; returns the microbatches that were.
   int Abandon(const Status& why);
   // Rebuilds live_ after a death or a placement switch.
