@@ -89,23 +89,35 @@ void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, b
 
 // Block-scaled weights (kernels.h): per k block, sums in registers from zero, then
 // c = fma(sum, scale, c) through memory.
-template <DType BT>
-inline void LoadCodes(const uint8_t* row, __m512* b0, __m512* b1) {
-  if constexpr (BT == DType::kF8E4M3) {
-    // 32 codes -> F16 bits (sign to bit 15, exponent and mantissa to bits 13..7): e4m3 x 2^-8.
-    const __m512i w =
-        _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16(int16_t(0xBFFF)));
-    *b0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-    *b1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-  } else {
-    // 16 bytes: column j in the low nibble of byte j, column j + 16 in its high nibble; the
-    // 16-entry permute takes index bits 3..0, the whole code with its sign.
-    const __m512 values = _mm512_loadu_ps(kE2m1Values);
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-    *b0 = _mm512_permutexvar_ps(x, values);
-    *b1 = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), values);
-  }
+// FP8: one k row of 32 codes -> F16 bits (sign to bit 15, exponent and mantissa to bits 13..7):
+// e4m3 x 2^-8.
+inline void LoadFp8Row(const uint8_t* row, __m512* b0, __m512* b1) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16(int16_t(0xBFFF)));
+  *b0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *b1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// MXFP4: one group of 8 k rows of a panel (packed_matrix.h) is two vectors of 16 words, one per
+// column; row i's codes are the words' low nibbles after a shift by 4i, and the 16-entry permute
+// reads only those 4 bits (the whole code with its sign). One shift and one permute per 16
+// weights, no widening.
+// Each panel's codes are also prefetched this far ahead: a few panels streamed side by side for
+// one or two rows read DRAM faster than the hardware prefetcher alone fetches it (R = 1 on Zen 4:
+// 20 -> 27 G weights/s a core).
+constexpr int kPrefetchBytes = 2048;
+struct F4Group {
+  __m512i x0, x1;  // columns 0..15, 16..31
+};
+inline F4Group LoadF4Group(const uint8_t* g) {
+  return {_mm512_loadu_si512(g), _mm512_loadu_si512(g + 64)};
+}
+// Row i's values, then the group moved on to row i + 1.
+inline void NextF4Row(F4Group* g, __m512 values, __m512* b0, __m512* b1) {
+  *b0 = _mm512_permutexvar_ps(g->x0, values);
+  *b1 = _mm512_permutexvar_ps(g->x1, values);
+  g->x0 = _mm512_srli_epi32(g->x0, 4);
+  g->x1 = _mm512_srli_epi32(g->x1, 4);
 }
 
 // 2^(s - 127) for 16 e8m0 bytes (s = 0: the subnormal 2^-127).
@@ -137,21 +149,49 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
     }
     const uint8_t* codes = b + kHeader;
     const float* ak = a + k0 * kMr;
-    for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
+    // One k row of every panel: its values b0, b1 for panel w from next(w, &b0, &b1).
+    auto fma_row = [&](const float* akr, auto&& next) {
 #pragma GCC unroll 16
       for (int w = 0; w < W; ++w) {
         __m512 b0, b1;
-        if constexpr (kDecoded) {
-          b0 = _mm512_loadu_ps(dq + (k0 + kk) * kNr);
-          b1 = _mm512_loadu_ps(dq + (k0 + kk) * kNr + 16);
-        } else {
-          LoadCodes<BT>(codes + w * pstride, &b0, &b1);
-        }
+        next(w, &b0, &b1);
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
-          const __m512 av = _mm512_set1_ps(ak[i]);
+          const __m512 av = _mm512_set1_ps(akr[i]);
           s0[w][i] = _mm512_fmadd_ps(av, b0, s0[w][i]);
           s1[w][i] = _mm512_fmadd_ps(av, b1, s1[w][i]);
+        }
+      }
+    };
+    if constexpr (kDecoded) {
+      for (int64_t kk = 0; kk < len; ++kk, ak += kMr) {
+        const float* d = dq + (k0 + kk) * kNr;
+        fma_row(ak, [&](int, __m512* b0, __m512* b1) {
+          *b0 = _mm512_loadu_ps(d);
+          *b1 = _mm512_loadu_ps(d + 16);
+        });
+      }
+    } else if constexpr (kFp8) {
+      for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
+        fma_row(ak,
+                [&](int w, __m512* b0, __m512* b1) { LoadFp8Row(codes + w * pstride, b0, b1); });
+      }
+    } else {
+      const __m512 values = _mm512_loadu_ps(kE2m1Values);
+      for (int64_t kk = 0; kk < len; kk += kF4GroupRows, codes += kF4GroupRows * kRowBytes) {
+        F4Group g[W];
+#pragma GCC unroll 16
+        for (int w = 0; w < W; ++w) {
+          g[w] = LoadF4Group(codes + w * pstride);
+          __builtin_prefetch(codes + w * pstride + kPrefetchBytes);
+          __builtin_prefetch(codes + w * pstride + kPrefetchBytes + 64);
+        }
+        auto next = [&](int w, __m512* b0, __m512* b1) { NextF4Row(&g[w], values, b0, b1); };
+        if (len - kk >= kF4GroupRows) {
+#pragma GCC unroll 8
+          for (int r = 0; r < kF4GroupRows; ++r, ak += kMr) fma_row(ak, next);
+        } else {
+          for (int64_t r = kk; r < len; ++r, ak += kMr) fma_row(ak, next);
         }
       }
     }
@@ -237,11 +277,24 @@ void DecodeT(int64_t k, const uint8_t* b, float* dq) {
   for (int64_t k0 = 0; k0 < k; k0 += kBk, b += kHeader + kBk * kRowBytes) {
     const int64_t len = std::min<int64_t>(kBk, k - k0);
     const uint8_t* codes = b + kHeader;
-    for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes) {
-      __m512 b0, b1;
-      LoadCodes<BT>(codes, &b0, &b1);
-      _mm512_storeu_ps(dq + (k0 + kk) * kNr, b0);
-      _mm512_storeu_ps(dq + (k0 + kk) * kNr + 16, b1);
+    if constexpr (BT == DType::kF8E4M3) {
+      for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes) {
+        __m512 b0, b1;
+        LoadFp8Row(codes, &b0, &b1);
+        _mm512_storeu_ps(dq + (k0 + kk) * kNr, b0);
+        _mm512_storeu_ps(dq + (k0 + kk) * kNr + 16, b1);
+      }
+    } else {
+      const __m512 values = _mm512_loadu_ps(kE2m1Values);
+      for (int64_t kk = 0; kk < len; kk += kF4GroupRows, codes += kF4GroupRows * kRowBytes) {
+        F4Group g = LoadF4Group(codes);
+        for (int64_t r = kk; r < std::min<int64_t>(len, kk + kF4GroupRows); ++r) {
+          __m512 b0, b1;
+          NextF4Row(&g, values, &b0, &b1);
+          _mm512_storeu_ps(dq + (k0 + r) * kNr, b0);
+          _mm512_storeu_ps(dq + (k0 + r) * kNr + 16, b1);
+        }
+      }
     }
   }
 }

@@ -46,13 +46,13 @@ const std::array<float, 256>& Fp8Values() {
   return t;
 }
 
-// The values of row kk's codes (one k row of a panel) into bv.
-void DecodeRow(bool fp8, const uint8_t* codes, float* bv) {
+// The values of row kk of a block's codes into bv.
+void DecodeRow(bool fp8, const uint8_t* codes, int64_t kk, float* bv) {
   if (fp8) {
     const std::array<float, 256>& fp8_values = Fp8Values();
-    for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[j]];
+    for (int j = 0; j < kNr; ++j) bv[j] = fp8_values[codes[kk * kNr + j]];
   } else {
-    for (int j = 0; j < kNr; ++j) bv[j] = E2m1ToF32(F4CodeAt(codes, kNr, j));
+    for (int j = 0; j < kNr; ++j) bv[j] = E2m1ToF32(F4CodeAt(codes, kNr, kk, j));
   }
 }
 
@@ -76,12 +76,11 @@ void QuantTile(int rows, int64_t k, const float* a, const uint8_t* b, DType bt, 
     for (int i = 0; i < rows; ++i) {
       for (int j = 0; j < kNr; ++j) s[i][j] = 0.0f;
     }
-    const uint8_t* codes = b + header;
-    for (int64_t kk = 0; kk < len; ++kk, codes += row_bytes) {
+    for (int64_t kk = 0; kk < len; ++kk) {
       if (dq != nullptr) {
         std::memcpy(bv, dq + (k0 + kk) * kNr, sizeof bv);
       } else {
-        DecodeRow(fp8, codes, bv);
+        DecodeRow(fp8, b + header, kk, bv);
       }
       const float* ak = a + (k0 + kk) * kMr;
       for (int i = 0; i < rows; ++i) {
@@ -116,7 +115,7 @@ void Decode(int64_t k, const void* b, DType bt, float* dq) {
   for (int64_t k0 = 0; k0 < k; k0 += bk, bb += header + bk * row_bytes) {
     const int64_t len = std::min<int64_t>(bk, k - k0);
     for (int64_t kk = 0; kk < len; ++kk) {
-      DecodeRow(fp8, bb + header + kk * row_bytes, dq + (k0 + kk) * kNr);
+      DecodeRow(fp8, bb + header, kk, dq + (k0 + kk) * kNr);
     }
   }
 }

@@ -23,8 +23,9 @@ PackedMatrix::PackedMatrix(DType dtype, int64_t n, int64_t k, int nr)
     const int64_t bk = block_k();
     block_bytes_ = QuantHeaderBytes(dtype, nr) + bk * QuantRowBytes(dtype, nr);
     const int64_t rem = k % bk;
+    const int64_t rem_rows = dtype == DType::kF4 ? F4StoredRows(nr, rem) : rem;
     panel_bytes_ = (k / bk) * block_bytes_ +
-                   (rem ? QuantHeaderBytes(dtype, nr) + rem * QuantRowBytes(dtype, nr) : 0);
+                   (rem ? QuantHeaderBytes(dtype, nr) + rem_rows * QuantRowBytes(dtype, nr) : 0);
     panel_bytes_ = RoundUp(panel_bytes_, 64);
   } else {
     elem_bytes_ = dtype == DType::kF32 ? 4 : 2;
@@ -75,12 +76,11 @@ void PackedMatrix::SetQuantRow(int64_t n, const uint8_t* codes, const float* sca
       for (int64_t r = 0; r < len; ++r) block[header + r * row_bytes + j] = codes[k0 + r];
     } else {
       block[j] = static_cast<uint8_t>(F32ToE8m0(scales[b]));
-      const int nibble = F4Nibble(nr_, j);
-      const int byte = nibble / 2;
-      const int shift = (nibble % 2) * 4;
       for (int64_t r = 0; r < len; ++r) {
-        uint8_t& d = block[header + r * row_bytes + byte];
-        d = static_cast<uint8_t>((d & ~(0xF << shift)) | ((codes[k0 + r] & 0xF) << shift));
+        const F4Slot slot = F4SlotOf(nr_, r, j);
+        uint8_t& d = block[header + slot.byte];
+        d = static_cast<uint8_t>((d & ~(0xF << slot.shift)) |
+                                 ((codes[k0 + r] & 0xF) << slot.shift));
       }
     }
   }
@@ -92,7 +92,7 @@ uint8_t PackedMatrix::CodeAt(int64_t n, int64_t k) const {
   const int j = static_cast<int>(n % nr_);
   const int64_t r = k % bk;
   if (dtype_ == DType::kF8E4M3) return block[QuantHeaderBytes(dtype_, nr_) + r * nr_ + j];
-  return F4CodeAt(block + QuantHeaderBytes(dtype_, nr_) + r * QuantRowBytes(dtype_, nr_), nr_, j);
+  return F4CodeAt(block + QuantHeaderBytes(dtype_, nr_), nr_, r, j);
 }
 
 float PackedMatrix::ScaleAt(int64_t n, int64_t k) const {

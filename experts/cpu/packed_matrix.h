@@ -16,8 +16,9 @@
 //                kernels widen a code to e4m3 x 2^-8 through the F16 converter), then len rows of
 //                nr codes, one byte per column, in column order. A panel lies inside one 128-row
 //                block of W (nr divides 128), so it has one scale per k block.
-//   MXFP4 block: nr bytes of e8m0 scales (column order), then len rows of nr/2 bytes, two codes a
-//                byte where F4Nibble puts them.
+//   MXFP4 block: nr bytes of e8m0 scales (column order), then the codes of len rows, half a byte
+//                each, where F4SlotOf puts them (nr 16: row by row; wider panels: 8 rows at a
+//                time, each column's 8 codes in one 32-bit word).
 // Resident bytes are the checkpoint's (1 byte or half a byte a weight) plus the scales and the
 // headers (FP8: 64 bytes per 128 x nr codes). Immutable after packing; thread-safe to read.
 #pragma once
@@ -74,19 +75,42 @@ constexpr int QuantHeaderBytes(DType t, int nr) {
 }
 constexpr int QuantRowBytes(DType t, int nr) { return t == DType::kF8E4M3 ? nr : nr / 2; }
 
-// MXFP4 rows: the nibble holding column j (nibble 2b is byte b's low half, 2b + 1 its high half).
-// nr 16 (the scalar and AVX2 kernels): byte 2i (i < 4) holds column i low and column i + 4 high,
-// byte 2i + 1 column i + 8 low and column i + 12 high, so one byte shuffle per half-byte and a
-// shift or a mask give a vector's 8 columns in order. Other widths (32: AVX-512): byte b holds
-// column b low and column b + nr/2 high.
+// MXFP4 codes of one k block. nr 16 (the scalar and AVX2 kernels): row by row, nr/2 bytes a row,
+// the code of column j in nibble F4Nibble(16, j) (nibble 2b is byte b's low half, 2b + 1 its high
+// half): byte 2i (i < 4) holds column i low and column i + 4 high, byte 2i + 1 column i + 8 low
+// and column i + 12 high, so one byte shuffle per half-byte and a shift or a mask give a vector's
+// 8 columns in order. Wider panels (32: AVX-512): groups of 8 rows, 4 * nr bytes each, made of
+// little-endian 32-bit words, one per column in column order; bits 4i..4i+3 of column j's word
+// hold row 8g + i. One vector load then holds 16 columns x 8 rows, and row i's codes are the low
+// nibbles of the words after a shift by 4i (what a 16-entry permute reads). A short last block is
+// stored as whole groups (its padding rows' codes stay 0).
+constexpr int kF4GroupRows = 8;
 constexpr int F4Nibble(int nr, int j) {
   if (nr == 16) return 2 * (2 * (j % 4) + j / 8) + (j / 4) % 2;
   return j < nr / 2 ? 2 * j : 2 * (j - nr / 2) + 1;
 }
-// The e2m1 code of column j in one MXFP4 k row of a panel of width nr (`row`: its nr / 2 bytes).
-inline uint8_t F4CodeAt(const uint8_t* row, int nr, int j) {
-  const int nibble = F4Nibble(nr, j);
-  return static_cast<uint8_t>((row[nibble / 2] >> ((nibble % 2) * 4)) & 0xF);
+// Rows of codes a block of `len` rows stores.
+constexpr int64_t F4StoredRows(int nr, int64_t len) {
+  return nr == 16 ? len : (len + kF4GroupRows - 1) / kF4GroupRows * kF4GroupRows;
+}
+struct F4Slot {
+  int64_t byte;  // from the block's first code byte
+  int shift;     // 0: the low nibble, 4: the high one
+};
+// Where the code of row r (of the block) and column j lives.
+constexpr F4Slot F4SlotOf(int nr, int64_t r, int j) {
+  if (nr == 16) {
+    const int nibble = F4Nibble(nr, j);
+    return {r * (nr / 2) + nibble / 2, (nibble % 2) * 4};
+  }
+  const int64_t g = r / kF4GroupRows;
+  const int i = static_cast<int>(r % kF4GroupRows);
+  return {g * kF4GroupRows * (nr / 2) + 4 * j + i / 2, (i % 2) * 4};
+}
+// The e2m1 code (0..15) of row r and column j in a block's codes of a panel of width nr.
+inline uint8_t F4CodeAt(const uint8_t* codes, int nr, int64_t r, int j) {
+  const F4Slot s = F4SlotOf(nr, r, j);
+  return static_cast<uint8_t>((codes[s.byte] >> s.shift) & 0xF);
 }
 
 // Reads row n (output n) of a logical W [N][K] into out[0..K).
