@@ -90,6 +90,13 @@ static inline __m512i _mm512_cvtepi8_epi16(__m256i a) {  // 32 bytes, sign-exten
   std::memcpy(r.v, w, 64);
   return r;
 }
+static inline __m512i _mm512_cvtepi8_epi32(__m128i a) {  // 16 bytes, sign-extended to dwords
+  __m512i r;
+  for (int i = 0; i < 16; ++i) {
+    r.v[i] = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(a.v[i])));
+  }
+  return r;
+}
 static inline __m512i _mm512_cvtepu8_epi32(__m128i a) {
   __m512i r;
   for (int i = 0; i < 16; ++i) r.v[i] = a.v[i];

@@ -15,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "experts/cpu/elementwise.h"
@@ -98,14 +99,31 @@ inline void LoadFp8Row(const uint8_t* row, __m512* b0, __m512* b1) {
   *b1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
+// Quantized panels' codes are also prefetched this far ahead: a few panels streamed side by side
+// for one or two rows read DRAM faster than the hardware prefetcher alone fetches it (MXFP4, R = 1
+// on Zen 4: 20 -> 27 G weights/s a core).
+constexpr int kPrefetchBytes = 2048;
+
+// FP8 for few rows, without the F16 converter (the slowest step above): a code sign-extended to
+// 32 bits, shifted left by 20 and masked, is the f32 bit pattern of e4m3 x 2^-120 (subnormal
+// codes become f32 subnormals, exactly). Multiplied by a x 2^112 it is the same exact product as
+// e4m3 x 2^-8 by a, so the FMAs round to the same bits, provided a x 2^112 is finite: the caller
+// checks |a| < 2^16 (block by block) and otherwise takes LoadFp8Row's path.
+constexpr float kFp8FastAScale = 0x1p112f;
+constexpr float kFp8FastMaxA = 0x1p16f;
+inline void LoadFp8RowFast(const uint8_t* row, __m512* b0, __m512* b1) {
+  const __m512i mask = _mm512_set1_epi32(int(0x87F00000u));
+  const __m512i x0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  const __m512i x1 =
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+  *b0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x0, 20), mask));
+  *b1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x1, 20), mask));
+}
+
 // MXFP4: one group of 8 k rows of a panel (packed_matrix.h) is two vectors of 16 words, one per
 // column; row i's codes are the words' low nibbles after a shift by 4i, and the 16-entry permute
 // reads only those 4 bits (the whole code with its sign). One shift and one permute per 16
 // weights, no widening.
-// Each panel's codes are also prefetched this far ahead: a few panels streamed side by side for
-// one or two rows read DRAM faster than the hardware prefetcher alone fetches it (R = 1 on Zen 4:
-// 20 -> 27 G weights/s a core).
-constexpr int kPrefetchBytes = 2048;
 struct F4Group {
   __m512i x0, x1;  // columns 0..15, 16..31
 };
@@ -172,9 +190,28 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
         });
       }
     } else if constexpr (kFp8) {
-      for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
-        fma_row(ak,
-                [&](int w, __m512* b0, __m512* b1) { LoadFp8Row(codes + w * pstride, b0, b1); });
+      float as[kBk * R];  // the block's a x 2^112, row by row
+      bool fast = true;
+      for (int64_t kk = 0; kk < len; ++kk) {
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          const float x = ak[kk * kMr + i];
+          fast = fast && std::fabs(x) < kFp8FastMaxA;
+          as[kk * R + i] = x * kFp8FastAScale;
+        }
+      }
+      if (fast) {
+        for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes) {
+          fma_row(as + kk * R, [&](int w, __m512* b0, __m512* b1) {
+            if ((kk & 1) == 0) __builtin_prefetch(codes + w * pstride + kPrefetchBytes);
+            LoadFp8RowFast(codes + w * pstride, b0, b1);
+          });
+        }
+      } else {
+        for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes, ak += kMr) {
+          fma_row(ak,
+                  [&](int w, __m512* b0, __m512* b1) { LoadFp8Row(codes + w * pstride, b0, b1); });
+        }
       }
     } else {
       const __m512 values = _mm512_loadu_ps(kE2m1Values);

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -171,6 +172,65 @@ TEST(QuantKernelsTest, GemmBitwiseEqualAcrossIsasAndCloseToDouble) {
         scalar_out = out;
       } else {
         EXPECT_EQ(std::memcmp(out.data(), scalar_out.data(), out.size() * 4), 0);
+      }
+    }
+  }
+}
+
+// Activations at the edges of the float range give the same bits on every variant too: the
+// AVX-512 FP8 path for few rows scales a by 2^112 and must fall back for |a| >= 2^16 (and for inf
+// and NaN), and subnormal a and e4m3 codes must stay exact. Every e4m3 code is in the weights.
+TEST(QuantKernelsTest, ExtremeActivationsSameBitsOnEveryVariant) {
+  const int64_t m = 7, n = 70, k = 300;
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> a(static_cast<size_t>(m * k));
+  for (auto& x : a) x = d(rng);
+  const float edge[] = {65535.0f, 65536.0f, -70000.0f, 3e38f, 1e-40f, -1e-45f, 1e-30f, 0.0f};
+  for (int64_t i = 0; i < m; ++i) {
+    // Row i: one edge value in its first block (row 6: none, and row 5 an infinity later on).
+    if (i < 6) a[static_cast<size_t>(i * k + 3 + i)] = edge[i];
+    if (i == 4) a[static_cast<size_t>(i * k + 200)] = edge[6];
+  }
+  a[static_cast<size_t>(5 * k + 290)] = std::numeric_limits<float>::infinity();
+  ThreadPool pool(1);
+  for (DType t : {DType::kF8E4M3, DType::kF4}) {
+    QuantMatrix q = RandomQuant(t, n, k, 17);
+    if (t == DType::kF8E4M3) {
+      for (size_t c = 0; c < 256 && c < q.codes.size(); ++c) {
+        const uint8_t code = static_cast<uint8_t>(c);
+        q.codes[c * 7 % q.codes.size()] = IsE4m3NaN(code) ? 0 : code;
+      }
+    }
+    std::vector<uint32_t> want;
+    for (const auto& v : testing::TestVariants()) {
+      SCOPED_TRACE(v.name + " " + DTypeName(t));
+      const CpuKernels& kern = *v.kernels;
+      const PackedMatrix b = Pack(q, kern.nr);
+      const int64_t ldc = b.n_padded();
+      std::vector<float> c(static_cast<size_t>(m * ldc));
+      AlignedBuffer apack;
+      GemmPacked(kern, &pool, m, a.data(), k, b, c.data(), ldc, &apack);
+      std::vector<uint32_t> bits(static_cast<size_t>(m * n));
+      for (int64_t i = 0; i < m; ++i) {
+        std::memcpy(&bits[static_cast<size_t>(i * n)], &c[static_cast<size_t>(i * ldc)], n * 4);
+      }
+      if (want.empty()) {
+        want = bits;
+      } else {
+        EXPECT_EQ(bits, want);
+      }
+      // The few-row path over several panels: the same bits as the GEMM's rows.
+      for (int rows = 1; rows <= std::min(4, kern.mr); ++rows) {
+        std::vector<float> got(static_cast<size_t>(kern.mr * ldc));
+        kern.tile_panels(rows, static_cast<int>(b.panels()), k, apack.as<float>(), b.panel(0),
+                         b.panel_bytes(), t, got.data(), ldc, false);
+        for (int i = 0; i < rows; ++i) {
+          EXPECT_EQ(std::memcmp(&got[static_cast<size_t>(i * ldc)],
+                                &c[static_cast<size_t>(i * ldc)], n * 4),
+                    0)
+              << rows << " rows, row " << i;
+        }
       }
     }
   }
