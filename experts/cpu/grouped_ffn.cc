@@ -8,11 +8,15 @@ namespace {
 constexpr int kMBlocksPerTask = 16;              // rows per task: 16 tiles (keeps a task's A in L2)
 constexpr int kColumnsPerTask = 256;             // output columns per task
 constexpr int64_t kStreamMaxABytes = 256 << 10;  // tasks whose A fits in this stream panels
-// One m block streams all of a task's panels through tile_panels while its A (mr rows x k, read
-// in k order beside the weights) is at most this: an AVX-512 tile of 12 rows at DeepSeek-V3's
-// hidden 7168 is 344 KiB, and blocking it by k instead would leave one panel's two FMA chains per
-// call (FP8 at 1 token: 27 -> 19 ms a layer on Zen 4).
+// One m block of at most kStreamWideMaxRows rows (the heights tile_panels keeps several panels'
+// sums in flight for) streams all of a task's panels through tile_panels while its A (mr rows x
+// k, read in k order beside the weights) is at most this: an AVX-512 tile of 12 rows at
+// DeepSeek-V3's hidden 7168 is 344 KiB, and blocking it by k instead would leave one panel's two
+// FMA chains per call (FP8 at 1 token: 27 -> 16.5 ms a layer on Zen 4). Taller blocks are
+// blocked by k past kStreamMaxABytes, so that a k block of A stays in L1 across the panels (8
+// rows at hidden 7168 streamed: FP8 3x slower).
 constexpr int64_t kStreamOneBlockMaxABytes = 1 << 20;
+constexpr int64_t kStreamWideMaxRows = 4;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -44,8 +48,10 @@ void GroupedFfn::ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Pre
 
 // One m block whose A fits in L2: all of a task's panels over all of k in one tile_panels call
 // (several panels' sums in flight; the same bits as tile by tile).
-bool GroupedFfn::StreamsOneBlock(int mblocks, int64_t k) const {
-  return mblocks == 1 && static_cast<int64_t>(kernels_.mr) * k * 4 <= kStreamOneBlockMaxABytes;
+bool GroupedFfn::StreamsOneBlock(int mblocks, int64_t rows, int64_t k) const {
+  const int64_t a_bytes = static_cast<int64_t>(kernels_.mr) * k * 4;
+  return mblocks == 1 && (a_bytes <= kStreamMaxABytes ||
+                          (rows <= kStreamWideMaxRows && a_bytes <= kStreamOneBlockMaxABytes));
 }
 
 GroupedFfn::GroupedFfn(const CpuKernels& kernels, ThreadPool* pool)
@@ -146,7 +152,7 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     float* c = scratch.as<float>();
     const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
     float* dq = DecodeBuffer(w.w13, t.mblocks, worker);
-    if (StreamsOneBlock(t.mblocks, hidden)) {
+    if (StreamsOneBlock(t.mblocks, grp.rows - int64_t{t.mblock0} * mr, hidden)) {
       const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - t.mblock0 * mr));
       kernels_.tile_panels(rows, 2 * t.panels, hidden, a + t.mblock0 * hidden * mr,
                            w.w13.panel(2 * t.panel0), w.w13.panel_bytes(), w.w13.dtype(), c, ldc,
@@ -186,7 +192,7 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
     float* ybase = y + grp.first_row * ldy;
     float* dq = DecodeBuffer(w.w2, t.mblocks, worker);
-    if (StreamsOneBlock(t.mblocks, inter)) {
+    if (StreamsOneBlock(t.mblocks, grp.rows - int64_t{t.mblock0} * mr, inter)) {
       const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
       const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - r0));
       kernels_.tile_panels(rows, t.panels, inter, a + r0 * inter, w.w2.panel(t.panel0),

@@ -53,7 +53,7 @@ class GroupedFfn {
   template <typename Prep, typename Fn>
   void ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Prep&& prepare, Fn&& fn) const;
   // The worker's buffer for decoded panel blocks, or null where tiles decode codes themselves.
-  bool StreamsOneBlock(int mblocks, int64_t k) const;
+  bool StreamsOneBlock(int mblocks, int64_t rows, int64_t k) const;
   float* DecodeBuffer(const PackedMatrix& m, int mblocks, int worker);
   void RunTile(const PackedMatrix& m, const float* dq, int rows, int64_t klen, const float* a,
                int64_t panel, int64_t k0, float* c, int64_t ldc) const;
