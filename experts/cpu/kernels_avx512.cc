@@ -6,9 +6,11 @@
 #include "experts/cpu/avx512_emulation.h"
 #define MOERUN_AVX512_KERNELS Avx512KernelsEmulated
 #else
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* helpers.
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (and, at -Og in the sanitizer build,
+// -Wuninitialized) on their own _mm512_undefined_* helpers (`__m512i __Y = __Y;`).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 #define MOERUN_AVX512_KERNELS Avx512Kernels
