@@ -147,3 +147,24 @@ static inline __m512i _mm512_or_si512(__m512i a, __m512i b) {
   for (int i = 0; i < 16; ++i) a.v[i] |= b.v[i];
   return a;
 }
+
+// For the FP8 fast path's scaling of a.
+static inline __m512 _mm512_mul_ps(__m512 a, __m512 b) {
+  for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+static inline __m512i _mm512_castps_si512(__m512 a) {
+  __m512i r;
+  std::memcpy(r.v, a.v, sizeof r.v);
+  return r;
+}
+static inline __m512i _mm512_setzero_si512() { return __m512i{}; }
+static inline __m512i _mm512_max_epu32(__m512i a, __m512i b) {
+  for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+  return a;
+}
+static inline uint32_t _mm512_reduce_max_epu32(__m512i a) {
+  uint32_t m = 0;
+  for (uint32_t v : a.v) m = v > m ? v : m;
+  return m;
+}

@@ -122,6 +122,47 @@ inline void LoadFp8RowFast(const uint8_t* row, __m512* b0, __m512* b1) {
   *b1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x1, 20), mask));
 }
 
+// as = a x 2^112 for len k rows of a block packed [k][kMr] (the same layout); true when every
+// one of the R rows has |a| < 2^16 (NaN fails). Whole vectors of 4 k rows (48 floats), the lanes
+// of rows >= R (unwritten padding) masked out of the check; the rest row by row. Cheaper than
+// row-by-row scalar work, which cost as much as the FMAs at 8 rows.
+template <int R>
+inline bool ScaleForFp8Fast(const float* a, int64_t len, float* as) {
+  static_assert(4 * kMr == 48);
+  struct LaneMask {
+    alignas(64) uint32_t m[48];
+  };
+  static constexpr LaneMask kMask = [] {
+    LaneMask l{};
+    for (int j = 0; j < 48; ++j) l.m[j] = j % kMr < R ? 0x7FFFFFFFu : 0u;
+    return l;
+  }();
+  constexpr uint32_t kMaxABits = 0x47800000u;  // 2^16
+  const __m512 scale = _mm512_set1_ps(kFp8FastAScale);
+  __m512i big = _mm512_setzero_si512();
+  int64_t kk = 0;
+  for (; kk + 4 <= len; kk += 4) {
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) {
+      const int64_t j = kk * kMr + v * 16;
+      const __m512 x = _mm512_loadu_ps(a + j);
+      const __m512i bits =
+          _mm512_and_si512(_mm512_castps_si512(x), _mm512_loadu_si512(kMask.m + v * 16));
+      big = _mm512_max_epu32(big, bits);
+      _mm512_storeu_ps(as + j, _mm512_mul_ps(x, scale));
+    }
+  }
+  bool fast = _mm512_reduce_max_epu32(big) < kMaxABits;
+  for (; kk < len; ++kk) {
+    for (int i = 0; i < R; ++i) {
+      const float x = a[kk * kMr + i];
+      fast = fast && std::fabs(x) < kFp8FastMaxA;
+      as[kk * kMr + i] = x * kFp8FastAScale;
+    }
+  }
+  return fast;
+}
+
 // MXFP4: one group of 8 k rows of a panel (packed_matrix.h) is two vectors of 16 words, one per
 // column; row i's codes are the words' low nibbles after a shift by 4i, and the 16-entry permute
 // reads only those 4 bits (the whole code with its sign). One shift and one permute per 16
@@ -192,19 +233,10 @@ void QuantTileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t l
         });
       }
     } else if constexpr (kFp8) {
-      float as[kBk * R];  // the block's a x 2^112, row by row
-      bool fast = true;
-      for (int64_t kk = 0; kk < len; ++kk) {
-#pragma GCC unroll 16
-        for (int i = 0; i < R; ++i) {
-          const float x = ak[kk * kMr + i];
-          fast = fast && std::fabs(x) < kFp8FastMaxA;
-          as[kk * R + i] = x * kFp8FastAScale;
-        }
-      }
-      if (fast) {
+      alignas(64) float as[kBk * kMr];  // the block's a x 2^112, packed as a
+      if (ScaleForFp8Fast<R>(ak, len, as)) {
         for (int64_t kk = 0; kk < len; ++kk, codes += kRowBytes) {
-          fma_row(as + kk * R, [&](int w, __m512* b0, __m512* b1) {
+          fma_row(as + kk * kMr, [&](int w, __m512* b0, __m512* b1) {
             if ((kk & 1) == 0) __builtin_prefetch(codes + w * pstride + kPrefetchBytes);
             LoadFp8RowFast(codes + w * pstride, b0, b1);
           });
