@@ -34,11 +34,17 @@ inline void LoadB(const uint8_t* b, int64_t k, __m256* b0, __m256* b1) {
   }
 }
 
+// Tall tiles (5 or 6 rows, one panel) also prefetch their panel this far ahead, as the
+// AVX-512 ones do (kernels_avx512.cc): a slow single stream stalls at every page from DRAM.
+constexpr int64_t kTallTilePrefetchBytes = 2048;
+
 // W panels side by side (panel w at b + w * pstride, its columns at c + w * kNr): each panel's
 // columns get exactly what a one-panel tile computes; W > 1 only keeps more FMA chains in flight.
 template <int R, DType BT, int W = 1>
 void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate,
            int64_t pstride = 0) {
+  constexpr bool kPrefetch = R > 4 && W == 1;
+  constexpr int64_t kRowBytes = BT == DType::kF32 ? kNr * 4 : kNr * 2;
   __m256 c0[W][R], c1[W][R];
 #pragma GCC unroll 8
   for (int w = 0; w < W; ++w) {
@@ -51,6 +57,12 @@ void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, b
   }
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* ak = a + kk * kMr;
+    // One line every 64 bytes of the panel: every row (F32) or every other row (16-bit types).
+    if constexpr (kPrefetch) {
+      if (kRowBytes == 64 || (kk & 1) == 0) {
+        __builtin_prefetch(b + kk * kRowBytes + kTallTilePrefetchBytes);
+      }
+    }
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
       __m256 b0, b1;
