@@ -17,6 +17,7 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -51,12 +52,15 @@ inline void LoadB(const uint8_t* b, int64_t k, __m512* b0, __m512* b1) {
   }
 }
 
-// Tall tiles (5 rows or more: one panel, 8 or more FMAs per weight vector) also prefetch their
-// panel this far ahead. The hardware prefetcher alone leaves such a slow single stream stalled
-// at every page (DeepSeek-V3's shape from DRAM on Zen 4, one core: BF16 at 8 rows 62 -> 88
-// GFLOP/s, 12 rows 76 -> 99; F32 at 12 rows 66 -> 82). Shorter tiles read several panels
-// side by side fast enough; prefetching there made them slower.
-constexpr int64_t kTallTilePrefetchBytes = 2048;
+// Software prefetch distance in a panel. Quantized panels' codes are prefetched this far ahead:
+// a few panels streamed side by side for one or two rows read DRAM faster than the hardware
+// prefetcher alone fetches it (MXFP4, R = 1 on Zen 4: 20 -> 27 G weights/s a core). Tall plain
+// tiles (5 rows or more: one panel, 8 or more FMAs per weight vector) prefetch too: the hardware
+// prefetcher alone leaves such a slow single stream stalled at every page (DeepSeek-V3's shape
+// from DRAM on Zen 4, one core: BF16 at 8 rows 62 -> 88 GFLOP/s, 12 rows 76 -> 99; F32 at 12
+// rows 66 -> 82). Shorter plain tiles read several panels side by side fast enough;
+// prefetching there made them slower.
+constexpr int kPrefetchBytes = 2048;
 
 // W panels side by side (panel w at b + w * pstride, its columns at c + w * kNr): each panel's
 // columns get exactly what a one-panel tile computes; W > 1 only keeps more FMA chains in flight.
@@ -78,7 +82,7 @@ void TileT(int64_t k, const float* a, const uint8_t* b, float* c, int64_t ldc, b
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* ak = a + kk * kMr;
     if constexpr (kPrefetch) {
-      const uint8_t* ahead = b + kk * kRowBytes + kTallTilePrefetchBytes;
+      const uint8_t* ahead = b + kk * kRowBytes + kPrefetchBytes;
 #pragma GCC unroll 2
       for (int64_t o = 0; o < kRowBytes; o += 64) __builtin_prefetch(ahead + o);
     }
@@ -115,11 +119,6 @@ inline void LoadFp8Row(const uint8_t* row, __m512* b0, __m512* b1) {
   *b1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-// Quantized panels' codes are also prefetched this far ahead: a few panels streamed side by side
-// for one or two rows read DRAM faster than the hardware prefetcher alone fetches it (MXFP4, R = 1
-// on Zen 4: 20 -> 27 G weights/s a core).
-constexpr int kPrefetchBytes = 2048;
-
 // FP8 for few rows, without the F16 converter (the slowest step above): a code sign-extended to
 // 32 bits, shifted left by 20 and masked, is the f32 bit pattern of e4m3 x 2^-120 (subnormal
 // codes become f32 subnormals, exactly). Multiplied by a x 2^112 it is the same exact product as
@@ -151,7 +150,7 @@ inline bool ScaleForFp8Fast(const float* a, int64_t len, float* as) {
     for (int j = 0; j < 48; ++j) l.m[j] = j % kMr < R ? 0x7FFFFFFFu : 0u;
     return l;
   }();
-  constexpr uint32_t kMaxABits = 0x47800000u;  // 2^16
+  constexpr uint32_t kMaxABits = std::bit_cast<uint32_t>(kFp8FastMaxA);
   const __m512 scale = _mm512_set1_ps(kFp8FastAScale);
   __m512i big = _mm512_setzero_si512();
   int64_t kk = 0;
