@@ -20,6 +20,15 @@ if(NOT MOERUN_WITH_CUDA STREQUAL "OFF")
   if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
     set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
   endif()
+  # The architectures, chosen before enable_language(CUDA) (which otherwise fills the cache with
+  # the compiler's default: sm_75 for CUDA 13, where the tensor-core kernels are only a trap):
+  # SASS for sm_80 and sm_90 and compute_90 PTX, which newer GPUs compile at load time. A user's
+  # -DCMAKE_CUDA_ARCHITECTURES or the CUDAARCHS environment variable wins. (A build directory
+  # configured before this keeps its cached value: reconfigure it with --fresh.)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+    set(CMAKE_CUDA_ARCHITECTURES "80-real;90" CACHE STRING
+        "CUDA architectures (moerun's default: sm_80 and sm_90 SASS, compute_90 PTX)")
+  endif()
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
@@ -36,9 +45,6 @@ if(MOERUN_HAVE_CUDA)
   set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
   set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
   set(CMAKE_CUDA_STANDARD 20)
-  if(NOT CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
-    set(CMAKE_CUDA_ARCHITECTURES 80 90)
-  endif()
 endif()
 
 set(_nccl_found FALSE)

@@ -22,9 +22,12 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include <type_traits>
+
 #include "experts/cpu/elementwise.h"
 #include "experts/cuda/convert.cuh"
 #include "experts/cuda/ffn_kernels.h"
+#include "experts/cuda/kernel_image.cuh"
 #include "experts/cuda/tile_layout.h"
 
 namespace moerun::cuda_kernels {
@@ -84,6 +87,10 @@ __device__ inline bool EndsBlock(int64_t k0, int stage, int64_t kdim) {
 constexpr int kEb = kExactBm;  // rows per tile
 constexpr int kEn = 32;        // columns per tile
 constexpr int kEk = 32;        // k per shared-memory stage (divides both scale blocks)
+// The exact kernels promote a block's sums after the stage that ends it (EndsBlock): a stage
+// must lie in one scale block of either type.
+static_assert(cuda_plan::kFp8BlockK % kEk == 0 && cuda_plan::kMxBlockK % kEk == 0,
+              "an ExactGemm k stage lies in one scale block");
 
 template <typename W, WQuant Q>
 __global__ void ExactGemm1(FfnArgs a) {
@@ -224,6 +231,23 @@ constexpr int kMn = 64;        // columns per tile (GEMM1: 64 gate + 64 up)
 constexpr int kMk = 32;        // k per stage
 constexpr int kLd = kMk + 8;   // shared-memory row stride (elements) of the 16-bit tiles
 constexpr int kCld = kMn + 4;  // shared-memory row stride (floats) of the accumulator tiles
+
+// What the tiles assume of the weight layouts (tile_layout.h, quant_layout.h):
+// - GEMM1 reads 64 gate rows and the 64 up rows of one kColBlock block of W13 (GateRow(n0) and
+//   UpRow(n0) with n0 % kMn == 0 start contiguous runs of kMn rows).
+static_assert(kMn == cuda_plan::kColBlock, "an MmaGemm1 tile is one gate/up block of W13");
+// - FP8 on tensor cores: a tile's kMn weight rows share one scale per 128-input block
+//   (BlockScale reads the scale of the tile's first row, row0 = GateRow(n0), UpRow(n0) or n0 of
+//   W2, all multiples of kMn), so the tile must lie in one 64-row scale block...
+static_assert(cuda_plan::kFp8ScaleRows % kMn == 0, "an MmaGemm tile spans one FP8 scale row");
+// - ...and a k stage in one 128-input block: EndsBlock promotes the block's accumulators after the
+//   stage that ends it, so a stage must never straddle two scales.
+static_assert(cuda_plan::kFp8BlockK % kMk == 0, "an MmaGemm k stage lies in one FP8 scale block");
+// - MXFP4 on tensor cores: LoadQuantTile decodes 8 codes with the scale of the first, at k
+//   multiples of 8 (k0 % kMk == 0), so 8 consecutive codes share a 32-input scale block.
+static_assert(cuda_plan::kMxBlockK % 8 == 0 && kMk % 8 == 0, "8 MXFP4 codes share one scale");
+// - wmma: 16x16x16 fragments over the tile, 4 warps of 32x32.
+static_assert(kMk % 16 == 0 && kMb == 64 && kMn == 64, "the warp layout covers the 64x64 tile");
 
 // Loads a [rows][kMk] tile (k contiguous) of 16-bit values with 16-byte loads; rows past
 // `valid_rows` and k past `k_end` read as zero. `src` points at row 0, k0; ld in elements.
@@ -390,8 +414,16 @@ __global__ void __launch_bounds__(128) MmaGemm1(FfnArgs a) {
       }
       h = elementwise::Act(grp.act, gv, uv);
     }
-    act[static_cast<int64_t>(m0 + r) * a.inter_pad_max + j] = FromFloat<T>(h);
+    const T v = FromFloat<T>(h);
+    if constexpr (std::is_same_v<T, __half>) {
+      // f16 holds the activations: a finite h that rounds to inf (|h| >= 65520) is flagged for
+      // the layer, which turns it into an error instead of a silently infinite output.
+      if (a.overflow != nullptr && isfinite(h) && __hisinf(v) != 0) *a.overflow = 1;
+    }
+    act[static_cast<int64_t>(m0 + r) * a.inter_pad_max + j] = v;
   }
+#else
+  __trap();  // compiled for an architecture without bf16/f16 fragments: never return unwritten
 #endif
 }
 
@@ -473,6 +505,8 @@ __global__ void __launch_bounds__(128) MmaGemm2(FfnArgs a) {
     if (grp.bias_d != nullptr) v = v + grp.bias_d[n0 + col];
     a.y[static_cast<int64_t>(m0 + r) * hidden + n0 + col] = v;
   }
+#else
+  __trap();  // compiled for an architecture without bf16/f16 fragments: never return unwritten
 #endif
 }
 
@@ -552,6 +586,32 @@ void LaunchFfnMma(const FfnArgs& a, cudaStream_t s) {
       LaunchMma<__nv_bfloat16, WQuant::kMxfp4>(a, s);
       break;
   }
+}
+
+void AppendFfnKernelImages(std::vector<KernelImage>& out) {
+  // Exact math: plain fp32 CUDA-core code, no architecture of its own (0: any the toolkit builds).
+  out.push_back(ImageOf(ExactGemm1<uint8_t, WQuant::kFp8>, "ExactGemm1<fp8>", 0));
+  out.push_back(ImageOf(ExactGemm2<uint8_t, WQuant::kFp8>, "ExactGemm2<fp8>", 0));
+  out.push_back(ImageOf(ExactGemm1<uint8_t, WQuant::kMxfp4>, "ExactGemm1<mxfp4>", 0));
+  out.push_back(ImageOf(ExactGemm2<uint8_t, WQuant::kMxfp4>, "ExactGemm2<mxfp4>", 0));
+  out.push_back(ImageOf(ExactGemm1<float, WQuant::kNone>, "ExactGemm1<f32>", 0));
+  out.push_back(ImageOf(ExactGemm2<float, WQuant::kNone>, "ExactGemm2<f32>", 0));
+  out.push_back(ImageOf(ExactGemm1<__nv_bfloat16, WQuant::kNone>, "ExactGemm1<bf16>", 0));
+  out.push_back(ImageOf(ExactGemm2<__nv_bfloat16, WQuant::kNone>, "ExactGemm2<bf16>", 0));
+  out.push_back(ImageOf(ExactGemm1<__half, WQuant::kNone>, "ExactGemm1<f16>", 0));
+  out.push_back(ImageOf(ExactGemm2<__half, WQuant::kNone>, "ExactGemm2<f16>", 0));
+  // Tensor cores: bf16/f16 wmma fragments from sm_80 (below, the bodies trap).
+  constexpr int kMmaArch = 80;
+  out.push_back(ImageOf(MmaGemm1<__half, WQuant::kNone>, "MmaGemm1<f16,none>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm2<__half, WQuant::kNone>, "MmaGemm2<f16,none>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm1<__half, WQuant::kFp8>, "MmaGemm1<f16,fp8>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm2<__half, WQuant::kFp8>, "MmaGemm2<f16,fp8>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm1<__nv_bfloat16, WQuant::kNone>, "MmaGemm1<bf16,none>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm2<__nv_bfloat16, WQuant::kNone>, "MmaGemm2<bf16,none>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm1<__nv_bfloat16, WQuant::kFp8>, "MmaGemm1<bf16,fp8>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm2<__nv_bfloat16, WQuant::kFp8>, "MmaGemm2<bf16,fp8>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm1<__nv_bfloat16, WQuant::kMxfp4>, "MmaGemm1<bf16,mxfp4>", kMmaArch));
+  out.push_back(ImageOf(MmaGemm2<__nv_bfloat16, WQuant::kMxfp4>, "MmaGemm2<bf16,mxfp4>", kMmaArch));
 }
 
 }  // namespace moerun::cuda_kernels

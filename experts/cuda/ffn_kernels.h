@@ -8,8 +8,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "experts/cpu/kernels.h"
+#include "experts/cuda/kernel_image.h"
 #include "experts/cuda/quant_layout.h"
 
 namespace moerun::cuda_kernels {
@@ -57,8 +59,15 @@ struct FfnArgs {
   const void* in = nullptr;  // [rows][hidden]: f32 (exact) or wtype (mma)
   void* act = nullptr;       // [rows][inter_pad_max]: f32 (exact) or wtype (mma)
   float* y = nullptr;        // [rows][hidden]
+  // Optional device flag (null: not checked): f16 tensor cores store 1 in it when a finite
+  // activation does not fit f16 (rounds to inf); it is never cleared here.
+  int32_t* overflow = nullptr;
 };
 void LaunchFfnExact(const FfnArgs& a, cudaStream_t s);
 void LaunchFfnMma(const FfnArgs& a, cudaStream_t s);
+
+// Appends the image of every kernel LaunchFfnExact and LaunchFfnMma can launch, as the current
+// device would run it (kernel_image.h; the tensor-core ones need sm_80).
+void AppendFfnKernelImages(std::vector<KernelImage>& out);
 
 }  // namespace moerun::cuda_kernels

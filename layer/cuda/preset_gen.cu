@@ -2,6 +2,7 @@
 // model/preset.cc (the same preset_hash functions, rounded to nearest even), in the device
 // layout of device_plan.h.
 #include "experts/cuda/convert.cuh"
+#include "experts/cuda/kernel_image.cuh"
 #include "experts/cuda/tile_layout.h"
 #include "layer/cuda/preset_gen.h"
 #include "model/preset_hash.h"
@@ -68,6 +69,16 @@ void LaunchPresetExpert(uint64_t seed, int layer, int expert, int64_t hidden, in
       Launch<__half>(seed, layer, expert, hidden, inter, inter_pad, scale13, scale2, w13, w2, s);
       break;
   }
+}
+
+void AppendPresetKernelImages(std::vector<KernelImage>& out) {
+  // Plain CUDA-core code: no architecture of its own.
+  out.push_back(ImageOf(PresetW13<float>, "PresetW13<f32>", 0));
+  out.push_back(ImageOf(PresetW13<__nv_bfloat16>, "PresetW13<bf16>", 0));
+  out.push_back(ImageOf(PresetW13<__half>, "PresetW13<f16>", 0));
+  out.push_back(ImageOf(PresetW2<float>, "PresetW2<f32>", 0));
+  out.push_back(ImageOf(PresetW2<__nv_bfloat16>, "PresetW2<bf16>", 0));
+  out.push_back(ImageOf(PresetW2<__half>, "PresetW2<f16>", 0));
 }
 
 }  // namespace moerun::cuda_kernels

@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "experts/cuda/ffn_kernels.h"
+#include "experts/cuda/kernel_image.h"
 
 namespace moerun::cuda_kernels {
 
@@ -15,5 +17,8 @@ namespace moerun::cuda_kernels {
 void LaunchPresetExpert(uint64_t seed, int layer, int expert, int64_t hidden, int64_t inter,
                         int64_t inter_pad, WType wtype, float scale13, float scale2, void* w13,
                         void* w2, cudaStream_t s);
+
+// Appends the images of the kernels above, as the current device would run them (kernel_image.h).
+void AppendPresetKernelImages(std::vector<KernelImage>& out);
 
 }  // namespace moerun::cuda_kernels

@@ -4,7 +4,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "experts/cuda/convert.cuh"
+#include "experts/cuda/kernel_image.cuh"
 #include "experts/cuda/tile_layout.h"
 #include "router/cuda/group_kernels.h"
 
@@ -53,20 +56,32 @@ __global__ void SharedRowsKernel(int experts, DevRows r, const int32_t* ntok) {
   if (t < *ntok) r.row_token[r.row_off[experts] + t] = t;
 }
 
+// v converted to T; f16 only: a finite v that rounds to inf (|v| >= 65520) sets *overflow (when
+// not null) to 1.
 template <typename T>
-__global__ void GatherKernel(const float* x, int64_t hidden, DevRows r, int groups, T* rows) {
+__device__ inline T Narrow(float v, int32_t* overflow) {
+  const T out = FromFloat<T>(v);
+  if constexpr (std::is_same_v<T, __half>) {
+    if (overflow != nullptr && isfinite(v) && __hisinf(out) != 0) *overflow = 1;
+  }
+  return out;
+}
+
+template <typename T>
+__global__ void GatherKernel(const float* x, int64_t hidden, DevRows r, int groups, T* rows,
+                             int32_t* overflow) {
   const int64_t row = blockIdx.x;
   if (row >= r.row_off[groups]) return;
   const float* src = x + static_cast<int64_t>(r.row_token[row]) * hidden;
   T* dst = rows + row * hidden;
-  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) dst[h] = FromFloat<T>(src[h]);
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) dst[h] = Narrow<T>(src[h], overflow);
 }
 
 template <typename T>
-__global__ void ConvertKernel(const float* in, int64_t n, T* out) {
+__global__ void ConvertKernel(const float* in, int64_t n, T* out, int32_t* overflow) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = FromFloat<T>(in[i]);
+    out[i] = Narrow<T>(in[i], overflow);
   }
 }
 
@@ -104,22 +119,24 @@ void LaunchGroupRows(const int32_t* ids, int64_t tokens_bound, int k, int expert
 }
 
 void LaunchGather(const float* x, int64_t hidden, const DevRows& r, int groups, int64_t rows_bound,
-                  WType row_type, void* rows, cudaStream_t s) {
+                  WType row_type, void* rows, cudaStream_t s, int32_t* overflow) {
   const auto grid = static_cast<unsigned>(rows_bound);
   switch (row_type) {
     case WType::kF32:
-      GatherKernel<<<grid, 256, 0, s>>>(x, hidden, r, groups, static_cast<float*>(rows));
+      GatherKernel<<<grid, 256, 0, s>>>(x, hidden, r, groups, static_cast<float*>(rows), overflow);
       break;
     case WType::kBF16:
-      GatherKernel<<<grid, 256, 0, s>>>(x, hidden, r, groups, static_cast<__nv_bfloat16*>(rows));
+      GatherKernel<<<grid, 256, 0, s>>>(x, hidden, r, groups, static_cast<__nv_bfloat16*>(rows),
+                                        overflow);
       break;
     case WType::kF16:
-      GatherKernel<<<grid, 256, 0, s>>>(x, hidden, r, groups, static_cast<__half*>(rows));
+      GatherKernel<<<grid, 256, 0, s>>>(x, hidden, r, groups, static_cast<__half*>(rows), overflow);
       break;
   }
 }
 
-void LaunchConvertRows(const float* in, int64_t n, WType row_type, void* out, cudaStream_t s) {
+void LaunchConvertRows(const float* in, int64_t n, WType row_type, void* out, cudaStream_t s,
+                       int32_t* overflow) {
   const unsigned grid = Blocks(n, 256) < 4096 ? Blocks(n, 256) : 4096;
   if (n == 0) return;
   switch (row_type) {
@@ -127,10 +144,10 @@ void LaunchConvertRows(const float* in, int64_t n, WType row_type, void* out, cu
       cudaMemcpyAsync(out, in, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, s);
       break;
     case WType::kBF16:
-      ConvertKernel<<<grid, 256, 0, s>>>(in, n, static_cast<__nv_bfloat16*>(out));
+      ConvertKernel<<<grid, 256, 0, s>>>(in, n, static_cast<__nv_bfloat16*>(out), overflow);
       break;
     case WType::kF16:
-      ConvertKernel<<<grid, 256, 0, s>>>(in, n, static_cast<__half*>(out));
+      ConvertKernel<<<grid, 256, 0, s>>>(in, n, static_cast<__half*>(out), overflow);
       break;
   }
 }
@@ -140,6 +157,20 @@ void LaunchCombine(const float* y, int64_t hidden, const DevRows& r, int experts
                    float* out, const int32_t* ntok, cudaStream_t s) {
   CombineKernel<<<static_cast<unsigned>(tokens_bound), 256, 0, s>>>(
       y, hidden, r, experts, shared, weights, shared_scale, k, out, ntok);
+}
+
+void AppendGroupKernelImages(std::vector<KernelImage>& out) {
+  // Plain CUDA-core code (ballot, popc, atomics): no architecture of its own.
+  out.push_back(ImageOf(CountKernel, "CountKernel", 0));
+  out.push_back(ImageOf(ScanKernel, "ScanKernel", 0));
+  out.push_back(ImageOf(PlaceKernel, "PlaceKernel", 0));
+  out.push_back(ImageOf(SharedRowsKernel, "SharedRowsKernel", 0));
+  out.push_back(ImageOf(GatherKernel<float>, "GatherKernel<f32>", 0));
+  out.push_back(ImageOf(GatherKernel<__nv_bfloat16>, "GatherKernel<bf16>", 0));
+  out.push_back(ImageOf(GatherKernel<__half>, "GatherKernel<f16>", 0));
+  out.push_back(ImageOf(ConvertKernel<__nv_bfloat16>, "ConvertKernel<bf16>", 0));
+  out.push_back(ImageOf(ConvertKernel<__half>, "ConvertKernel<f16>", 0));
+  out.push_back(ImageOf(CombineKernel, "CombineKernel", 0));
 }
 
 }  // namespace moerun::cuda_kernels

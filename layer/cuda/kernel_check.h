@@ -1,0 +1,16 @@
+// The start-up check that this binary holds code the device can run for every kernel of the
+// CUDA layer (experts/cuda/kernel_image.h). Plain C++ interface (no CUDA types); without CUDA the
+// stub (kernel_check_stub.cc) says the build has no CUDA support.
+#pragma once
+
+#include "base/status.h"
+
+namespace moerun {
+
+// Ok when every kernel the CUDA layer launches has an image for device `device` compiled for its
+// architecture; otherwise InvalidArgument (exit 2) with one line: the device, what the binary
+// holds, and the configure flag that fixes it. Reads the kernels' attributes on that device
+// (the calling thread's current device is restored afterwards).
+Status CheckKernelImagesFor(int device);
+
+}  // namespace moerun
