@@ -1,11 +1,14 @@
 // Gate kernels: router logits (fp32, the CPU GEMM's k order) and the gate functions of
 // router/gate.h, ported bit for bit (same ExpF, same operation order, no fused multiply-add:
-// the build passes --fmad=false), so a token's experts and weights equal the CPU's.
+// the build passes --fmad=false), so a token's experts and weights equal the CPU's. The route
+// kernel runs a warp per token over registers only (router/cuda/route_warp.h): no stack frame,
+// so the driver reserves no local memory for it.
 #include <cmath>
 
 #include "base/fast_exp.h"
+#include "experts/cuda/kernel_image.cuh"
 #include "router/cuda/gate_kernels.h"
-#include "router/cuda/route_token.h"
+#include "router/cuda/route_warp.h"
 
 namespace moerun::cuda_kernels {
 namespace {
@@ -61,23 +64,25 @@ struct RouteArgs {
   const int32_t* ntok;
 };
 
+constexpr int kRouteWarps = 4;  // warps (tokens) a block
+
+// A warp per token: expert e in lane e % 32, slot e / 32 of S slots (router/cuda/route_warp.h),
+// everything in registers. The grid covers the token bound; warps past *ntok return whole.
+template <int S>
 __global__ void RouteKernel(RouteArgs a) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps +
+                    static_cast<int64_t>(threadIdx.x) / route_warp::kWarp;
   if (t >= *a.ntok) return;
-  const GateSpec& g = a.g;
-  const int n = g.num_experts, k = g.top_k;
-  float logit[route_token::kMaxExperts], probs[route_token::kMaxExperts];
-  int32_t order[route_token::kMaxExperts];
-  uint32_t taken[route_token::kMaxExperts / 32];
-  const float* row = a.logits + t * a.rows;
-  for (int i = 0; i < n; ++i) logit[i] = a.gate_bias ? row[i] + a.gate_bias[i] : row[i];
-  int32_t* ids = a.ids + t * k;
-  route_token::Route(g, logit, a.selection_bias, route_token::Scratch{probs, order, taken}, ids,
-                     a.weights + t * k);
-  for (int i = 0; i < k; ++i) {
-    if (!a.present[ids[i]]) atomicMax(a.error_flag, ids[i] + 1);
+  const int k = a.g.top_k;
+  // The caller's contract (gate_kernels.h): past it the routing would be wrong, so stop loudly.
+  if (a.g.num_experts < 1 || a.g.num_experts > S * route_warp::kWarp || k < 1 ||
+      k > route_warp::kMaxTopK || k > a.g.num_experts) {
+    __trap();
   }
-  a.shared_scale[t] = a.shared_gated ? SigmoidF(row[n]) : 1.0f;
+  const route_warp::TokenArgs io{a.logits + t * a.rows, a.gate_bias,        a.selection_bias,
+                                 a.shared_gated,        a.present,          a.ids + t * k,
+                                 a.weights + t * k,     a.shared_scale + t, a.error_flag};
+  route_warp::RouteToken<route_warp::DeviceWarp, S>(a.g, io);
 }
 
 }  // namespace
@@ -95,8 +100,37 @@ void LaunchRoute(const GateSpec& g, const float* logits, int gate_rows, const fl
                  int32_t* error_flag, const int32_t* ntok, cudaStream_t s) {
   RouteArgs a{g,       logits, gate_rows, gate_bias,    selection_bias, shared_gated,
               present, ids,    weights,   shared_scale, error_flag,     ntok};
-  const int threads = 64;
-  RouteKernel<<<static_cast<unsigned>((tokens_bound + threads - 1) / threads), threads, 0, s>>>(a);
+  const auto blocks = static_cast<unsigned>((tokens_bound + kRouteWarps - 1) / kRouteWarps);
+  const int threads = kRouteWarps * route_warp::kWarp;
+  switch (route_warp::SlotsFor(g.num_experts)) {
+    case 1:
+      RouteKernel<1><<<blocks, threads, 0, s>>>(a);
+      break;
+    case 2:
+      RouteKernel<2><<<blocks, threads, 0, s>>>(a);
+      break;
+    case 4:
+      RouteKernel<4><<<blocks, threads, 0, s>>>(a);
+      break;
+    case 8:
+      RouteKernel<8><<<blocks, threads, 0, s>>>(a);
+      break;
+    default:
+      RouteKernel<16><<<blocks, threads, 0, s>>>(a);
+      break;
+  }
+}
+
+void AppendGateKernelImages(std::vector<KernelImage>& out) {
+  // Plain CUDA-core code: the route kernel's warp shuffles (__shfl_sync, __shfl_xor_sync) exist
+  // from sm_30, below every architecture CUDA 13 builds (sm_75 and up), so no architecture of
+  // their own (0), as the grouping kernels' ballots.
+  out.push_back(ImageOf(GateLogitsKernel, "GateLogitsKernel", 0));
+  out.push_back(ImageOf(RouteKernel<1>, "RouteKernel<1>", 0));
+  out.push_back(ImageOf(RouteKernel<2>, "RouteKernel<2>", 0));
+  out.push_back(ImageOf(RouteKernel<4>, "RouteKernel<4>", 0));
+  out.push_back(ImageOf(RouteKernel<8>, "RouteKernel<8>", 0));
+  out.push_back(ImageOf(RouteKernel<16>, "RouteKernel<16>", 0));
 }
 
 }  // namespace moerun::cuda_kernels
