@@ -7,14 +7,19 @@
 
 #include "base/exit_code.h"
 #include "base/log.h"
+#include "ep/protocol.h"
+#include "launch/local_device.h"
+#include "layer/cuda/cuda_device.h"
 #include "transport/mpi/mpi_transport.h"
+#include "transport/nccl/nccl_transport.h"
 #include "transport/ucx/ucx_transport.h"
 
 namespace moerun {
 
 void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
   cmd->add_option("--transport", f->transport,
-                  "mpi, ucx or inproc (default: mpi when started by mpirun/srun, else inproc)");
+                  "mpi, ucx, nccl or inproc (default: mpi when started by mpirun/srun, else "
+                  "inproc); nccl: rows and results over NCCL, one GPU per rank, under mpirun/srun");
   cmd->add_option("--ranks", f->ranks, "inproc: number of ranks, run as threads")->default_val(1);
   cmd->add_option("--routers", f->routers, "Router ranks (the first R ranks)")->default_val(1);
   cmd->add_option("--placement", f->placement,
@@ -28,11 +33,39 @@ void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f) {
       ->default_val(30000);
 }
 
+namespace {
+
+// --transport nccl, before anything starts: a build with NCCL, a GPU, ranks from an MPI launcher
+// and no more local ranks than visible GPUs. Each failure is one line (InvalidArgument, exit 2).
+Status CheckNcclLaunch() {
+  if (!NcclTransportBuilt()) {
+    return Status::InvalidArgument(
+        "--transport nccl: this build of moerun has no NCCL support (configure with the CUDA "
+        "toolkit and NCCL, MOERUN_WITH_CUDA=ON and MOERUN_WITH_NCCL=ON)");
+  }
+  const CudaProbe probe = ProbeCuda();
+  if (probe.devices.empty()) {
+    return Status::InvalidArgument(
+        "--transport nccl needs one GPU per rank, and this machine has no usable GPU: " +
+        (probe.built ? probe.error : std::string("this build has no CUDA backend")));
+  }
+  if (!LaunchedByMpiLauncher()) {
+    return Status::InvalidArgument(
+        "--transport nccl needs ranks started by mpirun or srun, one GPU per rank (the NCCL "
+        "communicators are set up over MPI)");
+  }
+  return CheckOneGpuPerRank(
+      ChooseLocalDevice(ProcessEnvironment(), static_cast<int>(probe.devices.size())));
+}
+
+}  // namespace
+
 Status ValidateLaunchFlags(const LaunchFlags& flags) {
   const std::string& t = flags.transport;
-  if (!t.empty() && t != "mpi" && t != "ucx" && t != "inproc") {
-    return Status::InvalidArgument("--transport must be mpi, ucx or inproc, not '" + t + "'");
+  if (!t.empty() && t != "mpi" && t != "ucx" && t != "nccl" && t != "inproc") {
+    return Status::InvalidArgument("--transport must be mpi, ucx, nccl or inproc, not '" + t + "'");
   }
+  if (t == "nccl") MOERUN_RETURN_IF_ERROR(CheckNcclLaunch());
   if (flags.routers < 1) return Status::InvalidArgument("--routers must be at least 1");
   const bool inproc = t == "inproc" || (t.empty() && !LaunchedByMpiLauncher());
   if (inproc && (flags.ranks < 1 || flags.ranks > 256)) {
@@ -61,7 +94,7 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
   j->transport_ =
       flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc") : flags.transport;
   MOERUN_RETURN_IF_ERROR(ValidateLaunchFlags(flags));
-  if (j->transport_ == "mpi" || j->transport_ == "ucx") {
+  if (j->transport_ == "mpi" || j->transport_ == "ucx" || j->transport_ == "nccl") {
     if (j->transport_ == "ucx" && !LaunchedByMpiLauncher()) {
       return Status::InvalidArgument(
           "--transport ucx needs ranks started by mpirun or srun (its endpoints are exchanged "
@@ -71,6 +104,19 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
     if (j->transport_ == "ucx") {
       MOERUN_ASSIGN_OR_RETURN(const UcxOptions opts, UcxOptionsFromEnvironment());
       MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateUcxTransport(std::move(j->mpi_), opts));
+    }
+    if (j->transport_ == "nccl") {
+      // ValidateLaunchFlags checked the GPUs; the rows and results go over NCCL, the rest over
+      // MPI (transport/nccl/nccl_transport.h).
+      const LocalDeviceChoice gpu =
+          ChooseLocalDevice(ProcessEnvironment(), static_cast<int>(ProbeCuda().devices.size()));
+      MOERUN_RETURN_IF_ERROR(CheckOneGpuPerRank(gpu));
+      NcclTransportOptions opts;
+      opts.device = gpu.device;
+      opts.bulk_tags = {kTagRows, kTagResult};
+      opts.deadline = DeadlineIn(std::chrono::seconds(flags.startup_timeout_s));
+      spdlog::debug("nccl: {}", gpu.Describe());
+      MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateNcclTransport(std::move(j->mpi_), std::move(opts)));
     }
     j->rank_ = j->mpi_->rank();
     j->size_ = j->mpi_->size();

@@ -1,5 +1,9 @@
 // Starting the ranks of an expert-parallel job, however they were launched: under mpirun/srun
-// (transport mpi: this process is one rank) or as threads of this process (transport inproc).
+// (transports mpi, ucx, nccl: this process is one rank) or as threads of this process (transport
+// inproc). nccl: one GPU per rank (each rank's GPU from its local rank, launch/local_device.h;
+// routers need one too), the microbatches' rows and results over NCCL, everything else over MPI
+// (transport/nccl/nccl_transport.h); without a build with NCCL, a GPU, an MPI launcher, or with
+// more local ranks than visible GPUs, the command line is refused in one line (exit 2).
 #pragma once
 
 #include <functional>
@@ -15,7 +19,8 @@
 namespace moerun {
 
 struct LaunchFlags {
-  std::string transport;  // mpi | ucx | inproc; empty: mpi under an MPI launcher, else inproc
+  std::string transport;  // mpi | ucx | nccl | inproc; empty: mpi under an MPI launcher, else
+                          // inproc
   int ranks = 1;          // inproc only: ranks as threads
   int routers = 1;
   std::string placement = "linear";
@@ -28,7 +33,8 @@ struct LaunchFlags {
 void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f);
 
 // The flags' own checks (names, ranges; --placement names linear, round_robin or an existing
-// file), no transport started: the commands run it while parsing, JobLaunch::Create again.
+// file), no transport started: the commands run it while parsing, JobLaunch::Create again. For
+// --transport nccl it also probes the GPUs (CheckOneGpuPerRank) and the launcher.
 Status ValidateLaunchFlags(const LaunchFlags& flags);
 
 // JobOptions::ep, the routers, the placement and the start-up timeout from launch flags.
@@ -54,7 +60,7 @@ class JobLaunch {
              const ExpertSetup& expert_setup = nullptr);
   // Ends the whole job (MPI_Abort under mpirun) after a fatal error.
   [[noreturn]] void Abort(int exit_code);
-  // This process's endpoint when each rank is a process (mpi or ucx; null for inproc).
+  // This process's endpoint when each rank is a process (mpi, ucx or nccl; null for inproc).
   Transport* mpi_transport() const { return mpi_.get(); }
   bool multi_process() const { return mpi_ != nullptr; }
   // JobOptions::ep and the rest from the flags (FillJobOptions).

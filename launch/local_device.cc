@@ -164,6 +164,26 @@ LocalDeviceChoice ChooseLocalDevice(const EnvLookup& env, int device_count, int 
   return c;
 }
 
+Status CheckOneGpuPerRank(const LocalDeviceChoice& c) {
+  if (!c.ok()) {
+    return Status::InvalidArgument("--transport nccl needs one GPU per rank: " + c.error.message());
+  }
+  // Every local rank decides alike: the job fails on all of them, not only on those that share.
+  if (c.shared || c.device < 0 || c.local_size > c.device_count) {
+    const std::string visible = c.visible_devices.empty()
+                                    ? std::string()
+                                    : " (CUDA_VISIBLE_DEVICES=" + c.visible_devices + ")";
+    return Status::InvalidArgument(
+        "--transport nccl needs one GPU per rank: " +
+        (c.local_size_known ? std::to_string(c.local_size)
+                            : "at least " + std::to_string(c.local_size)) +
+        " ranks on this host but " + std::to_string(c.device_count) + " GPU(s) visible" + visible +
+        ", and NCCL refuses two ranks on one GPU: start at most " + std::to_string(c.device_count) +
+        " ranks per host, or use --transport mpi or ucx");
+  }
+  return Status::Ok();
+}
+
 std::string LocalDeviceChoice::Describe() const {
   if (!ok()) return "no device: " + error.ToString();
   std::string s =

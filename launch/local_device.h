@@ -58,4 +58,10 @@ struct LocalDeviceChoice {
 LocalDeviceChoice ChooseLocalDevice(const EnvLookup& env, int device_count,
                                     int explicit_device = -1);
 
+// For --transport nccl (one GPU per rank): Ok when `c` gives this rank a GPU of its own;
+// otherwise one line (InvalidArgument, exit 2) saying why: the choice's own error (no GPU
+// visible, a bad launcher variable), or more local ranks than visible GPUs (NCCL refuses two
+// ranks of one communicator on one GPU), with the counts and what to do instead.
+Status CheckOneGpuPerRank(const LocalDeviceChoice& c);
+
 }  // namespace moerun

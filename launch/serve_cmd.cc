@@ -73,9 +73,10 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   MOERUN_ASSIGN_OR_RETURN(s.config, LoadServeConfig(f.config));
   ServeConfig& c = s.config;
   if (!f.transport.empty()) {
-    if (f.transport != "mpi" && f.transport != "ucx" && f.transport != "inproc") {
-      return Status::InvalidArgument("--transport must be mpi, ucx or inproc, not '" + f.transport +
-                                     "'");
+    if (f.transport != "mpi" && f.transport != "ucx" && f.transport != "nccl" &&
+        f.transport != "inproc") {
+      return Status::InvalidArgument("--transport must be mpi, ucx, nccl or inproc, not '" +
+                                     f.transport + "'");
     }
     c.transport = f.transport;
   }
@@ -290,7 +291,7 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "Write this file once every rank has loaded its weights and router 0 listens");
   cmd->add_option("--pid-file", flags->pid_file, "Write rank 0's process id here");
   cmd->add_option("--transport", flags->transport,
-                  "mpi, ucx or inproc (overrides the config's transport)");
+                  "mpi, ucx, nccl or inproc (overrides the config's transport)");
   cmd->add_option("--listen", flags->listen,
                   "Serving endpoint HOST:PORT of router 0 (router i: PORT + i)");
   cmd->add_option("--control-listen", flags->control_listen, "moectl endpoint HOST:PORT");

@@ -170,8 +170,8 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   }
   MOERUN_RETURN_IF_ERROR(r.GetString("transport", &c.transport));
   if (!c.transport.empty() && c.transport != "mpi" && c.transport != "ucx" &&
-      c.transport != "inproc") {
-    return Status::InvalidArgument(r.Where("transport") + " must be mpi, ucx or inproc");
+      c.transport != "nccl" && c.transport != "inproc") {
+    return Status::InvalidArgument(r.Where("transport") + " must be mpi, ucx, nccl or inproc");
   }
   MOERUN_RETURN_IF_ERROR(r.Get<int>("ranks", &c.ranks, 1, 256));
   MOERUN_RETURN_IF_ERROR(r.Get<int>("routers", &c.routers, 1, 256));

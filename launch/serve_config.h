@@ -43,7 +43,8 @@ struct ServeConfig {
   // Layers to serve: empty = the model's first MoE layer; {-1} = every MoE layer.
   std::vector<int> layers;
   // The job.
-  std::string transport;  // mpi | inproc | "" (mpi under an MPI launcher, else inproc)
+  std::string transport;  // mpi | ucx | nccl | inproc | "" (mpi under an MPI launcher, else
+                          // inproc); nccl: launch/job_launch.h
   int ranks = 1;          // inproc only
   int routers = 1;
   std::string placement = "linear";

@@ -640,6 +640,13 @@ INSTANTIATE_TEST_SUITE_P(mpi, TransportConformance, ::testing::Values(Backend{"m
                          testing::BackendTestName);
 INSTANTIATE_TEST_SUITE_P(ucx, TransportConformance, ::testing::Values(Backend{"ucx", 0}),
                          testing::BackendTestName);
+// nccl: rows and results over NCCL between GPUs, one per rank (transport/nccl/nccl_transport.h);
+// every case's tags are NCCL tags (transport_harness.cc). None is left out: receives of different
+// tags may be posted in any order (the envelope names the tag), a size mismatch is an error (the
+// envelope names the size) and a receive cancelled before its message came is withdrawn. The
+// cancelled-send case skips as for mpi (can_withdraw_sends is false).
+INSTANTIATE_TEST_SUITE_P(nccl, TransportConformance, ::testing::Values(Backend{"nccl", 0}),
+                         testing::BackendTestName);
 
 // --- inproc only: fault injection -----------------------------------------------------------
 

@@ -5,7 +5,10 @@
 #include <sstream>
 #include <thread>
 
+#include "launch/local_device.h"
+#include "layer/cuda/cuda_device.h"
 #include "transport/mpi/mpi_transport.h"
+#include "transport/nccl/nccl_transport.h"
 #include "transport/ucx/ucx_transport.h"
 
 namespace moerun::testing {
@@ -20,6 +23,12 @@ struct MpiState {
   bool ucx_tried = false;
   std::unique_ptr<Transport> ucx;
   Status ucx_error;
+  // The nccl endpoint (over its own MPI endpoint, one GPU per rank), made by the first nccl test;
+  // or why this machine cannot run it (decided alike on every rank of a host).
+  bool nccl_tried = false;
+  std::string nccl_skip;
+  std::unique_ptr<Transport> nccl;
+  Status nccl_error;
 };
 
 MpiState& Mpi() {
@@ -124,9 +133,59 @@ Transport* Ucx() {
   return m.ucx.get();
 }
 
+// Why the nccl backend cannot run on this machine: no NCCL in the build, no GPU, fewer visible GPUs
+// than ranks on this host. Empty when it can.
+std::string NcclSkipReason() {
+  if (!NcclTransportBuilt()) return "this build has no NCCL (MOERUN_WITH_NCCL)";
+  const CudaProbe probe = ProbeCuda();
+  if (probe.devices.empty()) {
+    return "no usable GPU (" + (probe.built ? probe.error : std::string("no CUDA in this build")) +
+           "): the nccl transport needs one GPU per rank";
+  }
+  const Status one_each = CheckOneGpuPerRank(
+      ChooseLocalDevice(ProcessEnvironment(), static_cast<int>(probe.devices.size())));
+  return one_each.ok() ? "" : one_each.message();
+}
+
+// The tags the suite's cases use go over NCCL; the harness's own and the collectives' do not.
+std::vector<int> NcclSuiteTags() {
+  return {100, 200, 300,  400,  401,  402, kReservedTagBase - 1, 500, 550, 600,
+          601, 700, 1000, 1001, 1100, 1200};
+}
+
+// The nccl endpoint, created collectively by the first nccl test that runs (every rank runs the
+// same tests and takes the same skip decision).
+Transport* Nccl() {
+  MpiState& m = Mpi();
+  if (!m.nccl_tried && m.transport) {
+    m.nccl_tried = true;
+    const CudaProbe probe = ProbeCuda();
+    const LocalDeviceChoice gpu =
+        ChooseLocalDevice(ProcessEnvironment(), static_cast<int>(probe.devices.size()));
+    Result<std::unique_ptr<Transport>> boot = CreateMpiTransport();
+    if (!boot.ok()) {
+      m.nccl_error = boot.status();
+    } else {
+      NcclTransportOptions opts;
+      opts.device = gpu.device;
+      opts.bulk_tags = NcclSuiteTags();
+      opts.deadline = DeadlineIn(std::chrono::seconds(120));
+      Result<std::unique_ptr<Transport>> t = CreateNcclTransport(std::move(boot).value(), opts);
+      if (t.ok()) {
+        m.nccl = std::move(t).value();
+      } else {
+        m.nccl_error = t.status();
+      }
+    }
+  }
+  return m.nccl.get();
+}
+
 std::string SkipReason(const Backend& backend) {
   if (backend.name == "inproc") return "";
-  if (backend.name != "mpi" && backend.name != "ucx") return "unknown backend " + backend.name;
+  if (backend.name != "mpi" && backend.name != "ucx" && backend.name != "nccl") {
+    return "unknown backend " + backend.name;
+  }
   const MpiState& m = Mpi();
   if (!m.launched) return "not started by an MPI launcher (run it under mpirun -np N, N >= 2)";
   if (!m.transport) {
@@ -137,6 +196,10 @@ std::string SkipReason(const Backend& backend) {
   if (backend.name == "ucx" && Ucx() == nullptr &&
       Mpi().ucx_error.code() == StatusCode::kUnsupported) {
     return Mpi().ucx_error.ToString();
+  }
+  if (backend.name == "nccl") {
+    if (!Mpi().nccl_tried && Mpi().nccl_skip.empty()) Mpi().nccl_skip = NcclSkipReason();
+    return Mpi().nccl_skip;
   }
   return "";
 }
@@ -170,6 +233,13 @@ void RunOnRanks(const Backend& backend, const RankBody& body) {
     chosen = Ucx();
     if (chosen == nullptr) {
       ADD_FAILURE() << "the ucx transport could not be created: " << m.ucx_error.ToString();
+      return;
+    }
+  }
+  if (backend.name == "nccl") {
+    chosen = Nccl();
+    if (chosen == nullptr) {
+      ADD_FAILURE() << "the nccl transport could not be created: " << m.nccl_error.ToString();
       return;
     }
   }
@@ -272,6 +342,7 @@ int main(int argc, char** argv) {
   // exit from making mpirun kill rank 0 before that summary is out. Also when no test ran
   // (--gtest_list_tests).
   std::fflush(stdout);
+  Mpi().nccl.reset();
   Mpi().ucx.reset();
   Mpi().transport.reset();
   return rc;

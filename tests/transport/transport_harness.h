@@ -3,7 +3,11 @@
 // A test body is a function `void Body(Transport& t)` that every rank executes. Over "inproc"
 // the harness builds an InprocFabric of N ranks and runs the body on N threads; over "mpi" the
 // body runs once in this process, as its MPI rank, and only when the binary was started by an MPI
-// launcher with at least two ranks (otherwise the test is skipped).
+// launcher with at least two ranks (otherwise the test is skipped). "ucx" and "nccl" run as "mpi",
+// each over an endpoint of its own bootstrapped over MPI; "nccl" needs one GPU per rank and skips,
+// saying why, without NCCL in the build, without a GPU, or with fewer GPUs than ranks on a host
+// (NCCL refuses two ranks on one GPU). Its NCCL tags are the suite's (NcclSuiteTags in the .cc);
+// the harness's own exchange and the barrier's reserved tags go over its MPI bootstrap.
 //
 // Under mpirun: the MPI transport is created once per process (before the tests, so that the
 // rank is known) and destroyed after the last test and gtest's summary (its destruction
@@ -27,10 +31,11 @@
 
 namespace moerun::testing {
 
-// One backend of the suite: "inproc" with `ranks` threads, or "mpi" over the launched world.
+// One backend of the suite: "inproc" with `ranks` threads, or "mpi" (ucx, nccl) over the launched
+// world.
 struct Backend {
   std::string name;
-  int ranks = 0;  // inproc: the fabric's size; mpi: 0 (the world's size)
+  int ranks = 0;  // inproc: the fabric's size; mpi, ucx, nccl: 0 (the world's size)
 };
 void PrintTo(const Backend& b, std::ostream* os);
 // gtest parameter names: "2ranks", "3ranks", ... for inproc; "world" for mpi.
@@ -38,7 +43,8 @@ std::string BackendTestName(const ::testing::TestParamInfo<Backend>& info);
 
 using RankBody = std::function<void(Transport&)>;
 
-// Why `backend` cannot run here (empty when it can): mpi outside mpirun, a world under 2 ranks.
+// Why `backend` cannot run here (empty when it can): mpi outside mpirun, a world under 2 ranks,
+// (nccl) no NCCL, no GPU, fewer GPUs than ranks on this host.
 std::string SkipReason(const Backend& backend);
 // Runs `body` on every rank of `backend` (see above). The caller has checked SkipReason.
 void RunOnRanks(const Backend& backend, const RankBody& body);

@@ -13,43 +13,16 @@
 
 #include "base/log.h"
 #include "base/watchdog.h"
+#include "transport/nccl/nccl_common.h"
 #include "transport/nccl/nccl_plan.h"
 
 namespace moerun {
 namespace {
 
-// The bootstrap's reserved tags for the unique id (ucx uses + 200/201, its baseline + 300..302).
+// The bootstrap's reserved tags for the unique id (ucx uses + 200/201, its baseline + 300..302,
+// the nccl transport + 410/411).
 constexpr int kTagUniqueId = kReservedTagBase + 400;  // and + 401
-constexpr size_t kMaxBootstrapBytes = 4096;
 constexpr auto kDestroyTimeout = std::chrono::seconds(10);
-
-std::string CudaError(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
-}
-
-// An NCCL error as a Status: usage errors are the caller's, everything else (system, remote,
-// internal, CUDA) means the communicator or a peer is gone.
-Status NcclStatus(ncclResult_t r, ncclComm_t comm, const std::string& what) {
-  std::string msg = what + ": " + ncclGetErrorString(r);
-  if (const char* last = ncclGetLastError(comm); last != nullptr && *last != '\0') {
-    msg += std::string(" (") + last + ")";
-  }
-  if (r == ncclInvalidArgument || r == ncclInvalidUsage) {
-    return Status::InvalidArgument(std::move(msg));
-  }
-  return Status::Unavailable(std::move(msg));
-}
-
-// Polls a non-blocking communicator's state: true when idle, false while an operation is in
-// progress, an error when it failed.
-Result<bool> CommIdle(ncclComm_t comm, const char* what) {
-  ncclResult_t state = ncclSuccess;
-  const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-  if (r != ncclSuccess) return NcclStatus(r, comm, std::string(what) + ": ncclCommGetAsyncError");
-  if (state == ncclInProgress) return false;
-  if (state != ncclSuccess) return NcclStatus(state, comm, what);
-  return true;
-}
 
 }  // namespace
 
@@ -63,31 +36,11 @@ struct NcclExchange::Impl {
   Status broken;  // why the communicator was aborted
   std::vector<PeerTransfer> plan;
 
-  void Abort() {
-    if (comm != nullptr) {
-      (void)ncclCommAbort(comm);
-      comm = nullptr;
-    }
-  }
+  void Abort() { AbortComm(comm); }
 
   ~Impl() {
     if (device >= 0) (void)cudaSetDevice(device);
-    if (comm != nullptr) {
-      // A graceful end, under a watchdog: a peer that is gone must not hang the destructor.
-      const ncclResult_t r = ncclCommFinalize(comm);
-      Status s = Status::Ok();
-      if (r == ncclSuccess || r == ncclInProgress) {
-        s = WaitWithWatchdog([&] { return CommIdle(comm, "nccl: finalising the communicator"); },
-                             std::chrono::steady_clock::now() + kDestroyTimeout, [&] { Abort(); },
-                             "nccl: finalising the communicator");
-      } else {
-        Abort();
-        s = Status::Unavailable("nccl: ncclCommFinalize: " + std::string(ncclGetErrorString(r)));
-      }
-      if (comm != nullptr) (void)ncclCommDestroy(comm);
-      comm = nullptr;
-      if (!s.ok()) spdlog::warn("{} (communicator aborted)", s.ToString());
-    }
+    FinalizeComm(comm, kDestroyTimeout);
     if (done != nullptr) (void)cudaEventDestroy(done);
     if (stream != nullptr) (void)cudaStreamDestroy(stream);
   }
@@ -98,13 +51,7 @@ NcclExchange::~NcclExchange() = default;
 
 bool NcclExchange::built() { return true; }
 
-std::string NcclExchange::LibraryVersion() {
-  int v = 0;
-  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
-  // NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since 2.9.
-  return std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." +
-         std::to_string(v % 100);
-}
+std::string NcclExchange::LibraryVersion() { return NcclVersionString(); }
 
 int NcclExchange::rank() const { return impl_->rank; }
 int NcclExchange::size() const { return impl_->size; }
@@ -120,7 +67,6 @@ Result<std::unique_ptr<NcclExchange>> NcclExchange::Create(Transport& bootstrap,
 
   // Local preparation; a failure is announced to the other ranks in the id exchange.
   std::string local_error;
-  ncclUniqueId id{};
   if (device < 0) {
     local_error = "no device " + std::to_string(device);
   } else if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
@@ -134,58 +80,12 @@ Result<std::unique_ptr<NcclExchange>> NcclExchange::Create(Transport& bootstrap,
     } else if (const cudaError_t e2 = cudaEventCreateWithFlags(&impl->done, cudaEventDisableTiming);
                e2 != cudaSuccess) {
       local_error = "cudaEventCreate: " + CudaError(e2);
-    } else if (impl->rank == 0) {
-      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
-        local_error = std::string("ncclGetUniqueId: ") + ncclGetErrorString(r);
-      }
     }
   }
-
-  // Byte 0: 0 ready, 1 failed; then rank 0's unique id, or the failure's text.
-  const void* payload = nullptr;
-  size_t payload_bytes = 0;
-  if (!local_error.empty()) {
-    payload = local_error.data();
-    payload_bytes = std::min(local_error.size(), kMaxBootstrapBytes - 1);
-  } else if (impl->rank == 0) {
-    payload = &id;
-    payload_bytes = sizeof(id);
-  }
-  std::vector<uint8_t> mine(1 + payload_bytes);
-  mine[0] = local_error.empty() ? 0 : 1;
-  if (payload_bytes > 0) std::memcpy(mine.data() + 1, payload, payload_bytes);
-  MOERUN_ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> all,
-                          AllGatherBytes(bootstrap, mine, kTagUniqueId, kMaxBootstrapBytes,
-                                         deadline, "nccl bootstrap (unique id)"));
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty() || all[r][0] != 0) {
-      const std::string why = all[r].size() > 1 ? std::string(all[r].begin() + 1, all[r].end())
-                                                : std::string("no reason given");
-      return Status::Unavailable("nccl: rank " + std::to_string(r) +
-                                 " could not prepare its GPU: " + why);
-    }
-  }
-  if (all[0].size() != 1 + sizeof(id)) {
-    return Status::Corrupt("nccl bootstrap: rank 0 sent " + std::to_string(all[0].size()) +
-                           " bytes, not a unique id of " + std::to_string(sizeof(id)));
-  }
-  std::memcpy(&id, all[0].data() + 1, sizeof(id));
-
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;  // every call returns at once; progress is polled under the watchdog
-  const ncclResult_t init =
-      ncclCommInitRankConfig(&impl->comm, impl->size, id, impl->rank, &config);
-  if (init != ncclSuccess && init != ncclInProgress) {
-    Status s = NcclStatus(init, impl->comm, me + ": ncclCommInitRankConfig");
-    impl->Abort();
-    return s;
-  }
-  ncclComm_t comm = impl->comm;
-  Impl* raw = impl.get();
-  MOERUN_RETURN_IF_ERROR(WaitWithWatchdog(
-      [&] { return CommIdle(comm, "nccl: communicator initialisation"); }, deadline,
-      [&] { raw->Abort(); },
-      "nccl: communicator initialisation (" + std::to_string(impl->size) + " ranks)"));
+  MOERUN_ASSIGN_OR_RETURN(const ncclUniqueId id,
+                          ExchangeUniqueId(bootstrap, kTagUniqueId, local_error, deadline));
+  MOERUN_ASSIGN_OR_RETURN(impl->comm,
+                          InitNonBlockingComm(impl->size, impl->rank, id, deadline, me));
   spdlog::info("nccl: rank {} of {} on GPU {}, NCCL {} (non-blocking communicator)", impl->rank,
                impl->size, device, LibraryVersion());
   return std::unique_ptr<NcclExchange>(new NcclExchange(std::move(impl)));
