@@ -10,6 +10,7 @@
 #include "experts/cuda/ffn_kernels.h"
 #include "experts/cuda/kernel_image.h"
 #include "layer/cuda/preset_gen.h"
+#include "router/cuda/gate_kernels.h"
 #include "router/cuda/group_kernels.h"
 
 namespace moerun {
@@ -37,9 +38,7 @@ Status CheckKernelImagesFor(int device) {
   cuda_kernels::AppendFfnKernelImages(images);
   cuda_kernels::AppendGroupKernelImages(images);
   cuda_kernels::AppendPresetKernelImages(images);
-  // GATE-IMAGES (to wire): the route/gate kernels of router/cuda/gate_kernels.cu are not listed
-  // until gate_kernels.h declares AppendGateKernelImages; then include it and call:
-  //   cuda_kernels::AppendGateKernelImages(images);
+  cuda_kernels::AppendGateKernelImages(images);
   if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
   return cuda_kernels::CheckKernelImages(images, prop.major * 10 + prop.minor, prop.name, device);
 }
