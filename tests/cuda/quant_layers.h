@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/quant_formats.h"
+#include "base/thread_pool.h"
 #include "experts/cpu/expert_weights.h"
 #include "model/layer_weights.h"
 
@@ -113,16 +114,18 @@ inline ExpertWeights RandomQuantExpert(const CpuKernels& kernels, DType type, in
 }
 
 // Layer `w` with every loaded expert and the shared expert replaced by random block-scaled ones of
-// the same shapes (gate, router biases and expert biases kept).
+// the same shapes (gate, router biases and expert biases kept). The experts are made on every core
+// (each from its own seed: the same weights whatever the thread count).
 inline std::shared_ptr<const MoeLayerWeights> Quantized(MoeLayerWeights w,
                                                         const CpuKernels& kernels, DType type,
                                                         uint32_t seed = 1) {
-  for (size_t e = 0; e < w.experts.size(); ++e) {
-    ExpertWeights& ew = w.experts[e];
-    if (ew.w13.empty()) continue;
+  ThreadPool pool(0);
+  pool.ParallelFor(static_cast<int64_t>(w.experts.size()), [&](int64_t e, int) {
+    ExpertWeights& ew = w.experts[static_cast<size_t>(e)];
+    if (ew.w13.empty()) return;
     ew = RandomQuantExpert(kernels, type, ew.hidden, ew.inter,
                            seed * 1000 + static_cast<uint32_t>(e), &ew);
-  }
+  });
   if (w.shared) {
     w.shared = RandomQuantExpert(kernels, type, w.shared->hidden, w.shared->inter,
                                  seed * 1000 + 999, &*w.shared);

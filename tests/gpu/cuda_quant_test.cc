@@ -12,6 +12,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <utility>
 
 #include "layer/cuda/device_weights.h"
 #include "tests/cuda/gpu_layer_util.h"
@@ -27,15 +29,6 @@ cuda_plan::WeightFormat FormatOf(DType t) {
   return t == DType::kF8E4M3 ? cuda_plan::WeightFormat::kFp8 : cuda_plan::WeightFormat::kMxfp4;
 }
 
-// A small layer of `family` whose experts (and shared expert) are random block-scaled weights.
-std::shared_ptr<const MoeLayerWeights> SmallQuant(Family family, DType type, uint64_t seed = 7) {
-  PresetOptions o;
-  o.seed = seed;
-  auto w = BuildPresetLayer(SmallSpec(family), Cpu(), o);
-  if (!w.ok()) throw std::runtime_error(w.status().ToString());
-  return Quantized(std::move(w).value(), Cpu(), type, static_cast<uint32_t>(seed));
-}
-
 // The device bytes the host-side layout says the layer's experts take.
 size_t ExpectedWeightBytes(const MoeLayerWeights& w, cuda_plan::WeightFormat f) {
   size_t total = 0;
@@ -46,48 +39,77 @@ size_t ExpectedWeightBytes(const MoeLayerWeights& w, cuda_plan::WeightFormat f) 
   return total;
 }
 
+// The GPU tests' layers on the host (this test runs without a GPU): GpuSpec's shapes are what
+// the tests claim to cover, and an FP8 and an MXFP4 expert of each of their expert shapes gets a
+// device image (what Upload does before its copies), so a shape the device format refuses fails
+// here, not only on a GPU.
+TEST(CudaTestLayers, ShapesCoverTheTilesAndQuantizedImagesBuild) {
+  constexpr int64_t kMmaRows = 64;  // the tensor-core kernels' m-tile (ffn_kernels.h kMmaBm)
+  std::set<std::pair<int64_t, int64_t>> shapes;  // (hidden, inter)
+  for (Family f : AllFamilies()) {
+    const ModelSpec s = GpuSpec(f);
+    EXPECT_GE(s.hidden, 1024);
+    EXPECT_EQ(s.hidden % 8, 0) << "tensor cores load 8 values at a time";
+    EXPECT_NE(s.hidden % 32, 0) << "a partial k stage and MXFP4 block";
+    EXPECT_NE(s.hidden % cuda_plan::kFp8BlockK, 0) << "a partial FP8 block";
+    for (int64_t inter : {s.expert_inter, s.shared_inter}) {
+      if (inter == 0) continue;
+      EXPECT_GE(inter, 512);
+      EXPECT_NE(inter % cuda_plan::kColBlock, 0) << "a partial column tile";
+      EXPECT_NE(inter % cuda_plan::kMxBlockK, 0) << "a partial MXFP4 block in GEMM2";
+      shapes.insert({s.hidden, inter});
+    }
+    EXPECT_GE(kTokens * s.top_k / s.num_experts, 3 * kMmaRows) << "m-tiles per expert";
+  }
+  for (DType t : {DType::kF8E4M3, DType::kF4}) {
+    for (const auto& [hidden, inter] : shapes) {
+      const ExpertWeights ew = RandomQuantExpert(Cpu(), t, hidden, inter, 1);
+      const auto img = cuda_plan::BuildExpertImage(ew, FormatOf(t), true, "expert");
+      EXPECT_TRUE(img.ok()) << DTypeName(t) << " " << hidden << " x " << inter << ": "
+                            << img.status().ToString();
+    }
+  }
+}
+
 class CudaQuantFamilyTest : public ::testing::TestWithParam<std::tuple<Family, DType>> {};
 
 TEST_P(CudaQuantFamilyTest, ExactMathIsTheCpu) {
   SKIP_WITHOUT_GPU();
   const auto [family, dtype] = GetParam();
-  const auto w = SmallQuant(family, dtype);
+  const auto w = GpuLayer(family, dtype);
   auto gpu = Make(*w, CudaMath::kExact);
   ASSERT_NE(gpu, nullptr);
   EXPECT_EQ(gpu->weight_bytes(), ExpectedWeightBytes(*w, FormatOf(dtype)));
   EXPECT_NE(gpu->Describe().find(cuda_plan::WeightFormatName(FormatOf(dtype))), std::string::npos)
       << gpu->Describe();
-  for (int64_t tokens : {1, 7, 64, 300}) {
+  for (int64_t tokens : {int64_t{1}, int64_t{7}, int64_t{64}, kTokens}) {
     const auto x = RandomRows(tokens, w->spec.hidden, static_cast<uint32_t>(tokens));
-    const auto want = CpuForward(w, x, tokens);
+    std::vector<int32_t> want_ids;
+    const auto want = CpuForward(w, x, tokens, &want_ids);
     const auto got = GpuForward(*gpu, x, tokens);
     const double err = RelativeError(got, want);
     EXPECT_LE(err, 1e-5) << FamilyName(family) << " " << DTypeName(dtype) << " tokens " << tokens;
     EXPECT_TRUE(Bitwise(got, want)) << FamilyName(family) << " " << DTypeName(dtype) << " tokens "
                                     << tokens << " rel err " << err;
-    ThreadPool pool(1);
-    MoeLayer cpu(w, Cpu(), &pool);
-    std::vector<float> out(x.size());
-    ASSERT_TRUE(cpu.Forward(x.data(), tokens, out.data()).ok());
     std::vector<int32_t> ids;
     std::vector<float> weights;
     ASSERT_TRUE(gpu->LastRouting(&ids, &weights).ok());
-    EXPECT_EQ(ids, cpu.last_routing().ids);
+    EXPECT_EQ(ids, want_ids);
   }
 }
 
 TEST_P(CudaQuantFamilyTest, TensorCoresAreWithinOnePercentOfTheCpu) {
   SKIP_WITHOUT_GPU();
   const auto [family, dtype] = GetParam();
-  const auto w = SmallQuant(family, dtype);
-  const int64_t tokens = 200;
+  const auto w = GpuLayer(family, dtype);
+  const int64_t tokens = kTokens;
   const auto x = RandomRows(tokens, w->spec.hidden, 3);
   const auto want = CpuForward(w, x, tokens);
   for (DType mma : {DType::kBF16, DType::kF16}) {
     CudaLayerOptions o;
     o.math = CudaMath::kTensorCore;
     o.mma_type = mma;
-    o.max_tokens = 512;
+    o.max_tokens = kMaxTokens;
     auto gpu = CudaMoeLayer::Upload(*w, o);
     if (dtype == DType::kF4 && mma == DType::kF16) {
       ASSERT_FALSE(gpu.ok()) << "MXFP4 on f16 tensor cores must be refused";
@@ -107,17 +129,17 @@ TEST_P(CudaQuantFamilyTest, TensorCoresAreWithinOnePercentOfTheCpu) {
 TEST_P(CudaQuantFamilyTest, BatchInvariantAndGraphsEqualPlainLaunches) {
   SKIP_WITHOUT_GPU();
   const auto [family, dtype] = GetParam();
-  const auto w = SmallQuant(family, dtype);
+  const auto w = GpuLayer(family, dtype);
   for (CudaMath math : {CudaMath::kExact, CudaMath::kTensorCore}) {
     auto graphs = Make(*w, math);
     auto plain = Make(*w, math, DType::kBF16, 0);
     ASSERT_NE(graphs, nullptr);
     ASSERT_NE(plain, nullptr);
-    const int64_t tokens = 37, h = w->spec.hidden;
+    const int64_t tokens = 150, h = w->spec.hidden;
     const auto x = RandomRows(tokens, h, 11);
     const auto all = GpuForward(*graphs, x, tokens);
     EXPECT_TRUE(Bitwise(all, GpuForward(*plain, x, tokens))) << CudaMathName(math);
-    for (int64_t t = 0; t < tokens; t += 5) {
+    for (int64_t t = 0; t < tokens; t += 7) {
       const std::vector<float> one(x.begin() + t * h, x.begin() + (t + 1) * h);
       const auto got = GpuForward(*graphs, one, 1);
       EXPECT_EQ(std::memcmp(got.data(), all.data() + t * h, static_cast<size_t>(h) * 4), 0)
@@ -134,24 +156,24 @@ TEST_P(CudaQuantFamilyTest, PresetsAreTheCpuLayer) {
   PresetOptions p;
   p.seed = 5;
   p.dtype = dtype;
-  auto built = BuildPresetLayer(SmallSpec(family), Cpu(), p);
+  auto built = BuildPresetLayer(GpuSpec(family), Cpu(), p);
   if (!built.ok())
     GTEST_SKIP() << "no " << DTypeName(dtype) << " presets: " << built.status().ToString();
   ASSERT_EQ(built->dtype, dtype);
   const auto w = std::make_shared<const MoeLayerWeights>(std::move(built).value());
   auto gpu = Make(*w, CudaMath::kExact);
   ASSERT_NE(gpu, nullptr);
-  const auto x = RandomRows(50, w->spec.hidden, 9);
-  const auto want = CpuForward(w, x, 50);
-  const auto got = GpuForward(*gpu, x, 50);
+  const auto x = RandomRows(300, w->spec.hidden, 9);
+  const auto want = CpuForward(w, x, 300);
+  const auto got = GpuForward(*gpu, x, 300);
   EXPECT_LE(RelativeError(got, want), 1e-5);
   EXPECT_TRUE(Bitwise(got, want));
   CudaLayerOptions o;
   o.math = CudaMath::kExact;
-  o.max_tokens = 64;
-  auto from_preset = CudaMoeLayer::FromPreset(SmallSpec(family), p, o);
+  o.max_tokens = kMaxTokens;
+  auto from_preset = CudaMoeLayer::FromPreset(GpuSpec(family), p, o);
   ASSERT_TRUE(from_preset.ok()) << from_preset.status().ToString();
-  EXPECT_TRUE(Bitwise(GpuForward(**from_preset, x, 50), got));
+  EXPECT_TRUE(Bitwise(GpuForward(**from_preset, x, 300), got));
   EXPECT_EQ((*from_preset)->weight_bytes(), gpu->weight_bytes());
 }
 

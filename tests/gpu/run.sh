@@ -1,251 +1,381 @@
 #!/usr/bin/env bash
-# The GPU check, on one machine with an NVIDIA GPU (made for one H200, 16 cores), from the
-# repository root, in well under 5 minutes:
-#   1. configure and build (Release, CUDA on, sm_90) with ninja;
-#   2. ctest -L gpu: the CUDA-vs-CPU tests and the one-rank NCCL self send/recv;
-#   3. moebench layer --device cuda --anchors: the shapes and token counts of ANCHORS.md, with the
-#      floor and torch._grouped_mm (when PyTorch has it) timed in the same run;
-#   4. moerun forward on the GPU: one process (exact math: bitwise the CPU layer; tensor cores:
-#      within 1e-2 of it), then 2 and 4 processes under mpirun sharing the GPU (host-staged mpi
-#      transport: NCCL refuses two ranks on one GPU), within 1e-2 of the CPU layer, 4 processes
-#      bitwise equal to 2; and tests/gpu/ranks_bitwise.sh: 1 to 4 processes write the same bytes
-#      (tensor cores and exact math), exact math the CPU's;
-# and prints a short table. Every step runs under `timeout`; logs and the JSON go to $OUT.
+# The GPU check, on one machine with an NVIDIA GPU (made for one H200 and 16 cores), from the
+# repository root, in at most 8 minutes (BUDGET_S: every step has a cap, and the caps add up to
+# at most the budget; the script refuses to start otherwise). The steps and their caps are the
+# table STEPS below:
+#   probe       nvidia-smi: the GPU, its memory and driver;
+#   configure   BUILD as it is configured (its cache is reused: nothing passed to cmake, so nothing
+#               is rebuilt for a changed option), or a fresh one: Ninja, Release,
+#               MOERUN_WITH_CUDA=ON, CMAKE_CUDA_ARCHITECTURES=90, MOERUN_WERROR=OFF;
+#   build       ninja, only the targets the steps run: moerun, moebench and the GPU test binaries;
+#   resources   scripts/check_cuda_resources.py: no kernel with a stack frame or register spills;
+#   gpu tests   every test labelled gpu, each test binary run once (tests/gpu/gpu_tests.py; gtest
+#               XML in OUT): the CUDA layer against the CPU layer (tests/gpu/cuda_*_test.cc, on
+#               layers with several and partial tiles: tests/cuda/gpu_layer_util.h), NCCL;
+#   forward     moerun forward on the GPU, qwen3-30b-a3b (32 experts, bf16, 256 tokens): exact
+#               math bitwise the CPU layer, tensor cores within 1e-2 of it; then 2 to 4 processes
+#               under mpirun sharing the GPU write the one-process bytes
+#               (tests/gpu/ranks_bitwise.sh); then FP8 and MXFP4 (tests/gpu/forward_quant.sh:
+#               the fixtures and presets, exact math bitwise the CPU, tensor cores within 1e-2);
+#   moebench    moebench layer --device cuda --anchors (the shapes of ANCHORS.md, with the floor
+#               and torch._grouped_mm when PyTorch has it), last;
+# and prints a table. Logs, gtest XML and the benchmark's JSON go to OUT.
 #
-#   bash tests/gpu/run.sh                  # OUT=build/gpu-check, BUILD=build
-#   OUT=/tmp/gc JOBS=8 bash tests/gpu/run.sh
-# Exit code 0 when every step passed, 1 otherwise.
+#   bash tests/gpu/run.sh              # OUT=build/gpu-check, BUILD=build, JOBS=nproc
+#   bash tests/gpu/run.sh --dry-run    # what needs no GPU: configure, build, the step list with
+#                                      # its caps, the resource check, the GPU tests' commands
+#   OUT=/tmp/gc BUILD=build-gpu bash tests/gpu/run.sh
+# Exit code 0 when every step run passed, 1 otherwise, 2 for a bad call or a step table over the
+# budget.
 set -uo pipefail
+
+DRY=0
+case "${1:-}" in
+  "") ;;
+  --dry-run) DRY=1 ;;
+  -h | --help)
+    sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+    ;;
+  *)
+    echo "usage: tests/gpu/run.sh [--dry-run]" >&2
+    exit 2
+    ;;
+esac
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 ROOT=$(pwd)
-OUT=${OUT:-build/gpu-check}
 BUILD=${BUILD:-build}
-JOBS=${JOBS:-16}
-BUDGET_S=${BUDGET_S:-290}  # all steps together; each step gets at most what is left
+OUT=${OUT:-$BUILD/gpu-check}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 16)}
 MIN_TIME=${MIN_TIME:-0.3}  # moebench: seconds per measurement
+BUDGET_S=480               # all steps together (8 minutes)
+
+# The steps, in order: name | cap in seconds | dry (run by --dry-run too) or gpu | what.
+STEPS='
+probe                 |   5 | gpu | nvidia-smi: the GPU, its memory and driver
+configure             |  20 | dry | BUILD as configured, or fresh (Ninja, Release, CUDA on, sm_90)
+build                 | 150 | dry | ninja: moerun, moebench and the GPU test binaries only
+cuda resources        |  25 | dry | scripts/check_cuda_resources.py: no stack frame, no spills
+gpu tests             |  75 | gpu | each GPU test binary once (gtest XML in OUT)
+forward bf16 cpu      |  20 | gpu | moerun forward --device cpu: the reference
+forward bf16 exact    |  10 | gpu | --device cuda --math exact: bitwise the CPU
+forward bf16 tc       |  10 | gpu | --device cuda --math tensor-core: within 1e-2 of the CPU
+forward bf16 np 2-4   |  45 | gpu | mpirun -np 2,3,4 sharing the GPU: the 1-process bytes
+forward fp8/mxfp4     |  45 | gpu | fixtures and presets: exact bitwise the CPU, tc within 1e-2
+moebench --anchors    |  75 | gpu | moebench layer --device cuda --anchors
+'
+STEP_NAMES=()
+declare -A STEP_CAP STEP_MODE STEP_WHAT
+while IFS='|' read -r name cap mode what; do
+  name=$(echo "$name" | xargs)
+  [[ -z "$name" ]] && continue
+  STEP_NAMES+=("$name")
+  STEP_CAP[$name]=$(echo "$cap" | xargs)
+  STEP_MODE[$name]=$(echo "$mode" | xargs)
+  STEP_WHAT[$name]=$(echo "$what" | xargs)
+done <<<"$STEPS"
+CAP_SUM=0
+for name in "${STEP_NAMES[@]}"; do CAP_SUM=$((CAP_SUM + STEP_CAP[$name])); done
+
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 START=$SECONDS
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-RESULTS="$OUT/steps.tsv"  # step \t ok|FAIL|skipped \t seconds \t note
+{
+  echo "gpu-check$( ((DRY)) && echo ' --dry-run'): $BUILD, logs in $OUT"
+  printf '  %-22s %5s  %-4s %s\n' step "cap s" mode what
+  for name in "${STEP_NAMES[@]}"; do
+    printf '  %-22s %5d  %-4s %s\n' "$name" "${STEP_CAP[$name]}" "${STEP_MODE[$name]}" \
+      "${STEP_WHAT[$name]}"
+  done
+  echo "  caps: $CAP_SUM s in all (budget $BUDGET_S s)"
+} | tee "$OUT/steps-planned.txt" >&2
+if ((CAP_SUM > BUDGET_S)); then
+  echo "gpu-check: the steps' caps add up to $CAP_SUM s, over the $BUDGET_S s budget" >&2
+  exit 2
+fi
+
+RESULTS="$OUT/steps.tsv"  # step \t ok|FAIL|skipped|not run \t seconds \t cap \t note
 : >"$RESULTS"
 FAILED=0
 
 # record NAME STATUS SECONDS NOTE
 record() {
-  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${STEP_CAP[$1]}" "$4" >>"$RESULTS"
   [[ "$2" == FAIL ]] && FAILED=1
-  printf '[gpu-check %3ds] %-28s %s %s\n' "$((SECONDS - START))" "$1" "$2" "$4" >&2
+  printf '[gpu-check %3ds] %-22s %s %s\n' "$((SECONDS - START))" "$1" "$2" "$4" >&2
 }
 
-# The timeout for a step: its cap, or what is left of the budget (at least 5 s).
-cap() {
-  local left=$((BUDGET_S - (SECONDS - START)))
-  ((left < 5)) && left=5
-  ((left < $1)) && echo "$left" || echo "$1"
-}
-
-# run_step NAME CAP_S LOG CMD...: runs CMD under timeout with stdout+stderr to LOG.
+# run_step NAME LOG CMD...: CMD under timeout (the step's cap, or what is left of the budget),
+# stdout and stderr to LOG. Sets STEP_RC, STEP_S and STEP_NOTE. The caps are the GPU machine's
+# (16 cores): a dry run, on any machine, gives its steps an hour.
 run_step() {
-  local name=$1 limit log=$3 t0=$SECONDS rc
-  limit=$(cap "$2")
-  shift 3
-  timeout -k 5 "$limit" "$@" >"$log" 2>&1
-  rc=$?
-  STEP_RC=$rc
+  local name=$1 log=$2 t0=$SECONDS limit left
+  shift 2
+  [[ -n "${STEP_CAP[$name]:-}" ]] || { echo "gpu-check: no step '$name' in STEPS" >&2; exit 2; }
+  limit=${STEP_CAP[$name]}
+  left=$((BUDGET_S - (SECONDS - START)))
+  ((left < limit)) && limit=$left
+  ((limit < 4)) && limit=4
+  ((DRY)) && limit=3600
+  # The kill after TERM comes within the cap.
+  timeout -k 2 "$((limit - 2))" "$@" >"$log" 2>&1
+  STEP_RC=$?
   STEP_S=$((SECONDS - t0))
-  if ((rc == 124 || rc == 137)); then
-    STEP_NOTE="timed out after ${limit} s"
+  if ((STEP_RC == 124 || STEP_RC == 137)); then
+    STEP_NOTE="timed out after ${limit} s (log: $log)"
   else
-    STEP_NOTE="exit $rc"
+    STEP_NOTE="exit $STEP_RC (log: $log)"
   fi
 }
 
-timeout 10 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
-timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
-  >"$OUT/gpu.txt" 2>/dev/null || echo "nvidia-smi failed" >"$OUT/gpu.txt"
+# not_run NAME: a GPU step in a dry run.
+not_run() { record "$1" "not run" 0 "${2:-dry run: needs the GPU}"; }
 
-# --- 1. configure + build -----------------------------------------------------------------------
-CMAKE_ARGS=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOERUN_WITH_CUDA=ON
-            -DMOERUN_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90)
-if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
-  CMAKE_ARGS+=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
-fi
-run_step configure 90 "$OUT/configure.log" cmake "${CMAKE_ARGS[@]}"
-if ((STEP_RC == 0)); then
-  record configure ok "$STEP_S" "$(grep -o 'moerun backends:.*' "$OUT/configure.log" | tail -1)"
-  run_step build 200 "$OUT/build.log" ninja -C "$BUILD" -j"$JOBS"
+# --- probe ---------------------------------------------------------------------------------------
+if ((DRY)); then
+  not_run probe
+  echo "dry run (no GPU used)" >"$OUT/gpu.txt"
+else
+  run_step probe "$OUT/nvidia-smi.txt" nvidia-smi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+    >"$OUT/gpu.txt" 2>/dev/null || echo "nvidia-smi failed" >"$OUT/gpu.txt"
   if ((STEP_RC == 0)); then
-    record build ok "$STEP_S" "ninja -j$JOBS"
+    record probe ok "$STEP_S" "$(head -1 "$OUT/gpu.txt")"
   else
-    record build FAIL "$STEP_S" "$STEP_NOTE (log: $OUT/build.log)"
+    record probe FAIL "$STEP_S" "$STEP_NOTE"
+  fi
+fi
+
+# --- configure -----------------------------------------------------------------------------------
+# A configured BUILD is used as it is (ninja re-runs cmake itself when a CMakeLists.txt changed);
+# it must be a Ninja build with the CUDA backend for sm_90. A fresh one gets the flags below.
+BIN="$BUILD/bin"
+[[ "$BUILD" != /* ]] && BIN="$ROOT/$BUILD/bin"
+configure_check() {  # prints why BUILD does not fit, or nothing
+  local cache=$BUILD/CMakeCache.txt info=$BUILD/generated/moerun/build_info.h gen arch
+  gen=$(sed -n 's/^CMAKE_GENERATOR:INTERNAL=//p' "$cache")
+  arch=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$cache")
+  if [[ "$gen" != Ninja ]]; then
+    echo "$BUILD is configured for '$gen', not Ninja"
+  elif ! grep -qs '^#define MOERUN_HAVE_CUDA 1' "$info"; then
+    echo "$BUILD is configured without the CUDA backend ($info)"
+  elif ! [[ ";$arch;" =~ \;(90|90-real|90-virtual|native|all|all-major)\; ]]; then
+    echo "$BUILD builds CUDA for '$arch', not sm_90"
+  fi
+}
+t0=$SECONDS
+if [[ -f "$BUILD/CMakeCache.txt" && -f "$BUILD/build.ninja" ]]; then
+  why=$(configure_check)
+  if [[ -z "$why" ]]; then
+    record configure ok "$((SECONDS - t0))" "reused $BUILD: $(sed -n \
+      's/^CMAKE_BUILD_TYPE:STRING=//p' "$BUILD/CMakeCache.txt"), CUDA $(sed -n \
+      's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt")"
+    CONFIGURED=1
+  else
+    record configure FAIL "$((SECONDS - t0))" "$why: use another BUILD= (a fresh one is configured)"
+    CONFIGURED=0
+  fi
+else
+  CMAKE_ARGS=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOERUN_BUILD_TESTS=ON
+    -DMOERUN_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DMOERUN_WERROR=OFF)
+  if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    CMAKE_ARGS+=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+  fi
+  run_step configure "$OUT/configure.log" cmake "${CMAKE_ARGS[@]}"
+  if ((STEP_RC == 0)) && [[ -z "$(configure_check)" ]]; then
+    record configure ok "$STEP_S" "fresh: $(grep -o 'moerun backends:.*' "$OUT/configure.log" |
+      tail -1)"
+    CONFIGURED=1
+  else
+    record configure FAIL "$STEP_S" "$STEP_NOTE $(configure_check)"
+    tail -30 "$OUT/configure.log" >&2
+    CONFIGURED=0
+  fi
+fi
+
+# --- build: only what the steps run --------------------------------------------------------------
+# The GPU test binaries: those of tests/gpu (the nccl one where this build has NCCL) and every
+# one that a test labelled gpu registered with add_test runs (an mpirun line: known from the
+# configured build); tests/gpu/gpu_tests.py checks after the build that none is missing.
+TARGETS=(moerun moebench moerun_gpu_layer_tests)
+OPTIONAL_TARGETS=(moerun_gpu_nccl_tests)
+BUILT=0
+if ((CONFIGURED)); then
+  for t in "${OPTIONAL_TARGETS[@]}" $(python3 tests/gpu/gpu_tests.py --build "$BUILD" --needed); do
+    [[ " ${TARGETS[*]} " == *" $t "* ]] && continue
+    ninja -C "$BUILD" -t query "$t" >/dev/null 2>&1 && TARGETS+=("$t")
+  done
+  run_step build "$OUT/build.log" ninja -C "$BUILD" -j"$JOBS" "${TARGETS[@]}"
+  if ((STEP_RC == 0)); then
+    record build ok "$STEP_S" "ninja -j$JOBS ${TARGETS[*]}: $(grep -c '^\[' "$OUT/build.log") edges"
+    BUILT=1
+  else
+    record build FAIL "$STEP_S" "$STEP_NOTE"
     echo "---- build errors ----" >&2
     grep -E -A12 '^FAILED:|error:' "$OUT/build.log" | head -60 >&2
   fi
 else
-  record configure FAIL "$STEP_S" "$STEP_NOTE (log: $OUT/configure.log)"
-  tail -30 "$OUT/configure.log" >&2
-  STEP_RC=1
+  record build skipped 0 "not configured"
 fi
-BUILT=$STEP_RC
-BIN="$ROOT/$BUILD/bin"
-[[ "$BUILD" == /* ]] && BIN="$BUILD/bin"
 
-if ((BUILT == 0)); then
-  # --- 2. GPU tests (CUDA vs CPU, NCCL one-rank self send/recv) -------------------------------
-  run_step "ctest -L gpu" 90 "$OUT/ctest.log" \
-    ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 60 \
-    --output-junit "$OUT/ctest-gpu.xml"
-  summary=$(grep -E 'tests passed, [0-9]+ tests? failed out of' "$OUT/ctest.log" | tail -1)
-  if ((STEP_RC == 0)) && [[ -n "$summary" ]]; then
-    record "ctest -L gpu" ok "$STEP_S" "$summary"
-  elif grep -q 'No tests were found' "$OUT/ctest.log"; then
-    record "ctest -L gpu" FAIL "$STEP_S" "no test has the label gpu"
-  else
-    record "ctest -L gpu" FAIL "$STEP_S" "${summary:-$STEP_NOTE} (log: $OUT/ctest.log)"
-  fi
-
-  # --- 3. moebench layer --device cuda at the ANCHORS.md shapes ------------------------------
-  t0=$SECONDS
-  timeout -k 5 "$(cap 150)" "$BIN/moebench" layer --device cuda --anchors --min-time "$MIN_TIME" \
-    --json >"$OUT/layer.json" 2>"$OUT/layer.log"
-  rc=$?
-  if ((rc == 0)); then
-    record "moebench layer --anchors" ok "$((SECONDS - t0))" "JSON: $OUT/layer.json"
-  else
-    record "moebench layer --anchors" FAIL "$((SECONDS - t0))" "exit $rc (log: $OUT/layer.log)"
-    tail -5 "$OUT/layer.log" >&2
-  fi
-
-  # --- 4. moerun forward on the GPU: 1 process, then 2 and 4 sharing it ----------------------
-  FWD=(--preset qwen3-30b-a3b --experts 32 --dtype bf16 --input "$OUT/in256.safetensors")
-  python3 tests/mpi/st_tool.py input "$OUT/in256.safetensors" 256 2048 1 >"$OUT/input.log" 2>&1
-  same_bits() {  # same_bits A B LOG: tensor "output" of A and B has the same bytes
-    python3 tests/mpi/st_tool.py same-tensor "$1" "$2" output >>"$3" 2>&1
-  }
-  rel_err() {  # the "rel err vs FILE X (within T)" part of moerun forward's line, FILE left out
-    grep -o 'rel err vs [^|]*' "$1" | sed 's#vs [^ ]* #vs cpu #' | tail -1
-  }
-  run_step "forward cpu reference" 60 "$OUT/forward-cpu.log" \
-    "$BIN/moerun" forward --device cpu "${FWD[@]}" --output "$OUT/ref.safetensors"
-  if ((STEP_RC == 0)); then
-    record "forward cpu reference" ok "$STEP_S" "qwen3-30b-a3b, 32 experts, bf16, 256 tokens"
-    # Exact math: bitwise the CPU layer.
-    name="forward cuda exact, 1 proc"
-    run_step "$name" 60 "$OUT/forward-gpu-exact.log" \
-      "$BIN/moerun" forward --device cuda --math exact "${FWD[@]}" \
-      --output "$OUT/gpu-exact.safetensors" --check "$OUT/ref.safetensors" --tolerance 1e-5
-    if ((STEP_RC != 0)); then
-      record "$name" FAIL "$STEP_S" "$STEP_NOTE (log: $OUT/forward-gpu-exact.log)"
-      tail -3 "$OUT/forward-gpu-exact.log" >&2
-    elif same_bits "$OUT/ref.safetensors" "$OUT/gpu-exact.safetensors" \
-      "$OUT/forward-gpu-exact.log"; then
-      record "$name" ok "$STEP_S" "same bits as the cpu layer"
-    else
-      record "$name" FAIL "$STEP_S" "$(rel_err "$OUT/forward-gpu-exact.log"); bits differ from cpu"
-    fi
-    # Tensor cores (bf16): within 1e-2 of the CPU layer.
-    name="forward cuda, 1 proc"
-    run_step "$name" 60 "$OUT/forward-gpu1.log" \
-      "$BIN/moerun" forward --device cuda --math tensor-core "${FWD[@]}" \
-      --output "$OUT/gpu1.safetensors" --check "$OUT/ref.safetensors" --tolerance 1e-2
+# --- CUDA kernel resources -----------------------------------------------------------------------
+if ((BUILT)); then
+  if [[ -f scripts/check_cuda_resources.py ]]; then
+    run_step "cuda resources" "$OUT/cuda-resources.log" \
+      python3 scripts/check_cuda_resources.py --build "$BUILD" --table
     if ((STEP_RC == 0)); then
-      record "$name" ok "$STEP_S" "$(rel_err "$OUT/forward-gpu1.log")"
+      record "cuda resources" ok "$STEP_S" "no stack frame, no spills (table: $OUT/cuda-resources.log)"
     else
-      record "$name" FAIL "$STEP_S" "$STEP_NOTE (log: $OUT/forward-gpu1.log)"
-      tail -3 "$OUT/forward-gpu1.log" >&2
-    fi
-    # 1 router + 1 or 3 expert ranks, every expert rank on GPU 0 (the local rank modulo the one
-    # GPU), rows host-staged over the mpi transport (NCCL refuses two ranks on one GPU).
-    for np in 2 4; do
-      name="forward cuda, mpirun -np $np"
-      log="$OUT/forward-gpu-np$np.log"
-      run_step "$name" 60 "$log" \
-        mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
-        -np "$np" "$BIN/moerun" forward --device cuda --math tensor-core --transport mpi \
-        "${FWD[@]}" --output "$OUT/gpu-np$np.safetensors" --check "$OUT/ref.safetensors" \
-        --tolerance 1e-2
-      if ((STEP_RC != 0)); then
-        record "$name" FAIL "$STEP_S" "$STEP_NOTE (log: $log)"
-        tail -3 "$log" >&2
-        continue
-      fi
-      note=$(rel_err "$log")
-      # Rank-count invariance: 4 processes give the bits of 2 (the router's gate and combine on
-      # the CPU, the experts on the GPU in both). Against the one-process run (gate and combine
-      # on the GPU) the bits are reported, not required.
-      status=ok
-      if [[ $np == 4 && -f "$OUT/gpu-np2.safetensors" ]]; then
-        if same_bits "$OUT/gpu-np2.safetensors" "$OUT/gpu-np4.safetensors" "$log"; then
-          note+="; same bits as -np 2"
-        else
-          note+="; bits differ from -np 2"
-          status=FAIL
-        fi
-      fi
-      if [[ -f "$OUT/gpu1.safetensors" ]]; then
-        if same_bits "$OUT/gpu1.safetensors" "$OUT/gpu-np$np.safetensors" "$log"; then
-          note+="; same bits as 1 proc"
-        else
-          note+="; not the bits of 1 proc"
-        fi
-      fi
-      record "$name" "$status" "$STEP_S" "$note"
-    done
-    # Deterministic mode across 1-4 processes: the same bytes (tests/gpu/ranks_bitwise.sh).
-    name="forward cuda, np 1-4 bitwise"
-    run_step "$name" 120 "$OUT/ranks-bitwise.log" bash tests/gpu/ranks_bitwise.sh "$BIN/moerun" \
-      "$OUT/ranks-bitwise"
-    if ((STEP_RC == 0)); then
-      record "$name" ok "$STEP_S" "$(grep -c '^PASS' "$OUT/ranks-bitwise.log") cases identical"
-    else
-      record "$name" FAIL "$STEP_S" "$(grep '^FAIL' "$OUT/ranks-bitwise.log" | head -2 | tr '\n' ';')"
+      record "cuda resources" FAIL "$STEP_S" "$STEP_NOTE"
+      tail -15 "$OUT/cuda-resources.log" >&2
     fi
   else
-    record "forward cpu reference" FAIL "$STEP_S" "$STEP_NOTE (log: $OUT/forward-cpu.log)"
-    tail -3 "$OUT/forward-cpu.log" >&2
+    record "cuda resources" FAIL 0 "scripts/check_cuda_resources.py is missing"
   fi
 else
-  for s in "ctest -L gpu" "moebench layer --anchors" "forward cuda"; do
-    record "$s" skipped 0 "the build failed"
-  done
-  FAILED=1
+  record "cuda resources" skipped 0 "the build failed"
 fi
 
-# --- the table ----------------------------------------------------------------------------------
-python3 - "$RESULTS" "$OUT/layer.json" "$OUT/layer.log" "$OUT/ctest.log" "$OUT/gpu.txt" \
-  "$((SECONDS - START))" <<'PY'
+# --- the GPU test binaries, each once ------------------------------------------------------------
+GT=(python3 tests/gpu/gpu_tests.py --build "$BUILD" --out "$OUT/gtest" --targets "${TARGETS[*]}")
+if ((!BUILT)); then
+  record "gpu tests" skipped 0 "the build failed"
+elif ((DRY)); then
+  # The commands it would run (and a failure when one needs a binary not built above).
+  if "${GT[@]}" --list >"$OUT/gpu-tests-plan.txt" 2>&1; then
+    not_run "gpu tests" "dry run: $(tail -1 "$OUT/gpu-tests-plan.txt")"
+    sed 's/^/    /' "$OUT/gpu-tests-plan.txt" >&2
+  else
+    record "gpu tests" FAIL 0 "$(tail -1 "$OUT/gpu-tests-plan.txt")"
+  fi
+else
+  run_step "gpu tests" "$OUT/gpu-tests.log" "${GT[@]}" --timeout "${STEP_CAP[gpu tests]}"
+  note=$(tail -1 "$OUT/gpu-tests.log")
+  if ((STEP_RC == 0)); then
+    record "gpu tests" ok "$STEP_S" "$note"
+  else
+    record "gpu tests" FAIL "$STEP_S" "$note; $STEP_NOTE"
+  fi
+fi
+
+# --- moerun forward on the GPU: bf16 in 1 process, then 2-4 processes, then FP8 and MXFP4 --------
+F="$OUT/forward"
+rm -rf "$F"  # ranks_bitwise.sh uses the outputs it finds there
+mkdir -p "$F"
+FWD=(--preset qwen3-30b-a3b --experts 32 --dtype bf16 --input "$F/in.safetensors")
+same_bits() {  # same_bits A B LOG: tensor "output" of A and B has the same bytes
+  python3 tests/mpi/st_tool.py same-tensor "$1" "$2" output >>"$3" 2>&1
+}
+rel_err() {  # the "rel err vs FILE X (within T)" part of moerun forward's line, FILE left out
+  grep -o 'rel err vs [^|]*' "$1" | sed 's#vs [^ ]* #vs cpu #' | tail -1
+}
+if ((DRY)); then
+  for s in "forward bf16 cpu" "forward bf16 exact" "forward bf16 tc" "forward bf16 np 2-4" \
+    "forward fp8/mxfp4"; do
+    not_run "$s"
+  done
+elif ((!BUILT)); then
+  for s in "forward bf16 cpu" "forward bf16 exact" "forward bf16 tc" "forward bf16 np 2-4" \
+    "forward fp8/mxfp4"; do
+    record "$s" skipped 0 "the build failed"
+  done
+else
+  python3 tests/mpi/st_tool.py input "$F/in.safetensors" 256 2048 5 >"$F/input.log" 2>&1
+  run_step "forward bf16 cpu" "$F/cpu.log" \
+    "$BIN/moerun" forward --device cpu "${FWD[@]}" --output "$F/cpu.safetensors"
+  if ((STEP_RC == 0)); then
+    record "forward bf16 cpu" ok "$STEP_S" "qwen3-30b-a3b, 32 experts, bf16, 256 tokens"
+    # Exact math: bitwise the CPU layer.
+    run_step "forward bf16 exact" "$F/np1-exact.log" \
+      "$BIN/moerun" forward --device cuda --math exact "${FWD[@]}" \
+      --output "$F/np1-exact.safetensors" --check "$F/cpu.safetensors" --tolerance 1e-5
+    if ((STEP_RC != 0)); then
+      record "forward bf16 exact" FAIL "$STEP_S" "$STEP_NOTE"
+      tail -3 "$F/np1-exact.log" >&2
+    elif same_bits "$F/cpu.safetensors" "$F/np1-exact.safetensors" "$F/np1-exact.log"; then
+      record "forward bf16 exact" ok "$STEP_S" "same bits as the cpu layer"
+    else
+      record "forward bf16 exact" FAIL "$STEP_S" "$(rel_err "$F/np1-exact.log"); bits differ from cpu"
+    fi
+    # Tensor cores (bf16): within 1e-2 of the CPU layer.
+    run_step "forward bf16 tc" "$F/np1-tensor-core.log" \
+      "$BIN/moerun" forward --device cuda --math tensor-core "${FWD[@]}" \
+      --output "$F/np1-tensor-core.safetensors" --check "$F/cpu.safetensors" --tolerance 1e-2
+    if ((STEP_RC == 0)); then
+      record "forward bf16 tc" ok "$STEP_S" "$(rel_err "$F/np1-tensor-core.log")"
+    else
+      record "forward bf16 tc" FAIL "$STEP_S" "$STEP_NOTE"
+      tail -3 "$F/np1-tensor-core.log" >&2
+    fi
+  else
+    record "forward bf16 cpu" FAIL "$STEP_S" "$STEP_NOTE"
+    tail -3 "$F/cpu.log" >&2
+    record "forward bf16 exact" skipped 0 "no cpu reference"
+    record "forward bf16 tc" skipped 0 "no cpu reference"
+  fi
+  # 1 router + 1 to 3 expert ranks, all on GPU 0, rows host-staged over the mpi transport (NCCL
+  # refuses two ranks on one GPU): the bytes of the one-process runs above (made again where a
+  # step above failed).
+  run_step "forward bf16 np 2-4" "$F/ranks.log" bash tests/gpu/ranks_bitwise.sh "$BIN/moerun" "$F"
+  note="$(grep -c '^PASS' "$F/ranks.log") checks identical"
+  if ((STEP_RC == 0)); then
+    record "forward bf16 np 2-4" ok "$STEP_S" "$note"
+  else
+    record "forward bf16 np 2-4" FAIL "$STEP_S" \
+      "$(grep '^FAIL' "$F/ranks.log" | head -2 | cut -c1-100 | tr '\n' ';') $STEP_NOTE"
+  fi
+  # FP8 and MXFP4: the fixtures and presets.
+  run_step "forward fp8/mxfp4" "$F/quant.log" bash tests/gpu/forward_quant.sh "$BIN/moerun" \
+    "$F/quant" "$F/in.safetensors"
+  if ((STEP_RC == 0)); then
+    record "forward fp8/mxfp4" ok "$STEP_S" "$(grep -c '^PASS' "$F/quant.log") checks passed"
+  else
+    record "forward fp8/mxfp4" FAIL "$STEP_S" \
+      "$(grep '^FAIL' "$F/quant.log" | head -2 | cut -c1-100 | tr '\n' ';') $STEP_NOTE"
+  fi
+fi
+
+# --- moebench layer --device cuda at the ANCHORS.md shapes (last) --------------------------------
+if ((DRY)); then
+  not_run "moebench --anchors"
+elif ((!BUILT)); then
+  record "moebench --anchors" skipped 0 "the build failed"
+else
+  run_step "moebench --anchors" "$OUT/layer.log" bash -c \
+    "exec \"\$0\" layer --device cuda --anchors --min-time \"\$1\" --json >\"\$2\"" \
+    "$BIN/moebench" "$MIN_TIME" "$OUT/layer.json"
+  if ((STEP_RC == 0)); then
+    record "moebench --anchors" ok "$STEP_S" "JSON: $OUT/layer.json"
+  else
+    record "moebench --anchors" FAIL "$STEP_S" "$STEP_NOTE"
+    tail -5 "$OUT/layer.log" >&2
+  fi
+fi
+
+# --- the table -----------------------------------------------------------------------------------
+python3 - "$RESULTS" "$OUT/layer.json" "$OUT/layer.log" "$OUT/gtest/summary.json" "$OUT/gpu.txt" \
+  "$((SECONDS - START))" "$CAP_SUM" "$BUDGET_S" <<'PY'
 import json, os, re, sys
 
-steps_file, layer_json, layer_log, ctest_log, gpu_txt, total = sys.argv[1:7]
+steps_file, layer_json, layer_log, gtest_json, gpu_txt, total, cap_sum, budget = sys.argv[1:9]
 gpu = open(gpu_txt).read().strip() if os.path.exists(gpu_txt) else "?"
 print()
-print(f"GPU check: {gpu} | {total} s in all | logs in {os.path.dirname(steps_file)}")
+print(f"GPU check: {gpu} | {total} s in all (caps {cap_sum} s, budget {budget} s) | "
+      f"logs in {os.path.dirname(steps_file)}")
 print()
-print(f"{'step':30} {'result':7} {'s':>4}  note")
+print(f"{'step':22} {'result':8} {'s':>4} {'cap':>4}  note")
 for line in open(steps_file):
-    name, status, secs, note = (line.rstrip("\n").split("\t") + ["", "", "", ""])[:4]
-    print(f"{name:30} {status:7} {secs:>4}  {note}")
+    name, status, secs, cap, note = (line.rstrip("\n").split("\t") + [""] * 5)[:5]
+    print(f"{name:22} {status:8} {secs:>4} {cap:>4}  {note}")
 
-# Test counts from ctest's log: passed / failed, and the NCCL tests among them.
-if os.path.exists(ctest_log):
-    passed = failed = nccl_p = nccl_f = 0
-    for m in re.finditer(r"Test\s+#\d+: (\S+) \.+\**\s*(Passed|\*\*\*Failed|Failed|\*\*\*Timeout"
-                         r"|\*\*\*Exception|Not Run|\*\*\*Skipped)", open(ctest_log).read()):
-        name, res = m.group(1), m.group(2)
-        ok = res == "Passed"
-        skipped = "Skipped" in res or res == "Not Run"
-        if skipped:
-            continue
-        passed += ok
-        failed += not ok
-        if "nccl" in name.lower():
-            nccl_p += ok
-            nccl_f += not ok
+if os.path.exists(gtest_json):
+    s = json.load(open(gtest_json))
     print()
-    print(f"GPU tests: {passed} passed, {failed} failed (NCCL: {nccl_p} passed, {nccl_f} failed)")
+    print(f"GPU tests: {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped "
+          f"(NCCL: {s['nccl_passed']} passed, {s['nccl_failed']} failed)")
 
 def fmt(v, spec):
     width = int(re.match(r"\d+", spec).group(0))
@@ -254,8 +384,7 @@ def fmt(v, spec):
 rows = []
 try:
     doc = json.load(open(layer_json))
-    shapes = doc.get("shapes", [doc])
-    for s in shapes:
+    for s in doc.get("shapes", [doc]):
         name = s.get("model", "?").replace("preset:", "")
         for r in s.get("results", []):
             rows.append((name, r.get("tokens"), r.get("ms"), r.get("torch_grouped_ms"),
@@ -273,20 +402,23 @@ except (OSError, ValueError):
             rows.append((g[0], int(g[1]), f(g[2]), f(g[5]), f(g[3]), f(g[4]), f(g[6])))
     if rows:
         print("(moebench gave no JSON: figures from its stderr summaries)")
-print()
-print(f"{'shape':15} {'tokens':>6} {'ours ms':>9} {'torch grouped ms':>17} {'floor ms':>9} "
-      f"{'x_floor':>8} {'speedup_vs_torch_grouped':>25}")
-for name, t, ms, tms, fl, xf, sp in rows:
-    print(f"{name:15} {t:>6} {fmt(ms, '9.3f')} {fmt(tms, '17.3f')} {fmt(fl, '9.3f')} "
-          f"{fmt(xf, '8.2f')} {fmt(sp, '25.2f')}")
-if not rows:
-    print("(no layer timings)")
+if rows:
+    print()
+    print(f"{'shape':15} {'tokens':>6} {'ours ms':>9} {'torch grouped ms':>17} {'floor ms':>9} "
+          f"{'x_floor':>8} {'speedup_vs_torch_grouped':>25}")
+    for name, t, ms, tms, fl, xf, sp in rows:
+        print(f"{name:15} {t:>6} {fmt(ms, '9.3f')} {fmt(tms, '17.3f')} {fmt(fl, '9.3f')} "
+              f"{fmt(xf, '8.2f')} {fmt(sp, '25.2f')}")
 PY
 
 echo
 if ((FAILED)); then
-  echo "gpu-check: FAILED (see $OUT)"
+  echo "gpu-check$( ((DRY)) && echo ' --dry-run'): FAILED (see $OUT)"
   exit 1
 fi
-echo "gpu-check: all steps passed"
+if ((DRY)); then
+  echo "gpu-check --dry-run: configure, build and resource check passed; caps $CAP_SUM s <= $BUDGET_S s"
+else
+  echo "gpu-check: all steps passed"
+fi
 exit 0
