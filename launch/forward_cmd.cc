@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <optional>
 
@@ -15,6 +16,8 @@
 #include "layer/moe_layer.h"
 #include "model/layer_loader.h"
 #include "model/safetensors.h"
+#include "model/weight_source.h"
+#include "router/placement.h"
 
 namespace moerun {
 namespace {
@@ -25,6 +28,8 @@ struct ForwardFlags {
   std::string input, output, check;
   DeviceFlags dev;
   double tolerance = 1e-5;
+  bool plan_memory = false;  // print each rank's device memory plan and exit
+  bool json = false;         // --plan-memory as JSON
 };
 
 // An F32 matrix tensor [rows, cols] of a safetensors file, checked before any work starts.
@@ -168,9 +173,13 @@ int RunLocal(const ForwardFlags& f, Isa isa) {
   if (!x.ok()) return FailWith(x.status());
   std::vector<float> out(x->size());
   if (f.dev.device == "cuda") {
-    DeviceFlags dev = f.dev;
-    dev.max_tokens = std::max<int64_t>(io->input.rows, 1);
-    auto opts = CudaOptionsFor(dev, w.dtype, 0);
+    // The whole layer's buffers hold --max-tokens tokens (as --plan-memory plans them).
+    if (io->input.rows > f.dev.max_tokens) {
+      return FailWith(Status::InvalidArgument(
+          fmt::format("the input has {} tokens, more than --max-tokens {} (the GPU buffers' size)",
+                      io->input.rows, f.dev.max_tokens)));
+    }
+    auto opts = CudaOptionsFor(f.dev, w.dtype, 0);
     if (!opts.ok()) return FailWith(opts.status());
     auto gpu = CudaMoeLayer::Upload(w, *opts);
     if (!gpu.ok()) return FailWith(gpu.status());
@@ -213,8 +222,15 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.isa = isa;
   ExpertSetup expert_setup;
   if (f.dev.device == "cuda") {
-    expert_setup = [&f](int rank, const LoadedLayers& l) {
-      return CudaExpertCompute(f.dev, rank, l);
+    const int ranks = job.size();
+    expert_setup = [&f, ranks](int rank, const LoadedLayers& l) -> Result<ExpertCompute> {
+      if (l.empty()) return Status::InvalidArgument("--device cuda: the rank loaded no layer");
+      // The job's placement, as RankJob made it (a GPU rank's experts never move).
+      MOERUN_ASSIGN_OR_RETURN(
+          const Placement placement,
+          Placement::Make(f.launch.placement, l.begin()->second->spec.num_experts, ranks,
+                          f.launch.routers));
+      return CudaExpertCompute(f.dev, rank, l, placement);
     };
   }
   auto dtype = ParseWeightDType(f.layer.dtype);
@@ -253,8 +269,50 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   return rc;
 }
 
+// forward --plan-memory: the device memory of every rank of the job the flags describe (one
+// process: the whole layer; --ranks N / mpirun: CPU routers and expert ranks), from the shapes
+// alone; prints to stdout and exits 0.
+int PlanMemory(const ForwardFlags& f) {
+  if (f.dev.device != "cuda") {
+    return FailWith(Status::InvalidArgument(
+        "--plan-memory plans the GPU memory of --device cuda: add --device cuda"));
+  }
+  WeightSource src;
+  src.model = f.layer.model;
+  src.preset = f.layer.preset;
+  src.seed = f.layer.seed;
+  src.experts = f.layer.experts;
+  auto dtype = ParseWeightDType(f.layer.dtype);
+  if (!dtype.ok()) return FailWith(dtype.status());
+  src.dtype = *dtype;
+  if (src.model.empty() && src.preset.empty()) {
+    return FailWith(Status::InvalidArgument("--plan-memory needs --model DIR or --preset NAME"));
+  }
+  auto spec = SpecOf(src);
+  if (!spec.ok()) return FailWith(spec.status());
+  auto layer = ResolveMoeLayer(*spec, f.layer.layer);
+  if (!layer.ok()) return FailWith(layer.status());
+  auto weights = SourceWeightType(src, *spec);
+  if (!weights.ok()) return FailWith(weights.status());
+  MemoryPlanJob job;
+  job.model = src.model.empty() ? "preset " + src.preset : src.model;
+  job.spec = *spec;
+  job.layers = {*layer};
+  job.dtype = *weights;
+  job.ranks = PlanRanks(f.launch.ranks > 1 ? f.launch.ranks : 0, 1);
+  job.routers = f.launch.routers;
+  job.placement = f.launch.placement;
+  auto text = FormatJobMemory(f.dev, job, f.json);
+  if (!text.ok()) return FailWith(text.status());
+  std::fputs(text->c_str(), stdout);
+  std::fflush(stdout);
+  return 0;
+}
+
 int RunForward(const ForwardFlags& f) {
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
+  if (f.plan_memory) return PlanMemory(f);
+  if (f.json) return FailWith(Status::InvalidArgument("--json goes with --plan-memory"));
   if (f.dev.device == "cuda") {  // before any work: no GPU is a clear error, exit 2
     if (auto probe = RequireCuda(); !probe.ok()) return FailWith(probe.status());
   }
@@ -287,15 +345,20 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
   cmd->add_option("--dtype", flags->layer.dtype,
                   "Preset weight type: f32, bf16, f16, fp8 (e4m3, 128x128 blocks), mxfp4")
       ->default_val("f32");
-  cmd->add_option("--input", flags->input, "safetensors file with tensor 'input' [T, H] (F32)")
-      ->required();
-  cmd->add_option("--output", flags->output, "safetensors file to write 'output' [T, H] to")
-      ->required();
+  auto* input =
+      cmd->add_option("--input", flags->input, "safetensors file with tensor 'input' [T, H] (F32)");
+  auto* output =
+      cmd->add_option("--output", flags->output, "safetensors file to write 'output' [T, H] to");
   cmd->add_option("--layer", flags->layer.layer, "Decoder layer (default: the first MoE layer)");
   AddDeviceFlags(cmd, &flags->dev,
                  "cpu or cuda (the whole layer on one GPU; with several ranks, the expert "
                  "ranks' experts, each on its local GPU)",
-                 "--device cuda, expert ranks: tokens per microbatch the GPU buffers hold");
+                 "--device cuda: tokens per forward (one process) or per microbatch (expert "
+                 "ranks) the GPU buffers hold");
+  cmd->add_flag("--plan-memory", flags->plan_memory,
+                "With --device cuda: print each rank's device memory by region (from the model's "
+                "shapes; no GPU, weights, --input or --output needed) and exit");
+  cmd->add_flag("--json", flags->json, "With --plan-memory: print the plan as JSON");
   cmd->add_option("--threads", flags->layer.threads, "Worker threads (default: all cores)");
   cmd->add_option("--isa", flags->layer.isa, "CPU kernels: scalar, avx2, avx512 (default: best)");
   cmd->add_option("--check", flags->check,
@@ -304,7 +367,12 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
   cmd->add_option("--tolerance", flags->tolerance, "for --check")->default_val(1e-5);
   AddLaunchFlags(cmd, &flags->launch);
   // What the flags alone say is wrong ends as any bad command line (one line, exit 2).
-  cmd->callback([flags] {
+  cmd->callback([flags, input, output] {
+    // --input and --output are required, except to plan the memory.
+    if (!flags->plan_memory) {
+      if (input->count() == 0) throw CLI::RequiredError("--input");
+      if (output->count() == 0) throw CLI::RequiredError("--output");
+    }
     Status s = ValidateDeviceFlags(flags->dev);
     if (s.ok()) s = ValidateLayerFlags(flags->layer);
     if (s.ok()) s = ValidateLaunchFlags(flags->launch);

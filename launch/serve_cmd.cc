@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdio>
 #include <fstream>
 
 #include "base/exit_code.h"
@@ -42,6 +43,9 @@ struct ServeFlags {
   std::string expert_cache_spill_dir;
   double expert_cache_load_mib_s = -1;  // -1: the config's
   DeviceFlags dev;                      // --device cuda: expert ranks compute on their local GPU
+  int ranks = 0;                        // > 0: overrides ranks: (and the job --plan-memory plans)
+  bool plan_memory = false;             // print each rank's device memory plan and exit
+  bool json = false;                    // --plan-memory as JSON
 };
 
 Result<std::vector<int>> ResolveLayers(const ModelSpec& spec, const std::vector<int>& wanted) {
@@ -88,6 +92,7 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
   if (!f.expert_cache_spill_dir.empty()) c.expert_cache_spill_dir = f.expert_cache_spill_dir;
   if (f.expert_cache_load_mib_s >= 0) c.expert_cache_load_mib_s = f.expert_cache_load_mib_s;
+  if (f.ranks > 0) c.ranks = f.ranks;
   if (c.batching.max_batch_tokens < 1) c.batching.max_batch_tokens = 1;
   const ServingConfig& sc = c.serving;
   MOERUN_ASSIGN_OR_RETURN(s.listen, ParseHostPort(sc.listen).WithContext("serving listen address"));
@@ -163,7 +168,8 @@ Result<std::unique_ptr<JobLaunch>> Launch(const ServeConfig& c) {
 Status ServeExpert(RankJob& job, RankServices& services, const DeviceFlags& dev) {
   ExpertCompute compute;
   if (dev.device == "cuda") {
-    MOERUN_ASSIGN_OR_RETURN(compute, CudaExpertCompute(dev, job.rank(), job.loaded()));
+    MOERUN_ASSIGN_OR_RETURN(compute,
+                            CudaExpertCompute(dev, job.rank(), job.loaded(), job.placement()));
   }
   MOERUN_ASSIGN_OR_RETURN(auto expert, job.MakeExpert(std::move(compute)));
   services.Attach(expert.get());
@@ -243,9 +249,57 @@ int RunJoined(ServeSetup& setup, const ServeFlags& f) {
   return 0;
 }
 
+// The GPU memory of --device cuda, before anything is allocated.
+Status CheckCudaCache(const DeviceFlags& dev, const ServeConfig& c) {
+  if (dev.device == "cuda" && c.expert_cache_mib > 0) {
+    return Status::InvalidArgument(
+        "the expert cache (expert_cache_mib) is not available with --device cuda yet: the device "
+        "holds a copy of every hosted expert made at start");
+  }
+  return Status::Ok();
+}
+
+// serve --plan-memory: every rank's device memory by region, from the shapes alone (no GPU, no
+// weights, no transport started); prints to stdout and exits 0.
+int PlanMemory(const ServeConfig& c, const ServeFlags& f) {
+  if (f.dev.device != "cuda") {
+    return FailWith(Status::InvalidArgument(
+        "--plan-memory plans the GPU memory of --device cuda: add --device cuda"));
+  }
+  if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
+  if (Status s = CheckCudaCache(f.dev, c); !s.ok()) return FailWith(s);
+  auto options = JobOptionsFor(c);
+  if (!options.ok()) return FailWith(options.status());
+  auto spec = ResolveModel(c, &*options);
+  if (!spec.ok()) return FailWith(spec.status());
+  auto dtype = SourceWeightType(options->source, *spec);
+  if (!dtype.ok()) return FailWith(dtype.status());
+  MemoryPlanJob job;
+  job.model = c.model.empty() ? "preset " + c.preset : c.model;
+  job.spec = *spec;
+  job.layers = options->layers;
+  job.dtype = *dtype;
+  job.ranks = PlanRanks(f.ranks, c.ranks);
+  job.routers = c.routers;
+  job.placement = c.placement;
+  if (job.ranks < 2) {
+    return FailWith(Status::InvalidArgument(fmt::format(
+        "--plan-memory: serve needs at least 2 ranks (a router and an expert rank), the job has "
+        "{}: pass --ranks N (or set ranks: in the config)",
+        job.ranks)));
+  }
+  auto text = FormatJobMemory(f.dev, job, f.json);
+  if (!text.ok()) return FailWith(text.status());
+  std::fputs(text->c_str(), stdout);
+  std::fflush(stdout);
+  return 0;
+}
+
 int RunServe(const ServeFlags& f) {
   auto setup = Configure(f);
   if (!setup.ok()) return FailWith(setup.status());
+  if (f.plan_memory) return PlanMemory(setup->config, f);
+  if (f.json) return FailWith(Status::InvalidArgument("--json goes with --plan-memory"));
   if (!f.join.empty()) return RunJoined(*setup, f);
   const ServeConfig& c = setup->config;
   const int env_rank = RankFromEnvironment();
@@ -256,11 +310,7 @@ int RunServe(const ServeFlags& f) {
   auto options = JobOptionsFor(c);
   if (!options.ok()) return FailWith(options.status());
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);
-  if (f.dev.device == "cuda" && c.expert_cache_mib > 0) {
-    return FailWith(Status::InvalidArgument(
-        "the expert cache (expert_cache_mib) is not available with --device cuda yet: the device "
-        "holds a copy of every hosted expert made at start"));
-  }
+  if (Status s = CheckCudaCache(f.dev, c); !s.ok()) return FailWith(s);
   if (f.dev.device == "cuda") {  // before anything starts: no GPU is a clear error, exit 2
     if (auto probe = RequireCuda(); !probe.ok()) return FailWith(probe.status());
   }
@@ -320,6 +370,14 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   AddDeviceFlags(cmd, &flags->dev,
                  "cpu or cuda (expert ranks run their experts on their local GPU)",
                  "--device cuda: tokens per microbatch the GPU buffers hold");
+  cmd->add_option("--ranks", flags->ranks,
+                  "Total ranks: the inproc job's threads (overrides ranks:) and the job "
+                  "--plan-memory plans (default there: the MPI launcher's size, else ranks:)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_flag("--plan-memory", flags->plan_memory,
+                "With --device cuda: print each rank's device memory by region (from the model's "
+                "shapes; no GPU or weights needed) and exit");
+  cmd->add_flag("--json", flags->json, "With --plan-memory: print the plan as JSON");
   return [flags, cmd]() -> int {
     if (!cmd->parsed()) return -1;
     return RunServe(*flags);

@@ -36,7 +36,22 @@ ExpertRank::ExpertRank(Transport* transport, const Placement& placement,
 
 void ExpertRank::set_compute(ExpertCompute f) {
   compute_ = std::move(f);
-  control_.set_device_copy(compute_ != nullptr);
+  control_.set_device_copy(static_cast<bool>(compute_));
+}
+
+Status ExpertRank::ReserveIo(AlignedBuffer& b, size_t bytes) {
+  if (bytes <= b.size()) return Status::Ok();
+  const HostPinning& pin = compute_.pinning();
+  if (pin.unpin && b.data() != nullptr) pin.unpin(b.data());
+  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, b, bytes));
+  if (pin.pin) return pin.pin(b.data(), b.size());
+  return Status::Ok();
+}
+
+void ExpertRank::ReleaseIo(AlignedBuffer& b) {
+  const HostPinning& pin = compute_.pinning();
+  if (pin.unpin && b.data() != nullptr) pin.unpin(b.data());
+  Unregister(t_, b);
 }
 
 ExpertRank::~ExpertRank() {
@@ -51,8 +66,8 @@ ExpertRank::~ExpertRank() {
       (void)t_->Cancel(*q);
       sends_left = true;
     }
-    for (AlignedBuffer& b : r.out) Unregister(t_, b);
-    for (AlignedBuffer& b : r.in) Unregister(t_, b);
+    for (AlignedBuffer& b : r.out) ReleaseIo(b);
+    for (AlignedBuffer& b : r.in) ReleaseIo(b);
   }
   if (sends_left && !t_->can_withdraw_sends()) {
     // A peer may still read them (mpi): their buffers (results, pongs) live as long as the
@@ -304,7 +319,7 @@ Status ExpertRank::LookAhead(int router) {
   }
   const size_t bytes = static_cast<size_t>(*rows * h.hidden) * sizeof(float);
   const int k = rs.next_in;
-  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.in[k], bytes));
+  MOERUN_RETURN_IF_ERROR(ReserveIo(rs.in[k], bytes));
   MOERUN_ASSIGN_OR_RETURN(rs.rows_req, t_->Irecv(router, kTagRows, rs.in[k].data(), bytes));
   rs.pre = k;
   rs.pre_bytes = bytes;
@@ -342,7 +357,7 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
     rin.pre = -1;
   } else {
     k = rin.next_in;
-    MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rin.in[k], bytes));
+    MOERUN_RETURN_IF_ERROR(ReserveIo(rin.in[k], bytes));
     MOERUN_RETURN_IF_ERROR(
         t_->Recv(router, kTagRows, rin.in[k].data(), bytes, DeadlineIn(opts_.deadline)));
   }
@@ -391,7 +406,7 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
     rs.out_req[slot] = Request{};
   }
   // The rows, then the trailer that says whether they are the answer.
-  MOERUN_RETURN_IF_ERROR(ReserveRegistered(t_, rs.out[slot], bytes + sizeof(EpResultTrailer)));
+  MOERUN_RETURN_IF_ERROR(ReserveIo(rs.out[slot], bytes + sizeof(EpResultTrailer)));
   float* out = rs.out[slot].as<float>();
   EpResultTrailer answer;
   answer.seq = h.seq;

@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "base/aligned_buffer.h"
@@ -24,12 +25,43 @@
 
 namespace moerun {
 
+// Page-locking of the rank's receive and send buffers for a device's copies (cudaHostRegister):
+// `pin` is called when such a buffer is (re)allocated, `unpin` before it is freed. Called on the
+// serving thread (and in the destructor).
+struct HostPinning {
+  std::function<Status(void* p, size_t bytes)> pin;
+  std::function<void(void* p)> unpin;
+};
+
 // Runs the grouped FFN somewhere else than this rank's CPU (a GPU: launch/ wires the CUDA layer
 // in): rows [total][hidden] grouped as listed (group_expert[g] the logical expert, group_rows[g]
-// its rows, empty groups left out) -> y [total][hidden]. Called on the serving thread.
-using ExpertCompute =
-    std::function<Status(int layer, const float* rows, const std::vector<int32_t>& group_expert,
-                         const std::vector<int64_t>& group_rows, float* y)>;
+// its rows, empty groups left out) -> y [total][hidden]. Called on the serving thread, after the
+// next microbatch's receive is posted (its rows land while this one computes). `pinning`
+// (optional) pins the buffers `rows` and `y` point into.
+class ExpertCompute {
+ public:
+  using Fn =
+      std::function<Status(int layer, const float* rows, const std::vector<int32_t>& group_expert,
+                           const std::vector<int64_t>& group_rows, float* y)>;
+  ExpertCompute() = default;
+  ExpertCompute(std::nullptr_t) {}  // NOLINT: no device
+  template <typename F>
+  requires(std::is_constructible_v<Fn, F> && !std::is_same_v<std::decay_t<F>, ExpertCompute> &&
+           !std::is_same_v<std::decay_t<F>, std::nullptr_t>)
+      ExpertCompute(F f, HostPinning pinning = {})  // NOLINT: a callable is a compute
+      : run_(std::move(f)), pinning_(std::move(pinning)) {}
+
+  explicit operator bool() const { return static_cast<bool>(run_); }
+  Status operator()(int layer, const float* rows, const std::vector<int32_t>& group_expert,
+                    const std::vector<int64_t>& group_rows, float* y) const {
+    return run_(layer, rows, group_expert, group_rows, y);
+  }
+  const HostPinning& pinning() const { return pinning_; }
+
+ private:
+  Fn run_;
+  HostPinning pinning_;
+};
 
 struct ExpertRankOptions {
   // How long a payload may take to follow its header before the router is declared gone.
@@ -125,6 +157,10 @@ class ExpertRank {
   bool SlotsFit(const EpHeaderFixed& h) const;
   // The rows a dispatch header announces, after checking its experts against what is held.
   Result<int64_t> RowsOf(const EpHeaderFixed& h, const EpEntry* entries) const;
+  // Grows a receive or send buffer (registered with the transport, and pinned for the device
+  // when the compute asks for it).
+  Status ReserveIo(AlignedBuffer& b, size_t bytes);
+  void ReleaseIo(AlignedBuffer& b);
   // Takes the router's next header if it has arrived and starts receiving its rows.
   Status LookAhead(int router);
   Status Pong(int router, uint32_t seq);

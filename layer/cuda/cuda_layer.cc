@@ -1,17 +1,21 @@
-// CudaMoeLayer: weights on the device, one arena for every per-batch buffer, one stream, and the
-// kernels of layer_kernels.cuh enqueued in order (or replayed from a CUDA graph per bucket).
+// CudaMoeLayer: weights on the device; the rank's context (one stream, one arena laid out by the
+// rank's memory plan, pinned staging tables, the graphs) shared by all its layers; the kernels
+// enqueued in order on that stream (or replayed from a CUDA graph per bucket).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
+#include <utility>
 
 #include "base/log.h"
 #include "experts/cuda/ffn_kernels.h"
 #include "layer/cuda/cuda_layer.h"
 #include "layer/cuda/device_plan.h"
 #include "layer/cuda/device_weights.h"
+#include "layer/cuda/kernel_check.h"
 #include "layer/cuda/preset_gen.h"
 #include "model/preset_hash.h"
 #include "router/cuda/gate_kernels.h"
@@ -41,7 +45,8 @@ Status CudaError(const char* what, cudaError_t e) {
   } while (0)
 
 // The element type of the FFN's rows and hidden activations (and of plain weights): exact math
-// f32 (plain weights: their type), tensor cores their bf16/f16.
+// f32 (plain weights: their type), tensor cores their bf16/f16. Block-scaled weights on tensor
+// cores decode to bf16 whatever mma_type says: their rows would overflow f16 silently.
 WType ElemType(WeightFormat f, const CudaLayerOptions& o) {
   switch (f) {
     case WeightFormat::kF32:
@@ -51,48 +56,59 @@ WType ElemType(WeightFormat f, const CudaLayerOptions& o) {
     case WeightFormat::kF16:
       return WType::kF16;
     default:
-      if (o.math == CudaMath::kExact) return WType::kF32;
-      return o.mma_type == DType::kF16 ? WType::kF16 : WType::kBF16;
+      return o.math == CudaMath::kExact ? WType::kF32 : WType::kBF16;
   }
 }
 
 size_t WBytes(WType t) { return t == WType::kF32 ? 4 : 2; }
 
-class CudaLayerImpl final : public CudaMoeLayer {
- public:
-  CudaLayerImpl(ModelSpec spec, int layer, CudaLayerOptions opts, WeightFormat format)
-      : spec_(std::move(spec)),
-        layer_(layer),
-        opts_(opts),
-        format_(format),
-        quant_(cuda_plan::QuantOf(format)),
-        wtype_(ElemType(format, opts)) {}
+static_assert(sizeof(DevGroup) <= cuda_plan::kGroupDescriptorBytes,
+              "the memory plan's descriptor size is too small for DevGroup");
 
-  ~CudaLayerImpl() override {
+// The pinned staging tables of a context (plan.pinned_tables bytes): flags, then the row and
+// tile offsets and the group descriptors of one grouped FFN call.
+struct HostTables {
+  int32_t* flags = nullptr;  // [0] token count, [1] error flag, [2] f16 overflow flag
+  int32_t* row_off = nullptr;
+  int32_t* tile_off = nullptr;
+  DevGroup* groups = nullptr;
+};
+
+// Device flags (arena region "flags"): the same three ints.
+constexpr int kFlagTokens = 0, kFlagError = 1, kFlagOverflow = 2;
+
+Status OverflowError() {
+  return Status::InvalidArgument(
+      "an activation exceeds f16's range (65504): use bf16 tensor cores or --math exact");
+}
+
+class ContextImpl final : public CudaRankContext {
+ public:
+  ContextImpl(const CudaLayerOptions& opts, cuda_plan::RankMemoryPlan plan)
+      : opts_(opts), plan_(std::move(plan)) {}
+
+  ~ContextImpl() override {
     if (!initialised_) return;
     cudaSetDevice(opts_.device);
-    for (auto& [bucket, exec] : graphs_) cudaGraphExecDestroy(exec);
-    for (void* p : allocations_) cudaFree(p);
-    if (pinned_ntok_ != nullptr) cudaFreeHost(pinned_ntok_);
+    cudaStreamSynchronize(stream_);
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (void* p : pinned_) cudaHostUnregister(p);
+    if (arena_ != nullptr) cudaFree(arena_);
+    if (host_ != nullptr) cudaFreeHost(host_);
     if (ev0_ != nullptr) cudaEventDestroy(ev0_);
     if (ev1_ != nullptr) cudaEventDestroy(ev1_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  Status Init(bool has_shared, int64_t max_shared_inter) {
-    const ModelSpec& s = spec_;
-    if (s.num_experts > 512) {
-      return Status::Unsupported(fmt::format(
-          "CUDA layer: {} experts; the gate kernel handles at most 512", s.num_experts));
+  Status Init() {
+    if (plan_.role == cuda_plan::DeviceRole::kCpuRouter) {
+      return Status::InvalidArgument("CUDA context: a CPU router's plan holds no device memory");
     }
-    if (s.gate.n_group > 256) return Status::Unsupported("CUDA layer: more than 256 expert groups");
+    if (plan_.tensor_cores != (opts_.math == CudaMath::kTensorCore)) {
+      return Status::Internal("CUDA context: the memory plan is for another math");
+    }
     if (opts_.max_tokens < 1 || opts_.max_tokens > (int64_t{1} << 20)) {
       return Status::InvalidArgument("CUDA layer: max_tokens must be in 1..1048576");
-    }
-    if (opts_.math == CudaMath::kTensorCore && s.hidden % 8 != 0) {
-      return Status::Unsupported(fmt::format(
-          "CUDA layer: tensor-core math needs hidden % 8 == 0 (hidden {}); use exact math",
-          s.hidden));
     }
     int count = 0;
     const cudaError_t probe = cudaGetDeviceCount(&count);
@@ -115,12 +131,148 @@ class CudaLayerImpl final : public CudaMoeLayer {
       return Status::Unsupported(fmt::format(
           "CUDA layer: tensor-core math needs sm_80 or newer ({} is sm_{})", prop.name, sm_));
     }
+    MOERUN_RETURN_IF_ERROR(CheckKernelImagesFor(opts_.device));
     initialised_ = true;
     MOERUN_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     MOERUN_CUDA_TRY(cudaEventCreate(&ev0_));
     MOERUN_CUDA_TRY(cudaEventCreate(&ev1_));
-    MOERUN_CUDA_TRY(cudaMallocHost(&pinned_ntok_, sizeof(int32_t)));
+    // The arena: exactly the plan's (aliases share their region's bytes).
+    const size_t arena_bytes = std::max<size_t>(plan_.arena.total, 256);
+    void* a = nullptr;
+    if (const cudaError_t e = cudaMalloc(&a, arena_bytes); e != cudaSuccess) {
+      cudaGetLastError();
+      return Status::ResourceExhausted(fmt::format(
+          "CUDA: allocating the rank's {:.1f} MiB arena on {}: {}",
+          static_cast<double>(arena_bytes) / (1 << 20), device_name_, cudaGetErrorString(e)));
+    }
+    arena_ = static_cast<uint8_t*>(a);
+    void* h = nullptr;
+    MOERUN_CUDA_TRY(cudaMallocHost(&h, std::max<size_t>(plan_.pinned_tables, 64)));
+    host_ = static_cast<uint8_t*>(h);
+    const auto g1 = static_cast<size_t>(plan_.max_groups + 1);
+    tables_.flags = reinterpret_cast<int32_t*>(host_);
+    tables_.row_off = reinterpret_cast<int32_t*>(host_ + 64);
+    tables_.tile_off = tables_.row_off + g1;
+    tables_.groups = reinterpret_cast<DevGroup*>(host_ + 64 + 8 * g1);
+    if (64 + 8 * g1 + g1 * sizeof(DevGroup) > plan_.pinned_tables) {
+      return Status::Internal("CUDA context: the plan's pinned tables are too small");
+    }
+    return Status::Ok();
+  }
 
+  Status PinHost(void* p, size_t bytes) override {
+    if (p == nullptr || bytes == 0 || pinned_.count(p) != 0) return Status::Ok();
+    MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
+    MOERUN_CUDA_TRY(cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+    pinned_.insert(p);
+    return Status::Ok();
+  }
+  void UnpinHost(void* p) override {
+    if (pinned_.erase(p) == 0) return;
+    cudaSetDevice(opts_.device);
+    cudaStreamSynchronize(stream_);  // no copy from or to it is left in flight
+    cudaHostUnregister(p);
+  }
+  const cuda_plan::RankMemoryPlan& plan() const override { return plan_; }
+  const CudaLayerOptions& options() const override { return opts_; }
+  std::string Describe() const override {
+    return fmt::format("{} (sm_{}, device {}), {} role, {} math, {}", device_name_, sm_,
+                       opts_.device, cuda_plan::DeviceRoleName(plan_.role),
+                       CudaMathName(opts_.math), plan_.arena.Describe());
+  }
+
+  // A region of the arena (null when the plan has none of that name).
+  uint8_t* Region(const std::string& name) const {
+    const cuda_plan::ArenaPlan::Region* r = plan_.arena.Find(name);
+    return r == nullptr ? nullptr : arena_ + r->offset;
+  }
+  int32_t* Flags() const { return reinterpret_cast<int32_t*>(Region("flags")); }
+  // Weight bytes the layers of this context hold, checked against the plan's.
+  Status AddWeights(size_t bytes) {
+    weights_ += bytes;
+    const size_t planned = plan_.weight_bytes();
+    if (weights_ > planned) {
+      return Status::Internal(fmt::format(
+          "CUDA context: the layers hold {} weight bytes, the memory plan {}", weights_, planned));
+    }
+    return Status::Ok();
+  }
+  void ForgetWeights(size_t bytes) { weights_ -= std::min(weights_, bytes); }
+
+  cudaStream_t stream() const { return stream_; }
+  cudaEvent_t ev0() const { return ev0_; }
+  cudaEvent_t ev1() const { return ev1_; }
+  const HostTables& tables() const { return tables_; }
+  const std::string& device_name() const { return device_name_; }
+  int sm() const { return sm_; }
+  std::map<std::pair<const void*, int64_t>, cudaGraphExec_t>& graphs() { return graphs_; }
+  void DropGraphs(const void* owner) {
+    for (auto it = graphs_.begin(); it != graphs_.end();) {
+      if (it->first.first == owner) {
+        cudaGraphExecDestroy(it->second);
+        it = graphs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+ private:
+  CudaLayerOptions opts_;
+  cuda_plan::RankMemoryPlan plan_;
+  bool initialised_ = false;
+  std::string device_name_;
+  int sm_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev0_ = nullptr, ev1_ = nullptr;
+  uint8_t* arena_ = nullptr;
+  uint8_t* host_ = nullptr;
+  HostTables tables_;
+  std::set<void*> pinned_;
+  size_t weights_ = 0;
+  // Whole-layer forwards: one graph per (layer, bucket).
+  std::map<std::pair<const void*, int64_t>, cudaGraphExec_t> graphs_;
+};
+
+class CudaLayerImpl final : public CudaMoeLayer {
+ public:
+  CudaLayerImpl(ModelSpec spec, int layer, std::shared_ptr<ContextImpl> ctx, WeightFormat format)
+      : spec_(std::move(spec)),
+        layer_(layer),
+        ctx_(std::move(ctx)),
+        opts_(ctx_->options()),
+        format_(format),
+        quant_(cuda_plan::QuantOf(format)),
+        wtype_(ElemType(format, opts_)),
+        whole_(ctx_->plan().role == cuda_plan::DeviceRole::kWholeLayer),
+        stream_(ctx_->stream()) {}
+
+  ~CudaLayerImpl() override {
+    cudaSetDevice(opts_.device);
+    cudaStreamSynchronize(stream_);
+    ctx_->DropGraphs(this);
+    for (void* p : allocations_) cudaFree(p);
+    ctx_->ForgetWeights(weight_bytes_ + other_weight_bytes_);
+  }
+
+  Status Init(bool has_shared, int64_t max_shared_inter) {
+    const ModelSpec& s = spec_;
+    const cuda_plan::RankMemoryPlan& plan = ctx_->plan();
+    MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
+    if (s.num_experts > 512) {
+      return Status::Unsupported(fmt::format(
+          "CUDA layer: {} experts; the gate kernel handles at most 512", s.num_experts));
+    }
+    if (s.top_k > 32) {
+      return Status::Unsupported(
+          fmt::format("CUDA layer: top_k {}; the route kernel handles at most 32", s.top_k));
+    }
+    if (s.gate.n_group > 256) return Status::Unsupported("CUDA layer: more than 256 expert groups");
+    if (opts_.math == CudaMath::kTensorCore && s.hidden % 8 != 0) {
+      return Status::Unsupported(fmt::format(
+          "CUDA layer: tensor-core math needs hidden % 8 == 0 (hidden {}); use exact math",
+          s.hidden));
+    }
     groups_ = s.num_experts + (has_shared ? 1 : 0);
     shape_.max_tokens = opts_.max_tokens;
     shape_.hidden = s.hidden;
@@ -131,49 +283,69 @@ class CudaLayerImpl final : public CudaMoeLayer {
     shape_.max_inter_padded =
         std::max(cuda_plan::PaddedInter(s.expert_inter), cuda_plan::PaddedInter(max_shared_inter));
     shape_.act_bytes = opts_.math == CudaMath::kExact ? 4 : 2;
-    plan_ = cuda_plan::PlanLayerArena(shape_);
-    MOERUN_ASSIGN_OR_RETURN(arena_, Alloc(plan_.total, "arena"));
-    for (const auto& r : plan_.regions) region_[r.name] = arena_ + r.offset;
+    // The layer must fit the context's plan (the arena is shared by every layer of the rank).
+    if (plan.hidden != s.hidden || plan.act_stride < shape_.max_inter_padded ||
+        plan.act_bytes != shape_.act_bytes || plan.format != format_) {
+      return Status::Internal(fmt::format(
+          "CUDA layer {}: hidden {}, intermediate {} ({}) do not fit the rank's memory plan "
+          "(hidden {}, intermediate {}, {})",
+          layer_, s.hidden, shape_.max_inter_padded, cuda_plan::WeightFormatName(format_),
+          plan.hidden, plan.act_stride, cuda_plan::WeightFormatName(plan.format)));
+    }
+    if (whole_ && (plan.max_groups != groups_ ||
+                   plan.max_rows < cuda_plan::FfnRows(shape_, opts_.max_tokens))) {
+      return Status::Internal("CUDA layer: the whole-layer memory plan is for another layer");
+    }
+    uint8_t* f = ctx_->Region("flags");
+    rows_.row_off = reinterpret_cast<int32_t*>(ctx_->Region("row_off"));
+    rows_.tile_off = reinterpret_cast<int32_t*>(ctx_->Region("tile_off"));
+    run_groups_dev_ = reinterpret_cast<DevGroup*>(ctx_->Region(whole_ ? "run_groups" : "groups"));
+    if (f == nullptr || rows_.row_off == nullptr || rows_.tile_off == nullptr ||
+        run_groups_dev_ == nullptr) {
+      return Status::Internal("CUDA layer: the memory plan lacks the group tables");
+    }
+    ntok_ = reinterpret_cast<int32_t*>(f) + kFlagTokens;
+    error_flag_ = reinterpret_cast<int32_t*>(f) + kFlagError;
+    overflow_flag_ = reinterpret_cast<int32_t*>(f) + kFlagOverflow;
+    host_groups_.assign(static_cast<size_t>(groups_), DevGroup{});
+    present_host_.assign(static_cast<size_t>(s.num_experts), 0);
+    if (!whole_) return Status::Ok();
+    // The whole layer: the router's buffers and the layer's own descriptor table.
     rows_.counts = I32("counts");
-    rows_.row_off = I32("row_off");
-    rows_.tile_off = I32("tile_off");
     rows_.row_token = I32("row_token");
     rows_.slot_row = I32("slot_row");
-    ntok_ = I32("flags");
-    error_flag_ = ntok_ + 1;
+    groups_dev_ = reinterpret_cast<DevGroup*>(ctx_->Region("groups"));
+    present_ = ctx_->Region("present");
+    MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
+    MOERUN_CUDA_TRY(cudaMemsetAsync(present_, 0, static_cast<size_t>(s.num_experts), stream_));
     const size_t gate_floats = static_cast<size_t>(shape_.gate_rows * s.hidden);
     MOERUN_ASSIGN_OR_RETURN(uint8_t * g, Alloc(gate_floats * 4, "gate"));
     gate_ = reinterpret_cast<float*>(g);
-    MOERUN_ASSIGN_OR_RETURN(present_, Alloc(static_cast<size_t>(s.num_experts), "expert mask"));
-    MOERUN_CUDA_TRY(cudaMemset(present_, 0, static_cast<size_t>(s.num_experts)));
-    // Group descriptors: the layer's (experts, then shared) and a second table for RunExperts.
-    MOERUN_ASSIGN_OR_RETURN(uint8_t * gd, Alloc(sizeof(DevGroup) * 2 * (groups_ + 1), "groups"));
-    groups_dev_ = reinterpret_cast<DevGroup*>(gd);
-    run_groups_dev_ = groups_dev_ + groups_ + 1;
-    host_groups_.assign(static_cast<size_t>(groups_), DevGroup{});
-    present_host_.assign(static_cast<size_t>(s.num_experts), 0);
     return Status::Ok();
   }
 
-  // Gate rows (f32 [gate_rows][hidden]) and the gate's bias vectors.
+  // Gate rows (f32 [gate_rows][hidden]) and the gate's bias vectors (whole layer only).
   Status UploadGate(const MoeLayerWeights& w) {
     const int64_t h = spec_.hidden;
-    if (w.gate.n() < shape_.gate_rows || w.gate.k() != h) return Status::Ok();  // experts only
+    if (!whole_ || w.gate.n() < shape_.gate_rows || w.gate.k() != h) return Status::Ok();
     has_gate_ = true;
     std::vector<float> gate(static_cast<size_t>(shape_.gate_rows * h));
     for (int64_t r = 0; r < shape_.gate_rows; ++r) {
       for (int64_t k = 0; k < h; ++k) gate[static_cast<size_t>(r * h + k)] = w.gate.At(r, k);
     }
     MOERUN_CUDA_TRY(cudaMemcpy(gate_, gate.data(), gate.size() * 4, cudaMemcpyHostToDevice));
+    other_weight_bytes_ += gate.size() * 4;
     const auto e = static_cast<size_t>(spec_.num_experts);
     if (!w.gate_bias.empty()) {
       MOERUN_ASSIGN_OR_RETURN(gate_bias_, UploadFloats(w.gate_bias.data(), e, "router bias"));
+      other_weight_bytes_ += e * 4;
     }
     if (!w.selection_bias.empty()) {
       MOERUN_ASSIGN_OR_RETURN(selection_bias_,
                               UploadFloats(w.selection_bias.data(), e, "selection bias"));
+      other_weight_bytes_ += e * 4;
     }
-    return Status::Ok();
+    return ctx_->AddWeights(other_weight_bytes_);
   }
 
   // Copies one packed CPU expert into the device layout (group g: expert g, or the shared one):
@@ -193,16 +365,21 @@ class CudaLayerImpl final : public CudaMoeLayer {
       MOERUN_ASSIGN_OR_RETURN(d.s2, UploadBytes(img.s2, "expert weight scales"));
     }
     weight_bytes_ += img.bytes();
+    MOERUN_RETURN_IF_ERROR(ctx_->AddWeights(img.bytes()));
     if (!ew.bias_gate.empty()) {
       std::vector<float> bg(static_cast<size_t>(ip), 0.0f), bu(bg);
       std::copy_n(ew.bias_gate.begin(), inter, bg.begin());
       std::copy_n(ew.bias_up.begin(), inter, bu.begin());
       MOERUN_ASSIGN_OR_RETURN(d.bias_g, UploadFloats(bg.data(), bg.size(), "expert bias"));
       MOERUN_ASSIGN_OR_RETURN(d.bias_u, UploadFloats(bu.data(), bu.size(), "expert bias"));
+      other_weight_bytes_ += 2 * bg.size() * 4;
+      MOERUN_RETURN_IF_ERROR(ctx_->AddWeights(2 * bg.size() * 4));
     }
     if (!ew.bias_down.empty()) {
       MOERUN_ASSIGN_OR_RETURN(
           d.bias_d, UploadFloats(ew.bias_down.data(), static_cast<size_t>(h), "expert bias"));
+      other_weight_bytes_ += static_cast<size_t>(h) * 4;
+      MOERUN_RETURN_IF_ERROR(ctx_->AddWeights(static_cast<size_t>(h) * 4));
     }
     return SetGroup(g, d, inter, act);
   }
@@ -223,6 +400,7 @@ class CudaLayerImpl final : public CudaMoeLayer {
                                      std::sqrt(3.0f / static_cast<float>(inter)), p13, p2, stream_);
     MOERUN_CUDA_TRY(cudaGetLastError());
     weight_bytes_ += b13 + b2;
+    MOERUN_RETURN_IF_ERROR(ctx_->AddWeights(b13 + b2));
     d.w13 = p13;
     d.w2 = p2;
     if (spec_.expert_bias) {  // as BuildPresetLayer: tensors 6/7/8, fan-in 3, x 0.1
@@ -238,40 +416,51 @@ class CudaLayerImpl final : public CudaMoeLayer {
       MOERUN_ASSIGN_OR_RETURN(d.bias_g, UploadFloats(bg.data(), bg.size(), "expert bias"));
       MOERUN_ASSIGN_OR_RETURN(d.bias_u, UploadFloats(bu.data(), bu.size(), "expert bias"));
       MOERUN_ASSIGN_OR_RETURN(d.bias_d, UploadFloats(bd.data(), bd.size(), "expert bias"));
+      const size_t bias_bytes = (bg.size() + bu.size() + bd.size()) * 4;
+      other_weight_bytes_ += bias_bytes;
+      MOERUN_RETURN_IF_ERROR(ctx_->AddWeights(bias_bytes));
     }
     return SetGroup(e, d, inter, spec_.RoutedAct(layer_));
   }
 
   Status Finish() {
-    MOERUN_CUDA_TRY(cudaMemcpy(groups_dev_, host_groups_.data(),
-                               sizeof(DevGroup) * host_groups_.size(), cudaMemcpyHostToDevice));
-    MOERUN_CUDA_TRY(
-        cudaMemcpy(present_, present_host_.data(), present_host_.size(), cudaMemcpyHostToDevice));
+    if (whole_) {
+      MOERUN_CUDA_TRY(cudaMemcpy(groups_dev_, host_groups_.data(),
+                                 sizeof(DevGroup) * host_groups_.size(), cudaMemcpyHostToDevice));
+      MOERUN_CUDA_TRY(
+          cudaMemcpy(present_, present_host_.data(), present_host_.size(), cudaMemcpyHostToDevice));
+    }
     // The uploads ran on the legacy stream, the generators on ours: wait for both.
     MOERUN_CUDA_TRY(cudaDeviceSynchronize());
-    spdlog::info("cuda: {} ({})", Describe(), plan_.Describe());
+    spdlog::info("cuda: layer {}: {}", layer_, Describe());
     return Status::Ok();
   }
 
   Status Forward(const float* x, int64_t tokens, float* out) override {
     MOERUN_RETURN_IF_ERROR(CheckTokens(tokens));
     if (tokens == 0) return Status::Ok();
-    if (!has_gate_) return Status::InvalidArgument("CUDA layer: no router weights were loaded");
+    if (!has_gate_) {
+      return Status::InvalidArgument(
+          whole_ ? "CUDA layer: no router weights were loaded"
+                 : "CUDA layer: an expert rank's layer has no router (RunExperts only)");
+    }
     MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
     const size_t bytes = static_cast<size_t>(tokens * spec_.hidden) * 4;
     MOERUN_CUDA_TRY(cudaMemcpyAsync(F32("x"), x, bytes, cudaMemcpyHostToDevice, stream_));
     MOERUN_RETURN_IF_ERROR(SetTokens(tokens));
     MOERUN_RETURN_IF_ERROR(Launch(tokens));
     MOERUN_CUDA_TRY(cudaMemcpyAsync(out, F32("out"), bytes, cudaMemcpyDeviceToHost, stream_));
-    int32_t flag = 0;
-    MOERUN_CUDA_TRY(
-        cudaMemcpyAsync(&flag, error_flag_, sizeof(flag), cudaMemcpyDeviceToHost, stream_));
+    int32_t* host_flags = ctx_->tables().flags;
+    MOERUN_CUDA_TRY(cudaMemcpyAsync(host_flags + kFlagError, error_flag_, 2 * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
     MOERUN_CUDA_TRY(cudaStreamSynchronize(stream_));
     last_tokens_ = tokens;
-    if (flag > 0) {
+    if (host_flags[kFlagError] > 0) {
       return Status::Internal(
-          fmt::format("token routed to expert {}, which this process has not loaded", flag - 1));
+          fmt::format("token routed to expert {}, which this process has not loaded",
+                      host_flags[kFlagError] - 1));
     }
+    if (host_flags[kFlagOverflow] != 0) return OverflowError();
     return Status::Ok();
   }
 
@@ -280,8 +469,13 @@ class CudaLayerImpl final : public CudaMoeLayer {
     ids->resize(n);
     weights->resize(n);
     if (n == 0) return Status::Ok();
-    MOERUN_CUDA_TRY(cudaMemcpy(ids->data(), I32("ids"), n * 4, cudaMemcpyDeviceToHost));
-    MOERUN_CUDA_TRY(cudaMemcpy(weights->data(), F32("weights"), n * 4, cudaMemcpyDeviceToHost));
+    // On the layer's stream: the forward that wrote them is ordered before these copies.
+    MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
+    MOERUN_CUDA_TRY(
+        cudaMemcpyAsync(ids->data(), I32("ids"), n * 4, cudaMemcpyDeviceToHost, stream_));
+    MOERUN_CUDA_TRY(
+        cudaMemcpyAsync(weights->data(), F32("weights"), n * 4, cudaMemcpyDeviceToHost, stream_));
+    MOERUN_CUDA_TRY(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
@@ -294,12 +488,12 @@ class CudaLayerImpl final : public CudaMoeLayer {
     for (int i = 0; i < warmup; ++i) MOERUN_RETURN_IF_ERROR(Launch(tokens));
     CudaTimes t;
     for (int i = 0; i < reps; ++i) {
-      MOERUN_CUDA_TRY(cudaEventRecord(ev0_, stream_));
+      MOERUN_CUDA_TRY(cudaEventRecord(ctx_->ev0(), stream_));
       MOERUN_RETURN_IF_ERROR(Launch(tokens));
-      MOERUN_CUDA_TRY(cudaEventRecord(ev1_, stream_));
-      MOERUN_CUDA_TRY(cudaEventSynchronize(ev1_));
+      MOERUN_CUDA_TRY(cudaEventRecord(ctx_->ev1(), stream_));
+      MOERUN_CUDA_TRY(cudaEventSynchronize(ctx_->ev1()));
       float ms = 0;
-      MOERUN_CUDA_TRY(cudaEventElapsedTime(&ms, ev0_, ev1_));
+      MOERUN_CUDA_TRY(cudaEventElapsedTime(&ms, ctx_->ev0(), ctx_->ev1()));
       t.ms.push_back(ms);
     }
     std::vector<double> sorted = t.ms;
@@ -315,9 +509,14 @@ class CudaLayerImpl final : public CudaMoeLayer {
       return Status::InvalidArgument("RunExperts: group lists differ in length");
     }
     const int n = static_cast<int>(group_expert.size());
-    if (n > groups_) return Status::InvalidArgument("RunExperts: more groups than the layer's");
-    std::vector<DevGroup> groups(static_cast<size_t>(n));
-    std::vector<int32_t> counts(static_cast<size_t>(n));
+    const cuda_plan::RankMemoryPlan& plan = ctx_->plan();
+    const int capacity_groups = whole_ ? groups_ : plan.max_groups;
+    if (n > capacity_groups) {
+      return Status::InvalidArgument(
+          fmt::format("RunExperts: {} groups; the layer has {}, the rank's plan holds {}", n,
+                      groups_, capacity_groups));
+    }
+    const HostTables& t = ctx_->tables();
     int64_t total = 0;
     for (int g = 0; g < n; ++g) {
       const int e = group_expert[static_cast<size_t>(g)];
@@ -328,41 +527,59 @@ class CudaLayerImpl final : public CudaMoeLayer {
       }
       const int64_t r = group_rows[static_cast<size_t>(g)];
       if (r < 0) return Status::InvalidArgument("RunExperts: negative row count");
-      groups[static_cast<size_t>(g)] = host_groups_[static_cast<size_t>(idx)];
-      counts[static_cast<size_t>(g)] = static_cast<int32_t>(r);
+      t.groups[g] = host_groups_[static_cast<size_t>(idx)];
       total += r;
     }
-    const int64_t capacity = cuda_plan::FfnRows(shape_, shape_.max_tokens);
-    if (total > capacity) {
+    if (total > plan.max_rows) {
       return Status::InvalidArgument(
-          fmt::format("RunExperts: {} rows exceed the arena's {}", total, capacity));
+          fmt::format("RunExperts: {} rows exceed the device buffers' {} (raise --max-tokens)",
+                      total, plan.max_rows));
     }
     if (total == 0) return Status::Ok();
     MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
-    const int bm = Bm();
-    std::vector<int32_t> row_off(static_cast<size_t>(n + 1)), tile_off(row_off);
-    cuda_plan::ScanGroups(counts.data(), n, bm, row_off.data(), tile_off.data());
-    MOERUN_CUDA_TRY(cudaMemcpyAsync(run_groups_dev_, groups.data(),
-                                    sizeof(DevGroup) * groups.size(), cudaMemcpyHostToDevice,
-                                    stream_));
-    MOERUN_CUDA_TRY(cudaMemcpyAsync(rows_.row_off, row_off.data(), row_off.size() * 4,
+    // The tables go through the context's pinned staging: every copy below is asynchronous on
+    // the stream, and the rows come from (and y goes to) host memory the rank pinned.
+    std::vector<int32_t>& counts = counts_;
+    counts.resize(static_cast<size_t>(n));
+    for (int g = 0; g < n; ++g)
+      counts[static_cast<size_t>(g)] = static_cast<int32_t>(group_rows[static_cast<size_t>(g)]);
+    cuda_plan::ScanGroups(counts.data(), n, Bm(), t.row_off, t.tile_off);
+    MOERUN_CUDA_TRY(cudaMemcpyAsync(run_groups_dev_, t.groups,
+                                    sizeof(DevGroup) * static_cast<size_t>(n),
                                     cudaMemcpyHostToDevice, stream_));
-    MOERUN_CUDA_TRY(cudaMemcpyAsync(rows_.tile_off, tile_off.data(), tile_off.size() * 4,
+    MOERUN_CUDA_TRY(cudaMemcpyAsync(rows_.row_off, t.row_off, static_cast<size_t>(n + 1) * 4,
+                                    cudaMemcpyHostToDevice, stream_));
+    MOERUN_CUDA_TRY(cudaMemcpyAsync(rows_.tile_off, t.tile_off, static_cast<size_t>(n + 1) * 4,
                                     cudaMemcpyHostToDevice, stream_));
     const size_t bytes = static_cast<size_t>(total * spec_.hidden) * 4;
     float* yd = F32("y");
-    void* in = region_["rows"];
+    void* in = ctx_->Region("rows");
+    const bool f16 = F16Rows();
+    if (f16) MOERUN_CUDA_TRY(cudaMemsetAsync(overflow_flag_, 0, sizeof(int32_t), stream_));
     if (opts_.math == CudaMath::kExact) {
+      // GEMM1 reads the f32 rows where they land; on an expert rank y reuses that region
+      // (GEMM2 runs after GEMM1, in stream order).
       MOERUN_CUDA_TRY(cudaMemcpyAsync(in, rows, bytes, cudaMemcpyHostToDevice, stream_));
-    } else {  // stage the f32 rows in y, convert them into the row buffer
-      MOERUN_CUDA_TRY(cudaMemcpyAsync(yd, rows, bytes, cudaMemcpyHostToDevice, stream_));
-      cuda_kernels::LaunchConvertRows(yd, total * spec_.hidden, wtype_, in, stream_);
+    } else {
+      // The f32 rows land in the receive region (whole layer: in y), then are converted into
+      // the row buffer; y then reuses the f32 region.
+      float* f32 = ctx_->Region("receive") != nullptr
+                       ? reinterpret_cast<float*>(ctx_->Region("receive"))
+                       : yd;
+      MOERUN_CUDA_TRY(cudaMemcpyAsync(f32, rows, bytes, cudaMemcpyHostToDevice, stream_));
+      cuda_kernels::LaunchConvertRows(f32, total * spec_.hidden, wtype_, in, stream_,
+                                      f16 ? overflow_flag_ : nullptr);
     }
     cuda_kernels::FfnArgs a = FfnArgsFor(run_groups_dev_, n, total);
     RunFfn(a);
     MOERUN_CUDA_TRY(cudaGetLastError());
     MOERUN_CUDA_TRY(cudaMemcpyAsync(y, yd, bytes, cudaMemcpyDeviceToHost, stream_));
+    if (f16) {
+      MOERUN_CUDA_TRY(cudaMemcpyAsync(t.flags + kFlagOverflow, overflow_flag_, sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, stream_));
+    }
     MOERUN_CUDA_TRY(cudaStreamSynchronize(stream_));
+    if (f16 && t.flags[kFlagOverflow] != 0) return OverflowError();
     return Status::Ok();
   }
 
@@ -374,20 +591,25 @@ class CudaLayerImpl final : public CudaMoeLayer {
             ? std::string(elem)
             : fmt::format("{} (decoded to {})", cuda_plan::WeightFormatName(format_), elem);
     return fmt::format(
-        "{} (sm_{}, device {}), {} {} math, {:.2f} GB weights, graphs {}", device_name_, sm_,
+        "{} (sm_{}, device {}), {} {} math, {:.2f} GB weights, {}", ctx_->device_name(), ctx_->sm(),
         opts_.device, CudaMathName(opts_.math), type, static_cast<double>(weight_bytes_) / 1e9,
-        opts_.graph_max_tokens > 0 ? fmt::format("up to {} tokens", opts_.graph_max_tokens)
-                                   : std::string("off"));
+        !whole_                      ? std::string("experts only (the rank's shared arena)")
+        : opts_.graph_max_tokens > 0 ? fmt::format("graphs up to {} tokens", opts_.graph_max_tokens)
+                                     : std::string("graphs off"));
   }
   size_t weight_bytes() const override { return weight_bytes_; }
-  int64_t graphs_captured() const override { return static_cast<int64_t>(graphs_.size()); }
+  int64_t graphs_captured() const override { return graphs_captured_; }
 
  private:
+  // f16 tensor cores: rows and activations in f16, whose overflow is checked.
+  bool F16Rows() const { return opts_.math == CudaMath::kTensorCore && wtype_ == WType::kF16; }
   int Bm() const {
     return opts_.math == CudaMath::kExact ? cuda_kernels::kExactBm : cuda_kernels::kMmaBm;
   }
-  int32_t* I32(const std::string& name) { return reinterpret_cast<int32_t*>(region_.at(name)); }
-  float* F32(const std::string& name) { return reinterpret_cast<float*>(region_.at(name)); }
+  int32_t* I32(const std::string& name) { return reinterpret_cast<int32_t*>(Region(name)); }
+  float* F32(const std::string& name) { return reinterpret_cast<float*>(Region(name)); }
+  // A region of the rank's arena; the layer only asks for regions its role's plan has.
+  uint8_t* Region(const std::string& name) const { return ctx_->Region(name); }
 
   Result<uint8_t*> Alloc(size_t bytes, const char* what) {
     void* p = nullptr;
@@ -433,9 +655,10 @@ class CudaLayerImpl final : public CudaMoeLayer {
   }
 
   Status SetTokens(int64_t tokens) {
-    *pinned_ntok_ = static_cast<int32_t>(tokens);
+    int32_t* host_ntok = ctx_->tables().flags + kFlagTokens;
+    *host_ntok = static_cast<int32_t>(tokens);
     MOERUN_CUDA_TRY(
-        cudaMemcpyAsync(ntok_, pinned_ntok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+        cudaMemcpyAsync(ntok_, host_ntok, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     return Status::Ok();
   }
 
@@ -449,9 +672,10 @@ class CudaLayerImpl final : public CudaMoeLayer {
     a.inter_pad_max = shape_.max_inter_padded;
     a.wtype = wtype_;
     a.quant = quant_;
-    a.in = region_.at("rows");
-    a.act = region_.at("hidden_act");
+    a.in = Region("rows");
+    a.act = Region("hidden_act");
     a.y = F32("y");
+    a.overflow = F16Rows() ? overflow_flag_ : nullptr;
     return a;
   }
 
@@ -467,7 +691,7 @@ class CudaLayerImpl final : public CudaMoeLayer {
   void Enqueue(int64_t bound) {
     const ModelSpec& s = spec_;
     const bool shared = shape_.shared;
-    cudaMemsetAsync(error_flag_, 0, sizeof(int32_t), stream_);
+    cudaMemsetAsync(error_flag_, 0, 2 * sizeof(int32_t), stream_);  // error and overflow flags
     cuda_kernels::LaunchGateLogits(F32("x"), gate_, bound, s.hidden, shape_.gate_rows,
                                    F32("logits"), ntok_, stream_);
     cuda_kernels::LaunchRoute(s.gate, F32("logits"), shape_.gate_rows, gate_bias_, selection_bias_,
@@ -478,7 +702,7 @@ class CudaLayerImpl final : public CudaMoeLayer {
     const int64_t rows_bound = cuda_plan::FfnRows(shape_, bound);
     cuda_kernels::LaunchGather(F32("x"), s.hidden, rows_, groups_, rows_bound,
                                opts_.math == CudaMath::kExact ? WType::kF32 : wtype_,
-                               region_.at("rows"), stream_);
+                               Region("rows"), stream_, F16Rows() ? overflow_flag_ : nullptr);
     RunFfn(FfnArgsFor(groups_dev_, groups_, rows_bound));
     cuda_kernels::LaunchCombine(F32("y"), s.hidden, rows_, s.num_experts, shared, F32("weights"),
                                 F32("shared_scale"), s.top_k, bound, F32("out"), ntok_, stream_);
@@ -493,8 +717,10 @@ class CudaLayerImpl final : public CudaMoeLayer {
       MOERUN_CUDA_TRY(cudaGetLastError());
       return Status::Ok();
     }
-    auto it = graphs_.find(bucket);
-    if (it == graphs_.end()) {
+    auto& graphs = ctx_->graphs();
+    const std::pair<const void*, int64_t> key(this, bucket);
+    auto it = graphs.find(key);
+    if (it == graphs.end()) {
       // Once eagerly first: modules load and local memory grows outside the capture, and a bad
       // launch is a plain error.
       Enqueue(bucket);
@@ -513,7 +739,8 @@ class CudaLayerImpl final : public CudaMoeLayer {
       const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
       cudaGraphDestroy(graph);
       MOERUN_CUDA_TRY(inst);
-      it = graphs_.emplace(bucket, exec).first;
+      it = graphs.emplace(key, exec).first;
+      ++graphs_captured_;
       spdlog::debug("cuda: captured the forward graph of the {}-token bucket", bucket);
     }
     MOERUN_CUDA_TRY(cudaGraphLaunch(it->second, stream_));
@@ -522,36 +749,33 @@ class CudaLayerImpl final : public CudaMoeLayer {
 
   ModelSpec spec_;
   int layer_;
+  std::shared_ptr<ContextImpl> ctx_;  // the rank's: stream, arena, pinned tables, graphs
   CudaLayerOptions opts_;
   WeightFormat format_;  // how the experts are held
   WQuant quant_;         // block-scaled formats: which
   WType wtype_;          // the FFN's rows and activations (plain formats: the weights too)
-  bool initialised_ = false;
+  bool whole_;           // the whole layer (gate and routing here); else an expert rank's
+  cudaStream_t stream_;  // the context's
   bool has_gate_ = false;
-  std::string device_name_;
-  int sm_ = 0;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t ev0_ = nullptr, ev1_ = nullptr;
-  int32_t* pinned_ntok_ = nullptr;
-  std::vector<void*> allocations_;
+  std::vector<void*> allocations_;  // this layer's weights
   cuda_plan::LayerShape shape_;
-  cuda_plan::ArenaPlan plan_;
-  uint8_t* arena_ = nullptr;
-  std::map<std::string, uint8_t*> region_;
   DevRows rows_;
   int32_t* ntok_ = nullptr;
   int32_t* error_flag_ = nullptr;
+  int32_t* overflow_flag_ = nullptr;
   float* gate_ = nullptr;
   const float* gate_bias_ = nullptr;
   const float* selection_bias_ = nullptr;
   uint8_t* present_ = nullptr;
   int groups_ = 0;
-  DevGroup* groups_dev_ = nullptr;
-  DevGroup* run_groups_dev_ = nullptr;
+  DevGroup* groups_dev_ = nullptr;      // whole layer: every group, for the forward
+  DevGroup* run_groups_dev_ = nullptr;  // RunExperts's groups of one call
   std::vector<DevGroup> host_groups_;
   std::vector<uint8_t> present_host_;
-  std::map<int64_t, cudaGraphExec_t> graphs_;
-  size_t weight_bytes_ = 0;
+  std::vector<int32_t> counts_;
+  int64_t graphs_captured_ = 0;
+  size_t weight_bytes_ = 0;        // expert values/codes and scales
+  size_t other_weight_bytes_ = 0;  // biases and the gate
   int64_t last_tokens_ = 0;
 };
 
@@ -559,14 +783,60 @@ Result<WeightFormat> ChooseFormat(DType source, const CudaLayerOptions& opts) {
   return cuda_plan::ChooseWeightFormat(source, opts.math == CudaMath::kTensorCore, opts.mma_type);
 }
 
+Result<std::shared_ptr<ContextImpl>> MakeContext(const CudaLayerOptions& opts,
+                                                 cuda_plan::RankMemoryPlan plan) {
+  auto ctx = std::make_shared<ContextImpl>(opts, std::move(plan));
+  MOERUN_RETURN_IF_ERROR(ctx->Init());
+  return ctx;
+}
+
+// The whole layer's memory plan, from what the process loaded (or will generate).
+Result<cuda_plan::RankMemoryPlan> WholeLayerPlan(const MoeLayerWeights& w, int loaded,
+                                                 bool expert_bias, WeightFormat format,
+                                                 const CudaLayerOptions& opts) {
+  const ModelSpec& s = w.spec;
+  cuda_plan::RankMemoryInput in;
+  in.role = cuda_plan::DeviceRole::kWholeLayer;
+  in.hidden = s.hidden;
+  in.expert_inter = s.expert_inter;
+  in.shared_inter = w.shared ? w.shared->inter : 0;
+  in.top_k = s.top_k;
+  in.experts = s.num_experts;
+  in.gate_rows = s.num_experts + (s.shared_gated ? 1 : 0);
+  in.expert_bias = expert_bias;
+  in.gate_bias = !w.gate_bias.empty();
+  in.selection_bias = !w.selection_bias.empty();
+  in.layers = {cuda_plan::HostedLayer{w.layer, loaded, loaded}};
+  in.format = format;
+  in.tensor_cores = opts.math == CudaMath::kTensorCore;
+  in.max_tokens = opts.max_tokens;
+  in.graph_max_tokens = opts.graph_max_tokens;
+  return cuda_plan::PlanRankMemory(in);
+}
+
 }  // namespace
 
 const char* CudaMathName(CudaMath m) { return m == CudaMath::kExact ? "exact" : "tensor-core"; }
 
+Result<std::shared_ptr<CudaRankContext>> CudaRankContext::Create(
+    const CudaLayerOptions& opts, const cuda_plan::RankMemoryPlan& plan) {
+  MOERUN_ASSIGN_OR_RETURN(auto ctx, MakeContext(opts, plan));
+  spdlog::info("cuda: {}", ctx->Describe());
+  return std::shared_ptr<CudaRankContext>(std::move(ctx));
+}
+
 Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights& w,
                                                            const CudaLayerOptions& opts) {
   MOERUN_ASSIGN_OR_RETURN(const WeightFormat format, ChooseFormat(w.dtype, opts));
-  auto layer = std::make_unique<CudaLayerImpl>(w.spec, w.layer, opts, format);
+  int loaded = 0;
+  bool bias = false;
+  for (const auto& e : w.experts) {
+    loaded += !e.w13.empty();
+    bias = bias || !e.bias_gate.empty() || !e.bias_down.empty();
+  }
+  MOERUN_ASSIGN_OR_RETURN(auto plan, WholeLayerPlan(w, loaded, bias, format, opts));
+  MOERUN_ASSIGN_OR_RETURN(auto ctx, MakeContext(opts, std::move(plan)));
+  auto layer = std::make_unique<CudaLayerImpl>(w.spec, w.layer, std::move(ctx), format);
   MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
   MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   const ActParams act = w.spec.RoutedAct(w.layer);
@@ -577,6 +847,25 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights
   if (w.shared) {
     MOERUN_RETURN_IF_ERROR(
         layer->UploadExpert(w.spec.num_experts, *w.shared, w.spec.SharedAct(w.layer)));
+  }
+  MOERUN_RETURN_IF_ERROR(layer->Finish());
+  return std::unique_ptr<CudaMoeLayer>(std::move(layer));
+}
+
+Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights& w,
+                                                           std::shared_ptr<CudaRankContext> ctx) {
+  auto impl = std::dynamic_pointer_cast<ContextImpl>(ctx);
+  if (impl == nullptr || impl->plan().role != cuda_plan::DeviceRole::kExpertRank) {
+    return Status::InvalidArgument("CUDA layer: Upload into a context needs an expert rank's");
+  }
+  MOERUN_ASSIGN_OR_RETURN(const WeightFormat format, ChooseFormat(w.dtype, impl->options()));
+  auto layer = std::make_unique<CudaLayerImpl>(w.spec, w.layer, std::move(impl), format);
+  // The shared expert runs on the router in expert parallelism: not here.
+  MOERUN_RETURN_IF_ERROR(layer->Init(false, 0));
+  const ActParams act = w.spec.RoutedAct(w.layer);
+  for (size_t e = 0; e < w.experts.size(); ++e) {
+    if (w.experts[e].w13.empty()) continue;
+    MOERUN_RETURN_IF_ERROR(layer->UploadExpert(static_cast<int>(e), w.experts[e], act));
   }
   MOERUN_RETURN_IF_ERROR(layer->Finish());
   return std::unique_ptr<CudaMoeLayer>(std::move(layer));
@@ -603,13 +892,15 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::FromPreset(const ModelSpec& 
   host.progress = nullptr;
   MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w,
                           BuildPresetLayer(spec, KernelsFor(Isa::kScalar), host));
-  auto layer = std::make_unique<CudaLayerImpl>(spec, w.layer, opts, format);
-  MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
-  MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   int todo = 0, done = 0;
   for (int e = 0; e < spec.num_experts; ++e) {
     todo += preset.load_expert.empty() || preset.load_expert[static_cast<size_t>(e)];
   }
+  MOERUN_ASSIGN_OR_RETURN(auto plan, WholeLayerPlan(w, todo, spec.expert_bias, format, opts));
+  MOERUN_ASSIGN_OR_RETURN(auto ctx, MakeContext(opts, std::move(plan)));
+  auto layer = std::make_unique<CudaLayerImpl>(spec, w.layer, std::move(ctx), format);
+  MOERUN_RETURN_IF_ERROR(layer->Init(w.shared.has_value(), w.shared ? w.shared->inter : 0));
+  MOERUN_RETURN_IF_ERROR(layer->UploadGate(w));
   for (int e = 0; e < spec.num_experts; ++e) {
     if (!preset.load_expert.empty() && !preset.load_expert[static_cast<size_t>(e)]) continue;
     MOERUN_RETURN_IF_ERROR(layer->GenerateExpert(preset, e));

@@ -18,12 +18,25 @@
 // reduced in the same order whatever the batch (no split-K, no atomics on outputs, tile shapes
 // fixed), so outputs are bitwise equal across batchings, ranks and placements on the same GPU type.
 //
-// Memory: weights are uploaded once; every per-batch buffer comes from one device arena sized for
-// `max_tokens` at Create (nothing is allocated per batch). The gate, routing and grouping stay on
-// the device (no host round trip inside a forward), so a whole forward can be captured as a CUDA
-// graph; one graph per token-count bucket (powers of two up to `graph_max_tokens`) is captured on
-// first use and replayed with the batch's real token count read from device memory.
-// Thread-safety: one call at a time per instance (it owns one stream).
+// Memory: weights are uploaded once; every per-batch buffer comes from the arena of a rank's ONE
+// device context (CudaRankContext: a stream, events, the arena laid out by the rank's memory plan
+// (layer/cuda/device_plan.h PlanRankMemory), page-locked staging tables and the CUDA graphs),
+// shared by every layer the rank holds; nothing is allocated per batch. Two roles:
+//   - the whole layer (Upload / FromPreset without a context: `moerun forward --device cuda` in
+//     one process): the layer makes its own context of the whole-layer plan. The gate, routing
+//     and grouping stay on the device (no host round trip inside a forward), so a whole forward
+//     can be captured as a CUDA graph; one graph per token-count bucket (powers of two up to
+//     `graph_max_tokens`) is captured on first use and replayed with the batch's real token count
+//     read from device memory.
+//   - an expert rank (Upload with the rank's context of an expert plan): the layer holds its
+//     experts' weights and their group descriptors only; RunExperts uses the context's arena
+//     (sized for the largest microbatch of the plan, the same for every layer). Forward,
+//     LastRouting and Time are refused (no gate).
+// Quantized weights (FP8, MXFP4) on tensor cores always decode to bf16, whatever mma_type says
+// (f16 activations overflow past 65504; with f16 rows of plain f16 weights a set overflow flag
+// turns into an error after the batch).
+// Thread-safety: one call at a time per context (it owns one stream): all layers of a context
+// are used by one thread.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +45,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "layer/cuda/device_plan.h"
 #include "model/layer_weights.h"
 #include "model/preset.h"
 
@@ -48,6 +62,24 @@ struct CudaLayerOptions {
   int64_t graph_max_tokens = 256;  // 0: no CUDA graphs
 };
 
+// The device state of one rank, shared by all its layers: made once from the rank's memory plan
+// (the arena is exactly plan.arena; the kernel images are checked for the device once here).
+class CudaRankContext {
+ public:
+  // opts: the device, math and max_tokens (graph_max_tokens for the whole layer); `plan` must be
+  // of role kExpertRank or kWholeLayer and planned for the same math.
+  static Result<std::shared_ptr<CudaRankContext>> Create(const CudaLayerOptions& opts,
+                                                         const cuda_plan::RankMemoryPlan& plan);
+  virtual ~CudaRankContext() = default;
+  // Page-locks host memory the rank copies rows from and to (cudaHostRegister), so that the
+  // copies run asynchronously on the context's stream; Unpin before that memory is freed.
+  virtual Status PinHost(void* p, size_t bytes) = 0;
+  virtual void UnpinHost(void* p) = 0;
+  virtual const cuda_plan::RankMemoryPlan& plan() const = 0;
+  virtual const CudaLayerOptions& options() const = 0;
+  virtual std::string Describe() const = 0;  // "H200 (sm_90, device 0), arena 3.1 GB, ..."
+};
+
 // Device-side timings of repeated forwards of one batch (CUDA events around each).
 struct CudaTimes {
   std::vector<double> ms;  // one per repetition
@@ -61,6 +93,10 @@ class CudaMoeLayer {
   // MXFP4 go up as codes and scales; an expert of another type than the layer's is an error).
   static Result<std::unique_ptr<CudaMoeLayer>> Upload(const MoeLayerWeights& w,
                                                       const CudaLayerOptions& opts);
+  // An expert rank's layer: its experts' weights and descriptors, computing in `ctx` (whose
+  // options it takes; the layer must fit the context's plan: hidden, expert size, slots).
+  static Result<std::unique_ptr<CudaMoeLayer>> Upload(const MoeLayerWeights& w,
+                                                      std::shared_ptr<CudaRankContext> ctx);
   // A preset's layer generated on the device: the same values as BuildPresetLayer(spec, opts)
   // without building it on the host (full-size models: DeepSeek-V3's 256 experts are 22 GB).
   // Block-scaled presets (FP8, MXFP4) are built by BuildPresetLayer on the host, then uploaded.

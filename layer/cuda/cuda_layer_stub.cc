@@ -12,8 +12,18 @@ Status NotBuilt() {
 
 const char* CudaMathName(CudaMath m) { return m == CudaMath::kExact ? "exact" : "tensor-core"; }
 
+Result<std::shared_ptr<CudaRankContext>> CudaRankContext::Create(const CudaLayerOptions&,
+                                                                 const cuda_plan::RankMemoryPlan&) {
+  return NotBuilt();
+}
+
 Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights&,
                                                            const CudaLayerOptions&) {
+  return NotBuilt();
+}
+
+Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights&,
+                                                           std::shared_ptr<CudaRankContext>) {
   return NotBuilt();
 }
 

@@ -2,9 +2,13 @@
 // prints and what a rank's CUDA context allocates. Runs without a GPU.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <set>
 
+#include "layer/cuda/cuda_device.h"
+#include "layer/cuda/cuda_layer.h"
 #include "layer/cuda/device_plan.h"
+#include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
 namespace {
@@ -254,6 +258,56 @@ TEST(DeviceMemoryPlanTest, AliasesMustFitAnExistingRegion) {
   EXPECT_EQ(a.AddAlias("d", "missing", 1), -1);
   EXPECT_EQ(a.AddAlias("e", "b", 1), -1);  // not an alias of an alias
   EXPECT_EQ(a.total, 1000u);
+}
+
+// An expert rank's context from its plan: without a GPU a clear error; with one, an experts-only
+// layer in the shared arena (with y over the rows it read) gives the whole layer's bits.
+TEST(DeviceMemoryPlanTest, ExpertRankContextGivesTheWholeLayersBits) {
+  const auto w = testing::BuildSmall(Family::kDeepseekV3, KernelsFor(Isa::kScalar));
+  for (CudaMath math : {CudaMath::kExact, CudaMath::kTensorCore}) {
+    CudaLayerOptions o;
+    o.math = math;
+    o.max_tokens = 32;
+    RankMemoryInput in;
+    in.role = DeviceRole::kExpertRank;
+    in.hidden = w->spec.hidden;
+    in.expert_inter = w->spec.expert_inter;
+    in.top_k = w->spec.top_k;
+    in.experts = w->spec.num_experts;
+    in.gate_rows = w->spec.num_experts;
+    in.format = *ChooseWeightFormat(w->dtype, math == CudaMath::kTensorCore, o.mma_type);
+    in.tensor_cores = math == CudaMath::kTensorCore;
+    in.max_tokens = o.max_tokens;
+    in.layers = {HostedLayer{w->layer, w->spec.num_experts, w->spec.num_experts}};
+    const auto plan = PlanRankMemory(in);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    auto ctx = CudaRankContext::Create(o, *plan);
+    if (ProbeCuda().devices.empty()) {
+      ASSERT_FALSE(ctx.ok());
+      EXPECT_NE(ctx.status().message().find("cuda"), std::string::npos) << ctx.status().ToString();
+      continue;
+    }
+    ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+    auto experts = CudaMoeLayer::Upload(*w, *ctx);
+    auto whole = CudaMoeLayer::Upload(*w, o);
+    ASSERT_TRUE(experts.ok()) << experts.status().ToString();
+    ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+    const std::vector<int32_t> ids = {3, 0, 9};
+    const std::vector<int64_t> rows = {5, 1, 40};
+    const int64_t total = 46, h = w->spec.hidden;
+    const auto x = testing::RandomRows(total, h, 4);
+    std::vector<float> a(static_cast<size_t>(total * h)), b(a.size());
+    ASSERT_TRUE((*experts)->RunExperts(x.data(), ids, rows, a.data()).ok());
+    ASSERT_TRUE((*whole)->RunExperts(x.data(), ids, rows, b.data()).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << CudaMathName(math);
+    // No router on an expert rank; no more rows than the plan holds.
+    std::vector<float> out(static_cast<size_t>(h));
+    EXPECT_EQ((*experts)->Forward(x.data(), 1, out.data()).code(), StatusCode::kInvalidArgument);
+    const std::vector<int64_t> too_many = {plan->max_rows + 1};
+    std::vector<float> big(static_cast<size_t>((plan->max_rows + 1) * h));
+    EXPECT_EQ((*experts)->RunExperts(big.data(), {3}, too_many, big.data()).code(),
+              StatusCode::kInvalidArgument);
+  }
 }
 
 }  // namespace
