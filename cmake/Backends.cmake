@@ -23,11 +23,29 @@ if(NOT MOERUN_WITH_CUDA STREQUAL "OFF")
   # The architectures, chosen before enable_language(CUDA) (which otherwise fills the cache with
   # the compiler's default: sm_75 for CUDA 13, where the tensor-core kernels are only a trap):
   # SASS for sm_80 and sm_90 and compute_90 PTX, which newer GPUs compile at load time. A user's
-  # -DCMAKE_CUDA_ARCHITECTURES or the CUDAARCHS environment variable wins. (A build directory
-  # configured before this keeps its cached value: reconfigure it with --fresh.)
+  # -DCMAKE_CUDA_ARCHITECTURES or the CUDAARCHS environment variable wins.
+  set(_moerun_cuda_archs "80-real;90")
+  set(_moerun_cuda_archs_help
+      "CUDA architectures (moerun's default: sm_80 and sm_90 SASS, compute_90 PTX)")
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
-    set(CMAKE_CUDA_ARCHITECTURES "80-real;90" CACHE STRING
-        "CUDA architectures (moerun's default: sm_80 and sm_90 SASS, compute_90 PTX)")
+    set(CMAKE_CUDA_ARCHITECTURES "${_moerun_cuda_archs}" CACHE STRING "${_moerun_cuda_archs_help}")
+  elseif(DEFINED CACHE{CMAKE_CUDA_ARCHITECTURES} AND NOT DEFINED ENV{CUDAARCHS})
+    # A build directory configured before moerun chose its default holds CMake's own choice (its
+    # help string is "CUDA architectures"; a user's -D has another): replace it when it is below
+    # sm_80, so an old build/ does not keep building trap-only tensor-core kernels.
+    get_property(_help CACHE CMAKE_CUDA_ARCHITECTURES PROPERTY HELPSTRING)
+    set(_old FALSE)
+    foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
+      if(_arch MATCHES "^([0-9]+)" AND CMAKE_MATCH_1 LESS 80)
+        set(_old TRUE)
+      endif()
+    endforeach()
+    if(_help STREQUAL "CUDA architectures" AND _old)
+      message(STATUS "CMAKE_CUDA_ARCHITECTURES: replacing CMake's default "
+                     "${CMAKE_CUDA_ARCHITECTURES} with ${_moerun_cuda_archs}")
+      set(CMAKE_CUDA_ARCHITECTURES "${_moerun_cuda_archs}" CACHE STRING
+          "${_moerun_cuda_archs_help}" FORCE)
+    endif()
   endif()
   include(CheckLanguage)
   check_language(CUDA)

@@ -2,7 +2,9 @@
 # A configure without CUDA flags builds sm_80 and sm_90 SASS and compute_90 PTX, nothing older
 # (cmake/Backends.cmake; CUDA 13's own default, sm_75, holds only traps for the tensor-core
 # kernels). Configures the project in a temporary directory (removed on any exit), builds one
-# small CUDA object and reads the architectures its fatbin names.
+# small CUDA object and reads the architectures its fatbin names; then gives the cache CMake's own
+# sm_75 entry (what a build directory configured before moerun chose its default holds) and
+# checks that a reconfigure replaces it.
 #   default_archs.sh SOURCE_DIR CUDA_COMPILER NINJA
 set -eu
 src=$1 nvcc=$2 ninja=$3
@@ -37,3 +39,18 @@ for a in $archs; do
   n=${a#*_}
   [ "$n" -ge 80 ] || fail "$obj holds $a (older than sm_80)"
 done
+
+# An old build directory: CMake's own entry (help string "CUDA architectures"), sm_75.
+awk 'skip && /^\/\// { next } { skip = 0 }
+     /^\/\/CUDA architectures/ { print "//CUDA architectures"; skip = 1; next }
+     /^CMAKE_CUDA_ARCHITECTURES:/ { print "CMAKE_CUDA_ARCHITECTURES:STRING=75"; next }
+     { print }' "$tmp/CMakeCache.txt" >"$tmp/cache.old"
+mv "$tmp/cache.old" "$tmp/CMakeCache.txt"
+grep -q '^CMAKE_CUDA_ARCHITECTURES:STRING=75$' "$tmp/CMakeCache.txt" || fail "could not set up the old cache"
+if ! env -u CUDAARCHS cmake "$tmp" >"$tmp/reconfigure.log" 2>&1; then
+  cat "$tmp/reconfigure.log" >&2
+  fail "the reconfigure failed"
+fi
+cached=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$tmp/CMakeCache.txt")
+[ "$cached" = "80-real;90" ] || fail "a reconfigure kept CMake's old default: CMAKE_CUDA_ARCHITECTURES=$cached"
+echo "default_archs: an old cache's sm_75 default becomes $cached on reconfigure"
