@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command (and CI's): installs what the tests need, then runs the whole
 # suite. Well under 30 minutes on 2 cores:
-#   1. Release build; every test (unit, golden fixtures, batch invariance, CLI, fuzz corpus replay)
+#   1. Release build; every test (unit, golden fixtures, batch invariance, CLI, fuzz corpus replay);
+#      with nvcc, the GPU check's dry run (tests/gpu/run.sh --dry-run)
 #   2. address + undefined-behaviour sanitizer build (beside step 1's tests, at nice 19); the
 #      unit tests
 #   3. libFuzzer (clang) on the safetensors header parser and the serving frame decoder, for
@@ -53,6 +54,14 @@ setsid nice -n 19 bash -c 'set -e; jobs=$1; shift
 bg_pid=$!
 trap 'kill -- -"$bg_pid" 2>/dev/null || true' EXIT
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
+
+# The GPU check's steps that need no GPU, on the release build (already built: nothing is
+# rebuilt): its step table within the 8-minute budget, the build of its targets, the CUDA
+# resource check, the GPU tests' commands.
+if ((${#cuda_flag[@]})); then
+  step "GPU check, dry run (tests/gpu/run.sh --dry-run)"
+  BUILD=build OUT=build/gpu-check-dry tests/gpu/run.sh --dry-run
+fi
 
 step "sanitizer build (address, undefined) + unit tests"
 if ! wait "$bg_pid"; then
