@@ -50,9 +50,10 @@ TEST(NcclBulkTest, EachDirectionOfAPairHasItsOwnCommunicator) {
   EXPECT_EQ(sender[0].comm, receiver[0].comm);
 }
 
-TEST(NcclBulkTest, FlushIsOneGroupInDecisionOrderWithoutEmptyMessages) {
+TEST(NcclBulkTest, FlushKeepsTheDecidedOrderOnEachDirectionsCommunicator) {
   // A router (rank 0) dispatching to expert ranks 1..3 (nothing for rank 2) and receiving the
-  // results of two of them: every operation in one group, in the order they were decided.
+  // results of two of them, in the order they were decided: the dispatch is all on communicator
+  // 0 (one group), the results on communicator 1 (another).
   const std::vector<BulkOp> queued = {
       {BulkOp::Kind::kSend, 1, 4096, 10}, {BulkOp::Kind::kSend, 2, 0, 11},
       {BulkOp::Kind::kSend, 3, 512, 12},  {BulkOp::Kind::kRecv, 3, 520, 13},

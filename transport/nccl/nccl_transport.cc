@@ -196,7 +196,10 @@ Status NcclTransport::Open(const std::string& local_error, Deadline deadline) {
   config.blocking = 0;
   const ncclResult_t r = ncclCommSplit(comm_[0], 0, rank_, &comm_[1], &config);
   if (r != ncclSuccess && r != ncclInProgress) {
-    return NcclStatus(r, comm_[0], me + ": ncclCommSplit");
+    Status err = NcclStatus(r, comm_[0], me + ": ncclCommSplit");
+    AbortComm(comm_[1]);
+    AbortComm(comm_[0]);  // the peers may be gone: no graceful end that waits for them
+    return err;
   }
   MOERUN_RETURN_IF_ERROR(WaitWithWatchdog(
       [&]() -> Result<bool> {
@@ -513,30 +516,42 @@ Status NcclTransport::Flush() {
       counters_.copied_bytes += o.bytes;
     }
   }
-  ncclResult_t r = ncclGroupStart();
-  if (r != ncclSuccess) return NcclStatus(r, comm_[0], "nccl: ncclGroupStart");
-  for (const GroupedBulkOp& g : plan_) {
-    Op& o = ops_.at(g.op.id);
-    const auto c = static_cast<size_t>(g.comm);
-    if (o.send) {
-      const void* p = o.device_buf ? o.src : StagingPtr(o);
-      r = ncclSend(p, o.bytes, ncclUint8, o.peer, comm_[c], stream_[c]);
-    } else {
-      void* p = o.device_buf ? o.dst : StagingPtr(o);
-      r = ncclRecv(p, o.bytes, ncclUint8, o.peer, comm_[c], stream_[c]);
+  // One group per communicator (so that NCCL never joins the two directions' streams), the
+  // operations in their decided order.
+  bool in_progress = false;
+  for (int c = 0; c < 2; ++c) {
+    const auto ci = static_cast<size_t>(c);
+    if (std::none_of(plan_.begin(), plan_.end(),
+                     [&](const GroupedBulkOp& g) { return g.comm == c; })) {
+      continue;
     }
-    if (r != ncclSuccess && r != ncclInProgress) {
-      (void)ncclGroupEnd();
-      failed_peers_.insert(o.peer);
-      return NcclStatus(r, comm_[c],
-                        std::string("nccl: ") +
-                            (o.send ? "ncclSend to rank " : "ncclRecv from rank ") +
-                            std::to_string(o.peer));
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return NcclStatus(r, comm_[ci], "nccl: ncclGroupStart");
+    for (const GroupedBulkOp& g : plan_) {
+      if (g.comm != c) continue;
+      Op& o = ops_.at(g.op.id);
+      if (o.send) {
+        const void* p = o.device_buf ? o.src : StagingPtr(o);
+        r = ncclSend(p, o.bytes, ncclUint8, o.peer, comm_[ci], stream_[ci]);
+      } else {
+        void* p = o.device_buf ? o.dst : StagingPtr(o);
+        r = ncclRecv(p, o.bytes, ncclUint8, o.peer, comm_[ci], stream_[ci]);
+      }
+      if (r != ncclSuccess && r != ncclInProgress) {
+        (void)ncclGroupEnd();
+        failed_peers_.insert(o.peer);
+        return NcclStatus(r, comm_[ci],
+                          std::string("nccl: ") +
+                              (o.send ? "ncclSend to rank " : "ncclRecv from rank ") +
+                              std::to_string(o.peer));
+      }
     }
-  }
-  r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) {
-    return NcclStatus(r, comm_[0], "nccl: ncclGroupEnd");
+    r = ncclGroupEnd();
+    if (r == ncclInProgress) {
+      in_progress = true;
+    } else if (r != ncclSuccess) {
+      return NcclStatus(r, comm_[ci], "nccl: ncclGroupEnd");
+    }
   }
   group_.clear();
   for (const GroupedBulkOp& g : plan_) {
@@ -558,7 +573,7 @@ Status NcclTransport::Flush() {
                             bootstrap_->Isend(o.peer, kTagEnvelope, &out.env, sizeof out.env));
   }
   issue_.clear();
-  if (r == ncclInProgress) {
+  if (in_progress) {
     group_pending_ = true;
     return Status::Ok();
   }

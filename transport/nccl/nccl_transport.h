@@ -13,9 +13,10 @@
 // NCCL messages:
 //   - Isend queues the send; the next Test (WaitAll, Barrier: any Test of any request) flushes
 //     every queued send and every receive whose envelope has arrived as ONE
-//     ncclGroupStart/ncclGroupEnd (so a router's dispatch to all expert ranks is one grouped call
-//     with the plan's exact byte counts), then sends one envelope per message (tag, bytes,
-//     sequence number: nccl_bulk.h) over the bootstrap.
+//     ncclGroupStart/ncclGroupEnd per communicator (so a router's dispatch to all expert ranks is
+//     one grouped call with the plan's exact byte counts), then sends one envelope per message
+//     (tag, bytes, sequence number: nccl_bulk.h) over the bootstrap. A send to this rank itself
+//     is announced at once and its receive joins the same group, as NCCL requires.
 //   - A receive's ncclRecv is posted when the sender's envelope arrives, into the posted receive
 //     of the envelope's tag (first posted, first matched), or, when none is posted yet, into a
 //     staging buffer that a later receive of that tag takes (as MPI's unexpected messages). So
@@ -25,7 +26,8 @@
 //   - Two communicators (the second made with ncclCommSplit), each with its own CUDA stream: one
 //     for messages from a lower to a higher rank, one for the other direction, so a rank's
 //     receive from a peer never waits behind its own send to that peer. NCCL runs the groups of
-//     one communicator one after another; the operations of one group run together.
+//     one communicator one after another; the operations of one group run together. The two
+//     directions are never put in one group (NCCL would make their streams wait for each other).
 //     Limitation: with two or more senders sending to two or more common receivers in separate
 //     flushes, receivers that see the envelopes in crossed orders can stall each other; the
 //     stall ends at the caller's deadline (the communicators are then aborted). moerun's routers
