@@ -80,6 +80,8 @@ for name in "${STEP_NAMES[@]}"; do CAP_SUM=$((CAP_SUM + STEP_CAP[$name])); done
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+# Nothing of an earlier run may stand in for this one's results.
+rm -rf "$OUT/gtest" "$OUT/forward" "$OUT/layer.json" "$OUT/layer.log"
 START=$SECONDS
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
@@ -262,8 +264,7 @@ else
 fi
 
 # --- moerun forward on the GPU: bf16 in 1 process, then 2-4 processes, then FP8 and MXFP4 --------
-F="$OUT/forward"
-rm -rf "$F"  # ranks_bitwise.sh uses the outputs it finds there
+F="$OUT/forward"  # (emptied above: ranks_bitwise.sh uses the outputs it finds there)
 mkdir -p "$F"
 FWD=(--preset qwen3-30b-a3b --experts 32 --dtype bf16 --input "$F/in.safetensors")
 same_bits() {  # same_bits A B LOG: tensor "output" of A and B has the same bytes
