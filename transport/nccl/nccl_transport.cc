@@ -128,8 +128,10 @@ class NcclTransport final : public Transport {
   Status PostGroup();
   Status ReapEnvelopeSends();
   void ReapInternal();
-  // Aborts both communicators: every NCCL request fails with kUnavailable.
-  void Break(const Status& why);
+  // Aborts both communicators: every NCCL request fails with kUnavailable. peer_failed then
+  // reports `culprit` when known (the peer of a cancelled transfer), else (an NCCL error, which
+  // names no peer) every peer that had a transfer in flight.
+  void Break(const Status& why, int culprit = -1);
   // The calling thread may be another than the last one (one thread at a time): its device.
   void UseDevice() const { (void)cudaSetDevice(device_); }
   Status MismatchError(int peer, int tag, uint64_t sent, uint64_t posted) const {
@@ -392,7 +394,7 @@ void NcclTransport::ReturnEvent(cudaEvent_t& e) {
   e = nullptr;
 }
 
-void NcclTransport::Break(const Status& why) {
+void NcclTransport::Break(const Status& why, int culprit) {
   if (!broken_.ok()) return;
   broken_ = why;
   AbortComm(comm_[0]);
@@ -407,7 +409,9 @@ void NcclTransport::Break(const Status& why) {
     if (o.state == State::kBootstrap || o.state == State::kDone || o.state == State::kFailed) {
       continue;
     }
-    if (o.state == State::kIssued || o.state == State::kRecorded) failed_peers_.insert(o.peer);
+    if (culprit < 0 && (o.state == State::kIssued || o.state == State::kRecorded)) {
+      failed_peers_.insert(o.peer);
+    }
     o.state = State::kFailed;
     o.error =
         Status::Unavailable("nccl: the message " + std::string(o.send ? "to" : "from") + " rank " +
@@ -779,8 +783,9 @@ Status NcclTransport::Cancel(Request r) {
       const int peer = o.peer;
       Break(Status::Unavailable("a transfer with rank " + std::to_string(peer) +
                                 " was cancelled before it completed (a missed deadline?); NCCL "
-                                "cannot withdraw an enqueued operation"));
-      failed_peers_.insert(peer);
+                                "cannot withdraw an enqueued operation"),
+            peer);
+      if (peer != rank_) failed_peers_.insert(peer);
       ops_.erase(r.id);
       return Status::Ok();
     }

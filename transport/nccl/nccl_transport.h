@@ -39,11 +39,12 @@
 //     rank's GPU) is used directly: its data must be complete when Isend is called (synchronise
 //     the stream that produced it), and a received device buffer is complete when Test says so.
 //   - Failures: Test polls ncclCommGetAsyncError; an error aborts both communicators
-//     (ncclCommAbort) and fails every NCCL request with kUnavailable naming its peer; the peers
-//     of the failed operations report peer_failed. NCCL cannot withdraw an enqueued operation: a
-//     Cancel of an NCCL request that has been enqueued (WaitAll at its deadline) aborts the
-//     communicators likewise, after which every NCCL-tag request fails with kUnavailable (the
-//     bootstrap path keeps working, so the runtime's error reporting and Abort still work). A
+//     (ncclCommAbort) and fails every NCCL request with kUnavailable naming its peer; as NCCL's
+//     error names no peer, every peer with a transfer in flight then reports peer_failed. NCCL
+//     cannot withdraw an enqueued operation: a Cancel of an NCCL request that has been enqueued
+//     (WaitAll at its deadline) aborts the communicators likewise, after which every NCCL-tag
+//     request fails with kUnavailable; only the cancelled request's peer reports peer_failed
+//     (the bootstrap path keeps working, so the runtime's error reporting and Abort still work). A
 //     request still only queued (a send not yet flushed, a receive whose envelope has not come)
 //     is withdrawn without harm.
 //
