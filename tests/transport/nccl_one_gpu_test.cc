@@ -150,6 +150,10 @@ std::vector<Result<std::unique_ptr<Transport>>> CreatePair(
   return out;
 }
 
+// NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"): both ranks'
+// creations end with an error well before their deadline (the launcher refuses such a job before
+// it starts; this checks the transport's own error path). Should a later NCCL accept it, both
+// must succeed alike: never one rank created and the other not, never a hang.
 TEST(NcclTransportGpuTest, TwoRanksOnOneGpuFailAtCreationNotHang) {
   MOERUN_NCCL_GPUS_OR_SKIP(gpus);
   (void)gpus;
@@ -157,14 +161,20 @@ TEST(NcclTransportGpuTest, TwoRanksOnOneGpuFailAtCreationNotHang) {
   auto fabric = InprocFabric::Create(2);
   auto pair = CreatePair(fabric, {0, 0});
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(pair[0].ok(), pair[1].ok()) << "one rank created its transport, the other not";
   for (int r = 0; r < 2; ++r) {
-    EXPECT_FALSE(pair[static_cast<size_t>(r)].ok()) << "rank " << r << " on a shared GPU";
-    if (!pair[static_cast<size_t>(r)].ok()) {
-      std::printf("[ info ] rank %d: %s\n", r,
-                  pair[static_cast<size_t>(r)].status().ToString().c_str());
-    }
+    const auto& p = pair[static_cast<size_t>(r)];
+    std::printf("[ info ] two ranks on GPU 0, rank %d: %s\n", r,
+                p.ok() ? "created (this NCCL accepts it)" : p.status().ToString().c_str());
   }
-  EXPECT_LT(s, 61.0) << "creation should fail, not wait for its deadline";
+  EXPECT_LT(s, 55.0) << "creation should end with an error, not wait for its deadline";
+  if (pair[0].ok() && pair[1].ok()) {  // ended together: finalising waits for the peer
+    std::vector<std::thread> enders;
+    for (int r = 0; r < 2; ++r) {
+      enders.emplace_back([&, r] { pair[static_cast<size_t>(r)] = Status::Internal("ended"); });
+    }
+    for (std::thread& th : enders) th.join();
+  }
 }
 
 TEST(NcclTransportGpuTest, TwoGpusExchangeBothWays) {
