@@ -102,10 +102,10 @@ struct GroupedBulkOp {
 // The NCCL calls of a flush: the queued operations in the order they were decided (sends as
 // posted, receives as their envelopes arrived), each on its direction's communicator; zero-byte
 // messages get no NCCL call (their envelope completes them). The transport issues each
-// communicator's operations as ONE group (ncclGroupStart ... ncclGroupEnd), in this order: a
-// router's dispatch to all its expert ranks is one group. (One group per communicator, not one
-// for both: NCCL makes the streams of one group wait for each other, which would tie a rank's
-// results to the next microbatch's rows.) `out` is cleared first.
+// communicator's operations as ONE group (ncclGroupStart ... ncclGroupEnd; past 1024 operations,
+// further groups), in this order: a router's dispatch to all its expert ranks is one group. (One
+// group per communicator, not one for both: NCCL makes the streams of one group wait for each
+// other, which would tie a rank's results to the next microbatch's rows.) `out` is cleared first.
 void PlanFlush(int self, std::span<const BulkOp> queued, std::vector<GroupedBulkOp>& out);
 
 // Device staging buffers for host-memory messages, bookkeeping only (the transport allocates):

@@ -27,6 +27,8 @@ constexpr int kTagUniqueId = kReservedTagBase + 410;  // and + 411
 constexpr int kTagEnvelope = kReservedTagBase + 420;
 constexpr auto kDestroyTimeout = std::chrono::seconds(10);
 constexpr auto kPollInterval = std::chrono::microseconds(5);
+// Operations in one NCCL group at most (NCCL has capped a group at 2048 operations).
+constexpr size_t kMaxGroupOps = 1024;
 
 class NcclTransport final : public Transport {
  public:
@@ -523,18 +525,29 @@ Status NcclTransport::Flush() {
     }
   }
   // One group per communicator (so that NCCL never joins the two directions' streams), the
-  // operations in their decided order.
+  // operations in their decided order; past kMaxGroupOps operations (NCCL caps a group) the
+  // next ones go in a further group on the same communicator.
   bool in_progress = false;
   for (int c = 0; c < 2; ++c) {
     const auto ci = static_cast<size_t>(c);
-    if (std::none_of(plan_.begin(), plan_.end(),
-                     [&](const GroupedBulkOp& g) { return g.comm == c; })) {
-      continue;
-    }
-    ncclResult_t r = ncclGroupStart();
-    if (r != ncclSuccess) return NcclStatus(r, comm_[ci], "nccl: ncclGroupStart");
+    size_t in_group = 0;
+    ncclResult_t r = ncclSuccess;
+    const auto end_group = [&]() -> Status {
+      in_group = 0;
+      r = ncclGroupEnd();
+      if (r == ncclInProgress) {
+        in_progress = true;
+      } else if (r != ncclSuccess) {
+        return NcclStatus(r, comm_[ci], "nccl: ncclGroupEnd");
+      }
+      return Status::Ok();
+    };
     for (const GroupedBulkOp& g : plan_) {
       if (g.comm != c) continue;
+      if (in_group == 0) {
+        r = ncclGroupStart();
+        if (r != ncclSuccess) return NcclStatus(r, comm_[ci], "nccl: ncclGroupStart");
+      }
       Op& o = ops_.at(g.op.id);
       if (o.send) {
         const void* p = o.device_buf ? o.src : StagingPtr(o);
@@ -551,13 +564,9 @@ Status NcclTransport::Flush() {
                               (o.send ? "ncclSend to rank " : "ncclRecv from rank ") +
                               std::to_string(o.peer));
       }
+      if (++in_group == kMaxGroupOps) MOERUN_RETURN_IF_ERROR(end_group());
     }
-    r = ncclGroupEnd();
-    if (r == ncclInProgress) {
-      in_progress = true;
-    } else if (r != ncclSuccess) {
-      return NcclStatus(r, comm_[ci], "nccl: ncclGroupEnd");
-    }
+    if (in_group > 0) MOERUN_RETURN_IF_ERROR(end_group());
   }
   group_.clear();
   for (const GroupedBulkOp& g : plan_) {
