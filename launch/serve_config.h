@@ -26,6 +26,8 @@ struct ServingConfig {
   int64_t max_request_tokens = 65536;
   int64_t default_deadline_ms = 30000;
   int64_t frame_timeout_ms = 10000;
+  int64_t first_frame_timeout_ms = 10000;  // a new connection's first frame must start by then
+  int64_t idle_timeout_ms = 60000;         // between frames, with no answer owed
   int64_t probe_interval_ms = 1000;
   int64_t probe_deadline_ms = 2000;
   int64_t drain_timeout_s = 30;

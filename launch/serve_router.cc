@@ -61,6 +61,8 @@ ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
   so.framed.max_frame_bytes = static_cast<uint32_t>(sc.max_frame_bytes);
   so.framed.max_connections = sc.max_connections;
   so.framed.frame_timeout = std::chrono::milliseconds(sc.frame_timeout_ms);
+  so.framed.first_frame_timeout = std::chrono::milliseconds(sc.first_frame_timeout_ms);
+  so.framed.idle_timeout = std::chrono::milliseconds(sc.idle_timeout_ms);
   so.framed.max_buffered_bytes = sc.max_buffered_bytes;
   so.max_inflight_per_connection = sc.max_inflight_per_connection;
   so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
@@ -84,6 +86,8 @@ Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankS
   co.listen = s.control_listen;
   co.name = "control";
   co.max_connections = 64;
+  co.first_frame_timeout = std::chrono::milliseconds(s.config.serving.first_frame_timeout_ms);
+  co.idle_timeout = std::chrono::milliseconds(s.config.serving.idle_timeout_ms);
   ControlProvider provider;
   RankServices* services = &rs;
   provider.status = [services, pc] {

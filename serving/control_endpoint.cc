@@ -115,9 +115,17 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, PooledBuffer body, BudgetLease) {
     raw->OnFrame(c, std::string_view(body.data(), body.size()));
   };
-  h.error_frame = ErrorFrame;
+  h.error_frame = [](ErrorCode code, const std::string& message, uint64_t) {
+    return ErrorFrame(code, message);
+  };
   FramedServerOptions o = options;
   o.max_frame_bytes = std::min<uint32_t>(o.max_frame_bytes, 1u << 20);
+  // Capacity kept for authenticated clients: connections count as untrusted until a request of
+  // theirs carries the token (OnFrame marks them), at most 3/4 of the cap, and silent or
+  // unauthenticated ones are closed first to make room (serving/framed_server.h).
+  if (o.max_untrusted_connections <= 0) {
+    o.max_untrusted_connections = std::max(1, o.max_connections * 3 / 4);
+  }
   MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(o, std::move(h)));
   ep->poster_ = std::make_shared<Poster>();
   ep->poster_->io = &ep->server_->io();
@@ -140,6 +148,7 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
         ErrorFrame(moerun::v1::UNAUTHENTICATED,
                    req.token().empty() ? "a token is required (--token-file)" : "wrong token"));
   }
+  conn->MarkTrusted();  // authenticated: never closed to make room
   ControlResponse r;
   r.set_code(moerun::v1::OK);
   try {

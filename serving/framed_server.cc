@@ -1,7 +1,9 @@
 #include "serving/framed_server.h"
 
 #include <boost/asio.hpp>
+#include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -19,27 +21,54 @@ BudgetLease& BudgetLease::operator=(BudgetLease&& o) noexcept {
   if (this != &o) {
     Release();
     pool_ = o.pool_;
+    peer_ = std::move(o.peer_);
     bytes_ = o.bytes_;
     o.pool_ = nullptr;
   }
   return *this;
 }
 
+bool BudgetLease::TryGrow(int64_t n, int64_t peer_limit) {
+  if (pool_ == nullptr || n < 0) return false;
+  if (pool_->fetch_sub(n) < n) {
+    pool_->fetch_add(n);
+    return false;
+  }
+  if (peer_ && peer_->fetch_add(n) + n > peer_limit) {
+    peer_->fetch_sub(n);
+    pool_->fetch_add(n);
+    return false;
+  }
+  bytes_ += n;
+  return true;
+}
+
 void BudgetLease::Release() {
-  if (pool_ != nullptr) pool_->fetch_add(bytes_);
+  if (pool_ != nullptr) {
+    pool_->fetch_add(bytes_);
+    if (peer_) peer_->fetch_sub(bytes_);
+  }
   pool_ = nullptr;
+  peer_.reset();
+  bytes_ = 0;
 }
 
 namespace {
 class Connection;
-}
+using Clock = std::chrono::steady_clock;
+// The first chunk of a frame's body; later ones double what arrived.
+constexpr size_t kFirstChunk = 64 << 10;
+}  // namespace
 
 struct FramedServer::Impl {
   FramedServerOptions opts;
   FramedHandlers handlers;
+  int64_t peer_limit = 0;  // bytes the connections of one address may hold
+  int untrusted_limit = 0;
   // Declared before io: handlers destroyed with io may still give bytes back to the budget.
   std::atomic<int64_t> budget{0};
   std::atomic<int> open{0};
+  int trusted_open = 0;  // I/O thread only
   std::atomic<bool> stopped{false};
   BufferPool buffers;                        // before io: buffers held by handlers go back here
   std::deque<HandlerMemory> handler_memory;  // before io: operations it holds may use it
@@ -50,11 +79,29 @@ struct FramedServer::Impl {
   tcp::acceptor acceptor{io};
   std::thread thread;
   uint64_t next_id = 1;
-  std::unordered_map<uint64_t, std::weak_ptr<Connection>> conns;  // I/O thread only
+  // Open connections by id, so oldest first (I/O thread only).
+  std::map<uint64_t, std::weak_ptr<Connection>> conns;
+  // Per peer address: the bytes its connections hold (shared with their leases, which may
+  // outlive the entry) and how many connections it has open (I/O thread only).
+  struct Peer {
+    std::shared_ptr<std::atomic<int64_t>> held;
+    int connections = 0;
+  };
+  std::unordered_map<std::string, Peer> peers;
 
   void Accept();
-  void Forget(uint64_t id) {
+  bool MakeRoom();  // closes one untrusted connection to admit a new one
+  std::shared_ptr<std::atomic<int64_t>> JoinPeer(const std::string& key) {
+    Peer& p = peers[key];
+    if (!p.held) p.held = std::make_shared<std::atomic<int64_t>>(0);
+    ++p.connections;
+    return p.held;
+  }
+  void Forget(uint64_t id, const std::string& peer, bool trusted) {
     if (conns.erase(id) > 0) {
+      if (trusted) --trusted_open;
+      auto it = peers.find(peer);
+      if (it != peers.end() && --it->second.connections <= 0) peers.erase(it);
       const int n = --open;
       if (handlers.on_connections) handlers.on_connections(n);
     }
@@ -65,14 +112,22 @@ namespace {
 
 class Connection : public FramedConnection, public std::enable_shared_from_this<Connection> {
  public:
-  Connection(FramedServer::Impl* srv, tcp::socket socket, uint64_t id)
-      : srv_(srv), socket_(std::move(socket)), timer_(srv->io), write_timer_(srv->io), id_(id) {}
+  Connection(FramedServer::Impl* srv, tcp::socket socket, uint64_t id, std::string peer)
+      : srv_(srv),
+        socket_(std::move(socket)),
+        timer_(srv->io),
+        write_timer_(srv->io),
+        id_(id),
+        peer_(std::move(peer)) {}
 
   void Start() {
+    peer_held_ = srv_->JoinPeer(peer_);
     boost::system::error_code ec;
     socket_.set_option(tcp::no_delay(true), ec);
     ReadHeader();
   }
+  // For a connection refused at accept: counted under its peer until it closes.
+  void JoinPeerOnly() { peer_held_ = srv_->JoinPeer(peer_); }
 
   void Send(std::string frame) override {
     if (!open_) return;
@@ -111,23 +166,51 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   }
   bool open() const override { return open_; }
   uint64_t id() const override { return id_; }
+  const std::string& peer_address() const override { return peer_; }
+  void MarkTrusted() override {
+    if (trusted_ || !open_) return;
+    trusted_ = true;
+    ++srv_->trusted_open;
+  }
+  bool trusted() const override { return trusted_; }
+  uint64_t frames() const { return frames_; }
+  // Nothing started, nothing held, nothing to write: waiting for the client's next frame.
+  bool Waiting() const {
+    return open_ && !closing_ && held == 0 && writes_count_ == 0 &&
+           (wait_ == Wait::kFirstFrame || wait_ == Wait::kIdle);
+  }
+  // Holds nothing for the client (it may be in the middle of sending a frame).
+  bool Quiet() const { return open_ && !closing_ && held == 0 && writes_count_ == 0; }
 
   void Close() {
     if (!open_) return;
     open_ = false;
     boost::system::error_code ec;
-    StopFrameTimer();
+    wait_ = Wait::kNone;
+    ++timer_gen_;
+    timer_.cancel();
     ++write_gen_;
     write_timer_.cancel();
     socket_.shutdown(tcp::socket::shutdown_both, ec);
     socket_.close(ec);
-    srv_->Forget(id_);
+    body_.Release();
+    body_lease_.Release();
+    srv_->Forget(id_, peer_, trusted_);
   }
 
  private:
-  void Refuse(ErrorCode code, const std::string& message, bool close) {
-    Send(srv_->handlers.error_frame(code, message));
+  // What the connection's timer guards.
+  enum class Wait : uint8_t { kNone, kFirstFrame, kIdle, kFrame };
+
+  void Refuse(ErrorCode code, const std::string& message, bool close, uint64_t request_id = 0) {
+    Send(srv_->handlers.error_frame(code, message, request_id));
     if (close) CloseAfterWrites();
+  }
+
+  // The request id that the body's bytes so far carry (0 if unknown).
+  uint64_t FrameId(size_t bytes) const {
+    if (!srv_->handlers.frame_id || body_.empty() || bytes == 0) return 0;
+    return srv_->handlers.frame_id(std::string_view(body_.data(), bytes));
   }
 
   // A read ended: false if the connection is done reading (closed by the peer, or closing).
@@ -135,7 +218,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     if (!open_ || closing_) return false;
     if (ec == asio::error::eof && have_ == 0 && srv_->handlers.on_read_closed) {
       // The client finished sending (half close): it may still read the answers in flight.
-      StopFrameTimer();
+      Expect(Wait::kNone);
       reading_ = false;
       read_eof_ = true;
       srv_->handlers.on_read_closed(shared_from_this());
@@ -152,6 +235,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     if (!open_ || closing_ || paused_ || read_eof_ || WriteBlocked()) return;
     reading_ = true;
     have_ = 0;
+    Expect(frames_ == 0 ? Wait::kFirstFrame : Wait::kIdle);
     ReadHeaderMore();
   }
 
@@ -161,72 +245,143 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
         asio::buffer(header_ + have_, kFrameHeaderBytes - have_),
         WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
           if (!ReadOk(ec)) return;
-          if (have_ == 0 && n > 0) ArmFrameTimer();
+          if (have_ == 0 && n > 0) Expect(Wait::kFrame);
           have_ += n;
           if (have_ < kFrameHeaderBytes) return ReadHeaderMore();
           OnHeader(GetFrameLength(header_));
         }));
   }
 
-  void StopFrameTimer() {
-    ++frame_gen_;
-    timer_.cancel();
+  // Sets what the timer guards, from now. The timer is re-armed only when the new deadline is
+  // earlier than the one it waits for; otherwise it fires first and waits for the rest.
+  void Expect(Wait w) {
+    wait_ = w;
+    if (w == Wait::kNone) return;
+    const FramedServerOptions& o = srv_->opts;
+    const auto d = w == Wait::kFrame  ? o.frame_timeout
+                   : w == Wait::kIdle ? o.idle_timeout
+                                      : o.first_frame_timeout;
+    deadline_ = Clock::now() + d;
+    if (timer_armed_ && timer_at_ <= deadline_) return;
+    ArmTimer();
   }
 
-  void ArmFrameTimer() {
-    const uint64_t gen = ++frame_gen_;
-    timer_.expires_after(srv_->opts.frame_timeout);
+  void ArmTimer() {
+    timer_armed_ = true;
+    timer_at_ = deadline_;
+    const uint64_t gen = ++timer_gen_;
+    timer_.expires_at(deadline_);  // a wait still pending ends with operation_aborted
     auto self = shared_from_this();
-    timer_.async_wait(WithMemory(&timer_mem_, [this, self,
-                                               gen](const boost::system::error_code& ec) {
-      // A handler already queued when its frame completed must not close the connection.
-      if (ec || !open_ || !reading_ || gen != frame_gen_) return;
-      spdlog::warn("{}: connection {} did not complete a frame within {} ms; closing",
-                   srv_->opts.name, id_, srv_->opts.frame_timeout.count());
-      reading_ = false;
-      closing_ = true;
-      boost::system::error_code ignored;
-      socket_.shutdown(tcp::socket::shutdown_receive, ignored);  // ends the pending read
-      Send(srv_->handlers.error_frame(
-          ErrorCode::FRAME_TIMEOUT, "frame not completed within " +
-                                        std::to_string(srv_->opts.frame_timeout.count()) + " ms"));
+    timer_.async_wait(WithMemory(&timer_mem_, [this, self, gen](const boost::system::error_code&) {
+      if (gen != timer_gen_) return;  // re-armed or closed meanwhile
+      timer_armed_ = false;
+      if (open_) OnTimer();
     }));
+  }
+
+  void OnTimer() {
+    if (wait_ == Wait::kNone) return;
+    if (Clock::now() < deadline_) return ArmTimer();
+    const FramedServerOptions& o = srv_->opts;
+    if (wait_ != Wait::kFrame) {
+      // Answers still owed (or being written): not idle; wait again.
+      if (held > 0 || writes_count_ > 0) return Expect(Wait::kIdle);
+      spdlog::debug("{}: connection {} sent no frame within {} ms; closing", o.name, id_,
+                    (wait_ == Wait::kIdle ? o.idle_timeout : o.first_frame_timeout).count());
+      return Close();
+    }
+    spdlog::warn("{}: connection {} did not complete a frame within {} ms; closing", o.name, id_,
+                 o.frame_timeout.count());
+    const uint64_t request_id = discarding_ ? discard_id_ : FrameId(got_);
+    wait_ = Wait::kNone;
+    reading_ = false;
+    closing_ = true;
+    body_lease_.Release();  // the buffer stays until Close: the pending read may still use it
+    boost::system::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_receive, ignored);  // ends the pending read
+    Send(srv_->handlers.error_frame(
+        ErrorCode::FRAME_TIMEOUT,
+        "frame not completed within " + std::to_string(o.frame_timeout.count()) + " ms",
+        request_id));
   }
 
   void OnHeader(uint32_t len) {
     if (len > srv_->opts.max_frame_bytes) {
-      StopFrameTimer();
+      Expect(Wait::kNone);
       reading_ = false;
       return Refuse(ErrorCode::FRAME_TOO_LARGE,
                     "frame of " + std::to_string(len) + " bytes is over the limit of " +
                         std::to_string(srv_->opts.max_frame_bytes),
                     true);
     }
-    const int64_t left = srv_->budget.fetch_sub(len);
-    if (left < static_cast<int64_t>(len)) {
-      srv_->budget.fetch_add(len);
-      return Discard(len);
+    // Nothing is reserved for the announced length: bytes are charged as they arrive.
+    want_ = len;
+    got_ = 0;
+    body_lease_ = BudgetLease(&srv_->budget, peer_held_);
+    if (len == 0) {
+      body_ = srv_->buffers.Take(0);
+      return FrameDone();
     }
-    body_lease_ = BudgetLease(&srv_->budget, len);
-    body_ = srv_->buffers.Take(len);
+    boost::system::error_code ec;
+    if (socket_.available(ec) > 0 && !ec) return ReadBody();
+    // No body byte yet: wait for one before taking a buffer.
     auto self = shared_from_this();
-    asio::async_read(
-        socket_, asio::buffer(body_.data(), body_.size()),
-        WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t) {
+    socket_.async_wait(tcp::socket::wait_read,
+                       WithMemory(&read_mem_, [this, self](const boost::system::error_code& e) {
+                         if (!ReadOk(e)) return;
+                         ReadBody();
+                       }));
+  }
+
+  void ReadBody() {
+    if (got_ == body_.size()) {
+      // The buffer is full: grow it, to at most twice what arrived (and the announced length).
+      const size_t cap = std::min<size_t>(want_, std::max(kFirstChunk, 2 * got_));
+      PooledBuffer bigger = srv_->buffers.Take(cap);
+      if (got_ > 0) std::memcpy(bigger.data(), body_.data(), got_);
+      body_ = std::move(bigger);
+    }
+    auto self = shared_from_this();
+    socket_.async_read_some(
+        asio::buffer(body_.data() + got_, body_.size() - got_),
+        WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
           if (!ReadOk(ec)) return;
-          StopFrameTimer();
-          reading_ = false;
-          srv_->handlers.on_frame(self, std::move(body_), std::move(body_lease_));
-          MaybeRead();
+          if (!body_lease_.TryGrow(static_cast<int64_t>(n), srv_->peer_limit)) {
+            return OverBudget(n);
+          }
+          got_ += n;
+          if (got_ < want_) return ReadBody();
+          FrameDone();
         }));
   }
 
-  // Over the byte budget: read the body into scratch space, drop it, say OVERLOADED.
+  void FrameDone() {
+    Expect(Wait::kNone);
+    reading_ = false;
+    ++frames_;
+    srv_->handlers.on_frame(shared_from_this(), std::move(body_), std::move(body_lease_));
+    MaybeRead();
+  }
+
+  // A chunk did not fit the budget: drop the frame (its id kept for the refusal) and the bytes
+  // it held, read the rest of its body into scratch space, then say OVERLOADED.
+  void OverBudget(size_t just_read) {
+    discard_id_ = FrameId(got_ + just_read);
+    discarding_ = true;
+    const size_t left = want_ - got_ - just_read;
+    body_.Release();
+    body_lease_.Release();
+    Discard(static_cast<uint32_t>(left));
+  }
+
   void Discard(uint32_t left) {
     if (left == 0) {
-      StopFrameTimer();
+      Expect(Wait::kNone);
       reading_ = false;
-      Refuse(ErrorCode::OVERLOADED, "the server holds too many request bytes; retry later", false);
+      discarding_ = false;
+      ++frames_;
+      Refuse(ErrorCode::OVERLOADED, "the server holds too many request bytes; retry later", false,
+             discard_id_);
       return MaybeRead();
     }
     auto self = shared_from_this();
@@ -238,7 +393,6 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
           Discard(left - static_cast<uint32_t>(got));
         }));
   }
-
   // A frame waiting to be written: a string, or bytes of a pooled buffer.
   struct OutFrame {
     std::string text;
@@ -298,20 +452,48 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   tcp::socket socket_;
   asio::steady_timer timer_, write_timer_;
   const uint64_t id_;
+  const std::string peer_;  // the peer's address
+  std::shared_ptr<std::atomic<int64_t>> peer_held_;
   uint8_t header_[kFrameHeaderBytes] = {};
   size_t have_ = 0;
+  size_t want_ = 0, got_ = 0;  // the body: its announced length, what arrived
   PooledBuffer body_;
   BudgetLease body_lease_;
+  uint64_t discard_id_ = 0;  // the id of a frame being dropped
+  uint64_t frames_ = 0;      // frames read
+  Wait wait_ = Wait::kNone;
+  Clock::time_point deadline_{}, timer_at_{};
+  bool timer_armed_ = false, trusted_ = false, discarding_ = false;
   char scratch_[16384];
   std::vector<OutFrame> writes_;  // ring: writes_count_ frames from writes_head_
   size_t writes_head_ = 0, writes_count_ = 0;
   size_t queued_ = 0;  // bytes in writes_
   HandlerMemory read_mem_, write_mem_, timer_mem_, write_timer_mem_;
-  uint64_t frame_gen_ = 0, write_gen_ = 0;
+  uint64_t timer_gen_ = 0, write_gen_ = 0;
   bool open_ = true, reading_ = false, paused_ = false, closing_ = false, read_eof_ = false;
 };
 
 }  // namespace
+
+bool FramedServer::Impl::MakeRoom() {
+  // The oldest untrusted connection that has sent nothing yet; else the oldest untrusted one
+  // that waits quietly between frames; else the oldest untrusted one that holds nothing for its
+  // client (it may be sending a frame).
+  for (int pass = 0; pass < 3; ++pass) {
+    for (auto& [id, w] : conns) {
+      auto c = w.lock();
+      if (!c || c->trusted()) continue;
+      const bool pick = pass == 0   ? c->Waiting() && c->frames() == 0
+                        : pass == 1 ? c->Waiting()
+                                    : c->Quiet();
+      if (!pick) continue;
+      spdlog::debug("{}: closing connection {} to make room for a new one", opts.name, id);
+      c->Close();
+      return true;
+    }
+  }
+  return false;
+}
 
 void FramedServer::Impl::Accept() {
   acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
@@ -326,13 +508,20 @@ void FramedServer::Impl::Accept() {
       return;
     }
     const uint64_t id = next_id++;
-    auto c = std::make_shared<Connection>(this, std::move(socket), id);
-    if (open.load() >= opts.max_connections) {
+    boost::system::error_code pe;
+    const tcp::endpoint remote = socket.remote_endpoint(pe);
+    std::string peer = pe ? std::string("?") : remote.address().to_string();
+    auto c = std::make_shared<Connection>(this, std::move(socket), id, std::move(peer));
+    const auto full = [this] {
+      return open.load() >= opts.max_connections || open.load() - trusted_open >= untrusted_limit;
+    };
+    if (full() && !(MakeRoom() && !full())) {
       ++open;  // Forget() takes it back when the refused connection closes
       conns.emplace(id, c);
+      c->JoinPeerOnly();
       c->Send(handlers.error_frame(
           ErrorCode::OVERLOADED,
-          "too many connections (" + std::to_string(opts.max_connections) + ")"));
+          "too many connections (" + std::to_string(opts.max_connections) + ")", 0));
       c->CloseAfterWrites();
     } else {
       conns.emplace(id, c);
@@ -355,6 +544,16 @@ Result<std::unique_ptr<FramedServer>> FramedServer::Start(const FramedServerOpti
   impl->opts = options;
   impl->handlers = std::move(handlers);
   impl->budget = options.max_buffered_bytes;
+  impl->peer_limit = options.max_buffered_bytes_per_peer > 0 ? options.max_buffered_bytes_per_peer
+                                                             : options.max_buffered_bytes / 2;
+  impl->untrusted_limit = options.max_untrusted_connections > 0
+                              ? std::min(options.max_untrusted_connections, options.max_connections)
+                              : options.max_connections;
+  if (options.frame_timeout.count() <= 0 || options.first_frame_timeout.count() <= 0 ||
+      options.idle_timeout.count() <= 0 || options.max_connections <= 0) {
+    return Status::InvalidArgument(options.name +
+                                   ": timeouts and max_connections must be positive");
+  }
   const std::string where = options.listen.host + ":" + std::to_string(options.listen.port);
   boost::system::error_code ec;
   const auto addr = asio::ip::make_address(options.listen.host, ec);

@@ -41,6 +41,8 @@ struct HttpServer::Impl {
   HttpServerOptions options;
   std::string where;                      // "host:port", for log lines
   std::unordered_set<Session*> sessions;  // before ioc: sessions die with ioc's pending handlers
+  int open = 0;                           // sessions not closed yet
+  uint64_t next_seq = 0;                  // the age of a session
   asio::io_context ioc{1};
   tcp::acceptor acceptor{ioc};
   asio::steady_timer accept_retry{ioc};
@@ -48,6 +50,7 @@ struct HttpServer::Impl {
 
   void DoAccept();
   void OnAccept(const beast::error_code& ec, tcp::socket socket);
+  bool MakeRoom();
   void CloseAll();
 };
 
@@ -56,19 +59,52 @@ namespace {
 // One connection: read a request header, answer, repeat while keep-alive; then close.
 class Session : public std::enable_shared_from_this<Session> {
  public:
+  // What a session is doing, for choosing one to close when the server is full.
+  enum class Phase { kWaiting, kHeader, kBusy };
+
   Session(HttpServer::Impl* server, tcp::socket socket)
-      : server_(server), stream_(std::move(socket)), buffer_(kBufferLimit) {
+      : server_(server),
+        stream_(std::move(socket)),
+        buffer_(kBufferLimit),
+        seq_(server->next_seq++) {
     server_->sessions.insert(this);
+    ++server_->open;
   }
-  ~Session() { server_->sessions.erase(this); }
+  ~Session() {
+    server_->sessions.erase(this);
+    if (!closed_) --server_->open;
+  }
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   void Start() { DoRead(); }
-  void Close() { stream_.close(); }
+  void Close() {
+    if (!closed_) {
+      closed_ = true;
+      --server_->open;
+    }
+    stream_.close();
+  }
+  bool closed() const { return closed_; }
+  Phase phase() const { return phase_; }
+  uint64_t seq() const { return seq_; }
 
  private:
+  // Waits (idle_timeout) for a request's first byte, unless pipelined bytes are already here.
   void DoRead() {
+    if (buffer_.size() > 0) return DoReadHeader();
+    phase_ = Phase::kWaiting;
+    stream_.expires_after(server_->options.idle_timeout);
+    stream_.async_read_some(buffer_.prepare(kBufferLimit),
+                            [self = shared_from_this()](beast::error_code ec, size_t n) {
+                              if (ec) return self->Close();  // the peer's close, or idle
+                              self->buffer_.commit(n);
+                              self->DoReadHeader();
+                            });
+  }
+
+  void DoReadHeader() {
+    phase_ = Phase::kHeader;
     parser_.emplace();
     parser_->header_limit(kHeaderLimit);
     stream_.expires_after(server_->options.read_timeout);
@@ -78,6 +114,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnRead(const beast::error_code& ec) {
+    phase_ = Phase::kBusy;
     if (ec) {
       if (!IsHttpError(ec) || ec == http::error::end_of_stream ||
           ec == http::error::partial_message) {
@@ -194,6 +231,9 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::response<http::string_body>> res_;
   char discard_[1024];
   size_t discarded_ = 0;
+  const uint64_t seq_;
+  Phase phase_ = Phase::kWaiting;
+  bool closed_ = false;
 };
 
 }  // namespace
@@ -214,13 +254,28 @@ void HttpServer::Impl::OnAccept(const beast::error_code& ec, tcp::socket socket)
     });
     return;
   }
-  if (static_cast<int>(sessions.size()) >= options.max_connections) {
+  if (open >= options.max_connections && !MakeRoom()) {
     beast::error_code ignored;
     socket.close(ignored);
   } else {
     std::make_shared<Session>(this, std::move(socket))->Start();
   }
   DoAccept();
+}
+
+bool HttpServer::Impl::MakeRoom() {
+  // The oldest session waiting for a request; else the oldest reading one's header.
+  for (Session::Phase phase : {Session::Phase::kWaiting, Session::Phase::kHeader}) {
+    Session* oldest = nullptr;
+    for (Session* s : sessions) {
+      if (!s->closed() && s->phase() == phase && (!oldest || s->seq() < oldest->seq())) oldest = s;
+    }
+    if (oldest != nullptr) {
+      oldest->Close();
+      return true;
+    }
+  }
+  return false;
 }
 
 void HttpServer::Impl::CloseAll() {
@@ -242,9 +297,11 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const HostPort& where,
   impl->routes = std::move(routes);
   impl->log_name = std::move(log_name);
   impl->options = options;
-  if (impl->options.read_timeout.count() <= 0 || impl->options.max_connections <= 0) {
-    return Status::InvalidArgument("http server " + impl->log_name +
-                                   ": read_timeout and max_connections must be positive");
+  if (impl->options.read_timeout.count() <= 0 || impl->options.idle_timeout.count() <= 0 ||
+      impl->options.max_connections <= 0) {
+    return Status::InvalidArgument(
+        "http server " + impl->log_name +
+        ": read_timeout, idle_timeout and max_connections must be positive");
   }
   std::string address = FormatHostPort(where);
 

@@ -3,9 +3,15 @@
 // GET and HEAD only (anything else: 405 with "Allow: GET, HEAD"); routes are exact paths, the
 // query string is ignored; unknown paths get 404. Keep-alive on HTTP/1.1 (and 1.0 when asked).
 // Requests carry no body (one gets 413, then the connection is closed); headers are limited to
-// 8 KiB (431, then close); garbage gets 400, then close. A connection that does not deliver a
-// whole request within read_timeout is closed, idle keep-alive connections too. Past
-// max_connections, new connections are accepted and closed at once.
+// 8 KiB (431, then close); garbage gets 400, then close. A connection (new or kept alive) that
+// sends no byte of a request within idle_timeout is closed, and one that does not deliver a
+// whole request within read_timeout of its first byte too.
+//
+// Capacity: at most max_connections. A new connection past the cap closes the oldest connection
+// that waits for a request (idle keep-alive, or a new one that sent nothing), else the oldest
+// that is reading a request's header, to make room; only when every connection is busy answering
+// is the new one closed at once. So floods of keep-alive or silent connections cannot keep a
+// health probe out: a probe that sends its request at once is answered.
 //
 // Thread-safety: the server runs on its own thread; handlers are called there, one at a time (a
 // slow handler delays every client). An exception from a handler becomes a 500 with its what().
@@ -33,7 +39,10 @@ struct HttpReply {
 using HttpHandler = std::function<HttpReply()>;
 
 struct HttpServerOptions {
-  std::chrono::milliseconds read_timeout{10000};  // a whole request (and a whole reply write)
+  // A whole request from its first byte (and a whole reply write).
+  std::chrono::milliseconds read_timeout{10000};
+  // Waiting for a request's first byte, on a new or a kept-alive connection.
+  std::chrono::milliseconds idle_timeout{10000};
   int max_connections = 512;
 };
 

@@ -81,6 +81,49 @@ struct ServingEndpoint::Timers {
   }
 };
 
+namespace {
+
+// The id (field 1, a varint) of an InferRequest from the first bytes of its body, or 0 when they
+// do not hold it whole: the fields before it are skipped (the bytes may be cut anywhere).
+uint64_t PeekRequestId(std::string_view b) {
+  size_t i = 0;
+  const auto varint = [&](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64 && i < b.size(); shift += 7) {
+      const auto byte = static_cast<uint8_t>(b[i++]);
+      *v |= uint64_t{byte & 0x7fu} << shift;
+      if ((byte & 0x80u) == 0) return true;
+    }
+    return false;
+  };
+  while (i < b.size()) {
+    uint64_t tag = 0, v = 0;
+    if (!varint(&tag)) return 0;
+    const uint64_t field = tag >> 3;
+    switch (tag & 7u) {
+      case 0:  // varint
+        if (!varint(&v)) return 0;
+        if (field == 1) return v;
+        break;
+      case 1:  // 64-bit
+        i += 8;
+        break;
+      case 2:  // length-delimited
+        if (!varint(&v) || v > b.size() - std::min(i, b.size())) return 0;
+        i += static_cast<size_t>(v);
+        break;
+      case 5:  // 32-bit
+        i += 4;
+        break;
+      default:
+        return 0;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
 ServingEndpoint::ServingEndpoint() = default;
 
 Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions options,
@@ -107,10 +150,11 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
   FramedHandlers h;
   h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, PooledBuffer body,
                      BudgetLease lease) { raw->OnFrame(c, std::move(body), std::move(lease)); };
-  h.error_frame = [raw](ErrorCode code, const std::string& message) {
+  h.error_frame = [raw](ErrorCode code, const std::string& message, uint64_t id) {
     raw->by_code_[static_cast<int>(code) % 10]->Inc();
-    return EncodeInferError(0, code, message);
+    return EncodeInferError(id, code, message);
   };
+  h.frame_id = PeekRequestId;
   h.on_connections = [raw](int n) { raw->connections_->Set(n); };
   h.on_read_closed = [](const std::shared_ptr<FramedConnection>& c) {
     // Answers still owed go out first; then the connection closes.
