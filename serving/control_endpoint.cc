@@ -226,6 +226,7 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
         }
         // Answered when router 0's thread has taken the joiner in (between batches).
         std::shared_ptr<Poster> poster = poster_;
+        ++conn->held;  // an answer is owed: the connection is not idle until it is sent
         provider_.join(req.join(), [poster, conn](Result<moerun::v1::JoinResponse> grant) {
           std::string frame;
           if (!grant.ok()) {
@@ -240,6 +241,7 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
           std::lock_guard<std::mutex> lock(poster->mu);
           if (poster->io == nullptr) return;  // the endpoint has stopped
           boost::asio::post(*poster->io, [conn, frame = std::move(frame)]() mutable {
+            --conn->held;
             conn->Send(std::move(frame));
           });
         });
