@@ -71,6 +71,27 @@ void RaiseDescriptorLimit() {
   }
 }
 
+// A warning for each endpoint that listens on every interface (the defaults are loopback). Rank
+// 0's process (router 0: serving, control and HTTP endpoints) logs them for the job, since every
+// rank binds the same hosts (at port + rank); a joined rank logs its HTTP endpoint's.
+void WarnAllInterfaces(const ServeConfig& c, bool router, bool control) {
+  const ServingConfig& sc = c.serving;
+  std::vector<std::string> lines;
+  if (router) {
+    lines.push_back(
+        AllInterfacesWarning("the serving endpoint", sc.listen, "serving.listen", "--listen"));
+  }
+  if (control && !sc.token_file.empty()) {
+    lines.push_back(AllInterfacesWarning("the control endpoint (moectl)", sc.control_listen,
+                                         "serving.control_listen", "--control-listen"));
+  }
+  lines.push_back(AllInterfacesWarning("the HTTP endpoint (/metrics, /health)", sc.metrics_listen,
+                                       "serving.metrics_listen", "--metrics-listen"));
+  for (const std::string& l : lines) {
+    if (!l.empty()) spdlog::warn("{}", l);
+  }
+}
+
 // The config with the flags' overrides, checked; the job's options (everything but the layers).
 Result<ServeSetup> Configure(const ServeFlags& f) {
   ServeSetup s;
@@ -239,6 +260,7 @@ int RunJoined(ServeSetup& setup, const ServeFlags& f) {
   if (!joined.ok()) return FailWith(joined.status());
   Transport* t = joined->transport.get();
   InitLogging(t->rank(), "expert", c.log_level);
+  WarnAllInterfaces(c, false, false);
   spdlog::info(
       "joined the job as expert rank {} of {} (placement v{} in use: no experts here until a "
       "rebalance)",
@@ -304,6 +326,7 @@ int RunServe(const ServeFlags& f) {
   const ServeConfig& c = setup->config;
   const int env_rank = RankFromEnvironment();
   InitLogging(env_rank, env_rank >= 0 && env_rank < c.routers ? "router" : "expert", c.log_level);
+  if (env_rank <= 0) WarnAllInterfaces(c, true, true);  // once a job (inproc: -1, one process)
   RaiseDescriptorLimit();
   auto job = Launch(c);
   if (!job.ok()) return FailWith(job.status());
@@ -343,10 +366,15 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--transport", flags->transport,
                   "mpi, ucx, nccl or inproc (overrides the config's transport)");
   cmd->add_option("--listen", flags->listen,
-                  "Serving endpoint HOST:PORT of router 0 (router i: PORT + i)");
-  cmd->add_option("--control-listen", flags->control_listen, "moectl endpoint HOST:PORT");
+                  "Serving endpoint HOST:PORT of router 0 (router i: PORT + i; default "
+                  "127.0.0.1:5700, loopback only: name an interface's address, or 0.0.0.0 for "
+                  "all, to serve other hosts)");
+  cmd->add_option("--control-listen", flags->control_listen,
+                  "moectl endpoint HOST:PORT (default 127.0.0.1:5800)");
   cmd->add_option("--metrics-listen", flags->metrics_listen,
-                  "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r)");
+                  "HTTP /metrics and /health HOST:PORT of rank 0 (rank r: PORT + r; default "
+                  "127.0.0.1:9700: probes and Prometheus from other hosts need an interface's "
+                  "address or 0.0.0.0)");
   cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
   cmd->add_option("--expert-cache-mib", flags->expert_cache_mib,
                   "Expert cache of each expert rank in MiB (0: every hosted expert resident; "

@@ -270,4 +270,21 @@ Result<ServeConfig> LoadServeConfig(const std::string& path) {
   return c;
 }
 
+std::string AllInterfacesWarning(const std::string& endpoint, const std::string& listen,
+                                 const std::string& key, const std::string& flag) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return "";
+  std::string host = listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (!host.empty() && host != "0.0.0.0" && host != "::" && host != "::0" &&
+      host != "0:0:0:0:0:0:0:0") {
+    return "";
+  }
+  return endpoint + " listens on every network interface (" + listen +
+         "): every host that can reach this one can connect to it; to restrict it, set " + key + " (or " +
+         flag + ") to the address of one interface (127.0.0.1 for this host only)";
+}
+
 }  // namespace moerun

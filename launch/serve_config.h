@@ -13,11 +13,12 @@
 namespace moerun {
 
 // The network side (routers listen on port + router rank; every rank's HTTP on metrics port +
-// rank).
+// rank). Every endpoint listens on loopback unless the config or a flag names an address: a job
+// reached from other hosts (clients, probes, Prometheus) names its own or 0.0.0.0.
 struct ServingConfig {
-  std::string listen = "0.0.0.0:5700";            // serving endpoint of router 0
+  std::string listen = "127.0.0.1:5700";          // serving endpoint of router 0
   std::string control_listen = "127.0.0.1:5800";  // moectl endpoint (router 0; needs token_file)
-  std::string metrics_listen = "0.0.0.0:9700";    // HTTP /metrics and /health of rank 0
+  std::string metrics_listen = "127.0.0.1:9700";  // HTTP /metrics and /health of rank 0
   std::string token_file;                         // control token (empty: no control endpoint)
   int64_t max_frame_bytes = 64 << 20;
   int max_connections = 4096;
@@ -72,5 +73,11 @@ struct ServeConfig {
 Result<ServeConfig> ParseServeConfig(const std::string& yaml_text, const std::string& source,
                                      const std::string& base_dir);
 Result<ServeConfig> LoadServeConfig(const std::string& path);
+
+// The warning for an endpoint given `listen` (HOST:PORT as written) when it listens on every
+// interface (host 0.0.0.0, ::, or none as in ":PORT"): names the endpoint, the address, and the
+// config key and flag that restrict it. Empty when the address is one interface's.
+std::string AllInterfacesWarning(const std::string& endpoint, const std::string& listen,
+                                 const std::string& key, const std::string& flag);
 
 }  // namespace moerun

@@ -118,5 +118,29 @@ TEST(ServeConfigTest, ErrorsNameTheKey) {
   EXPECT_EQ(LoadServeConfig("/nonexistent.yaml").status().code(), StatusCode::kNotFound);
 }
 
+// Every endpoint listens on loopback unless the config names an address; an address of every
+// interface gets a warning naming the endpoint and how to restrict it.
+TEST(ServeConfigTest, EndpointsListenOnLoopbackByDefaultAndAllInterfacesAreWarnedOf) {
+  auto c = ParseServeConfig("model: m\n", "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->serving.listen, "127.0.0.1:5700");
+  EXPECT_EQ(c->serving.metrics_listen, "127.0.0.1:9700");
+  EXPECT_EQ(c->serving.control_listen, "127.0.0.1:5800");
+  for (const char* one :
+       {"127.0.0.1:5700", "10.1.2.3:5700", "[::1]:5700", "node7:5700", "[fe80::1%eth0]:9700"}) {
+    EXPECT_EQ(AllInterfacesWarning("the serving endpoint", one, "serving.listen", "--listen"), "")
+        << one;
+  }
+  for (const char* all : {"0.0.0.0:5700", ":5700", "[::]:5700", "[::0]:9700"}) {
+    const std::string w =
+        AllInterfacesWarning("the serving endpoint", all, "serving.listen", "--listen");
+    EXPECT_NE(w.find(std::string("the serving endpoint listens on every network interface (") +
+                     all + ")"),
+              std::string::npos)
+        << w;
+    EXPECT_NE(w.find("set serving.listen (or --listen)"), std::string::npos) << w;
+  }
+}
+
 }  // namespace
 }  // namespace moerun
