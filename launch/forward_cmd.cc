@@ -1,5 +1,6 @@
 #include "launch/forward_cmd.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -118,11 +119,35 @@ Result<ForwardIo> OpenIo(const ForwardFlags& f) {
   return io;
 }
 
-// Writes the output, compares it with --check, prints the one-line result; the exit code.
+// An output that is not finite although the input is (ReadMatrix refuses NaN and Inf): the input
+// is so large that the layer's float32 arithmetic overflows. An error naming the first such token
+// and the input's largest magnitude there; nothing is written.
+Status CheckFiniteOutput(const std::vector<float>& x, const std::vector<float>& out, int64_t hidden,
+                         const std::string& output) {
+  const auto h = static_cast<size_t>(hidden);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (std::isfinite(out[i])) continue;
+    const size_t token = i / h;
+    float max_abs = 0;
+    for (size_t j = token * h; j < (token + 1) * h && j < x.size(); ++j) {
+      max_abs = std::max(max_abs, std::fabs(x[j]));
+    }
+    return Status::InvalidArgument(fmt::format(
+        "the layer's output is not finite at token {} (its input's |x| reaches {:.2g}): inputs "
+        "this large overflow the layer's float32 arithmetic; scale them down ({} not written)",
+        token, max_abs, output));
+  }
+  return Status::Ok();
+}
+
+// Writes the output, compares it with --check, prints the one-line result; the exit code. An
+// output that is not finite is an error (exit 2), never written.
 int Finish(const ForwardFlags& f, const ForwardIo& io, const MoeLayerWeights& w,
-           const std::vector<float>& out, const std::string& how, double ms) {
+           const std::vector<float>& x, const std::vector<float>& out, const std::string& how,
+           double ms) {
   const int64_t tokens = io.input.rows;
   const int64_t hidden = w.spec.hidden;
+  if (Status s = CheckFiniteOutput(x, out, hidden, f.output); !s.ok()) return FailWith(s);
   std::map<std::string, F32Tensor> tensors;
   tensors["output"] = F32Tensor{{tokens, hidden}, out};
   const std::map<std::string, std::string> meta = {
@@ -188,14 +213,14 @@ int RunLocal(const ForwardFlags& f, Isa isa) {
       return FailWith(s);
     }
     const double ms = MsSince(t0);
-    return Finish(f, *io, w, out, "cuda " + (*gpu)->Describe(), ms);
+    return Finish(f, *io, w, *x, out, "cuda " + (*gpu)->Describe(), ms);
   }
   MoeLayer layer(*weights, kernels, &pool);
   const auto t0 = std::chrono::steady_clock::now();
   if (Status s = layer.Forward(x->data(), io->input.rows, out.data()); !s.ok()) return FailWith(s);
   const double ms = MsSince(t0);
   return Finish(
-      f, *io, w, out,
+      f, *io, w, *x, out,
       std::string("cpu ") + IsaName(isa) + " x" + std::to_string(pool.size()) + " threads", ms);
 }
 
@@ -258,7 +283,7 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
         f.launch.microbatch_tokens > 0 ? std::to_string(f.launch.microbatch_tokens) : "off",
         f.dev.device == "cuda" ? std::string("experts on cuda")
                                : std::string("cpu ") + IsaName(isa));
-    rc = Finish(f, *io, ep.weights(), out, how, ms);
+    rc = Finish(f, *io, ep.weights(), x, out, how, ms);
     return Status::Ok();
   };
   const Status s = job.Run(opts, work, expert_setup);

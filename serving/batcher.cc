@@ -1,6 +1,10 @@
 #include "serving/batcher.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 namespace moerun {
 namespace {
@@ -30,6 +34,42 @@ void EncodeRows(const float* src, size_t n, DType type, void* dst) {
     const uint16_t v = F32ToBf16(src[i]);
     std::memcpy(d + 2 * i, &v, 2);
   }
+}
+
+// Whether all n values of `type` (F32 or BF16) are finite: an exponent of all ones is Inf or NaN.
+// Branch-free over the values (one pass over rows just written, still in cache).
+bool AllFinite(const void* data, size_t n, DType type) {
+  uint32_t bad = 0;
+  if (type == DType::kF32) {
+    const auto* p = static_cast<const char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + 4 * i, 4);
+      bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+  } else {
+    const auto* p = static_cast<const char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, p + 2 * i, 2);
+      bad |= static_cast<uint32_t>((bits & 0x7f80u) == 0x7f80u);
+    }
+  }
+  return bad == 0;
+}
+
+// The answer to a request whose output is not finite although its input is (the codec refuses
+// NaN and Inf inputs): finite inputs this large overflow the layer's F32 arithmetic. Built only
+// on this path (it allocates its message).
+Status NonFiniteOutput(const float* x, size_t n) {
+  float max_abs = 0;
+  for (size_t i = 0; i < n; ++i) max_abs = std::max(max_abs, std::fabs(x[i]));
+  char bound[32];
+  std::snprintf(bound, sizeof bound, "%.2g", static_cast<double>(max_abs));
+  return Status::InvalidArgument(
+      std::string("the layer's output is not finite for this input (|x| up to ") + bound +
+      "): inputs this large overflow the layer's float32 arithmetic (an expert's activation "
+      "grows as |x| squared); scale the hidden states down");
 }
 
 }  // namespace
@@ -175,21 +215,32 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     info.compute_us =
         std::chrono::duration_cast<std::chrono::microseconds>(finished - started).count();
     off = 0;
+    uint64_t nonfinite = 0;
     for (const Slot& s : batch_) {
+      // Rows are independent: a request whose rows overflowed is refused alone, its batch-mates
+      // are answered as usual.
+      const Status* answer = &st;
+      Status refused;
       if (st.ok()) {
-        EncodeRows(out_.as<float>() + off * hidden_, static_cast<size_t>(s.req.tokens * hidden_),
-                   s.req.out_type, s.req.out);
+        const size_t n = static_cast<size_t>(s.req.tokens * hidden_);
+        EncodeRows(out_.as<float>() + off * hidden_, n, s.req.out_type, s.req.out);
+        if (!AllFinite(s.req.out, n, s.req.out_type)) {  // BF16 answers checked once rounded
+          refused = NonFiniteOutput(in + off * hidden_, n);
+          answer = &refused;
+          ++nonfinite;
+        }
       }
       off += s.req.tokens;
       info.queue_us =
           std::chrono::duration_cast<std::chrono::microseconds>(started - s.enqueued).count();
-      s.req.done(s.req.ctx, st, info);
+      s.req.done(s.req.ctx, *answer, info);
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.batches;
       stats_.requests += batch_.size();
       stats_.tokens += static_cast<uint64_t>(tokens);
+      stats_.nonfinite += nonfinite;
     }
     idle();
   }

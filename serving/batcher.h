@@ -10,6 +10,11 @@
 // bounded (max_queue_tokens and a fixed number of requests): a full queue refuses with
 // kResourceExhausted instead of growing. Run belongs to one thread; Stop makes it finish what is
 // queued and return.
+//
+// An answer is never OK with non-finite values: after a request's rows are encoded into its
+// output they are checked (F32 or BF16, as sent), and a request whose output holds a NaN or Inf
+// (finite inputs so large that the layer's arithmetic overflows) is answered kInvalidArgument
+// naming the cause; the other requests of its batch are answered as usual (rows are independent).
 #pragma once
 
 #include <chrono>
@@ -56,6 +61,7 @@ struct BatchRequest {
 
 struct BatcherStats {
   uint64_t batches = 0, requests = 0, tokens = 0, refused = 0, expired = 0;
+  uint64_t nonfinite = 0;        // requests refused because their output was not finite
   uint64_t queued_requests = 0;  // now
   int64_t queued_tokens = 0;     // now
 };

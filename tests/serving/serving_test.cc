@@ -407,5 +407,43 @@ TEST(ServingTest, DrainRefusesNewRequests) {
   EXPECT_NE(resp.message().find("draining"), std::string::npos);
 }
 
+// Finite inputs so large that the layer overflows: never an OK answer with NaN or Inf rows. The
+// request is refused INVALID_ARGUMENT naming the cause; the requests batched with it (sent
+// together, one batch: the batcher waits 200 ms) are answered exactly.
+TEST(ServingTest, HugeFiniteInputsAreRefusedAndTheirBatchMatesAnswered) {
+  BatcherOptions bo;
+  bo.max_wait_us = 200000;
+  Server s({}, bo);
+  auto c = Connect(s);
+  const auto a = RandomRows(3, s.hidden(), 41);
+  const auto b = RandomRows(2, s.hidden(), 42);
+  auto huge = RandomRows(2, s.hidden(), 43);
+  for (float& v : huge) v *= 1e20f;
+  huge[0] = 1e20f;
+  ASSERT_TRUE(c->Send(Request(1, a, s.hidden()), Soon()).ok());
+  ASSERT_TRUE(c->Send(Request(2, huge, s.hidden()), Soon()).ok());
+  ASSERT_TRUE(c->Send(Request(3, huge, s.hidden(), v1::BF16), Soon()).ok());
+  ASSERT_TRUE(c->Send(Request(4, b, s.hidden()), Soon()).ok());
+  for (int i = 0; i < 4; ++i) {
+    InferResponse resp;
+    ASSERT_TRUE(c->Receive(&resp, Soon()).ok());
+    if (resp.id() == 2 || resp.id() == 3) {
+      EXPECT_EQ(resp.code(), v1::INVALID_ARGUMENT) << resp.id();
+      EXPECT_NE(resp.message().find("output is not finite for this input (|x| up to 1e+20)"),
+                std::string::npos)
+          << resp.message();
+      EXPECT_EQ(resp.data().size(), 0u);
+      continue;
+    }
+    ASSERT_EQ(resp.code(), v1::OK) << resp.message();
+    auto y = ResponseFloats(resp);
+    ASSERT_TRUE(y.ok());
+    const auto want = s.Expected(resp.id() == 1 ? a : b);
+    ASSERT_EQ(y->size(), want.size());
+    EXPECT_EQ(std::memcmp(y->data(), want.data(), want.size() * 4), 0) << resp.id();
+  }
+  ExpectServes(s);  // and the server serves on
+}
+
 }  // namespace
 }  // namespace moerun

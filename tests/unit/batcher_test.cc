@@ -3,8 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
+#include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "tests/unit/layer_fixtures.h"
 
 namespace moerun {
 namespace {
@@ -207,6 +212,165 @@ TEST(BatcherTest, ExpiredRequestsAreAnsweredWithoutComputingAndTheLatestDeadline
   EXPECT_EQ(seen, live.deadline);
   EXPECT_EQ(b.stats().expired, 1u);
   EXPECT_GE(idles, 1);
+}
+
+// What each request's callback got, by request.
+struct Answers {
+  std::vector<StatusCode> codes;
+  std::vector<std::string> messages;
+  explicit Answers(size_t n) : codes(n, StatusCode::kInternal), messages(n) {}
+};
+struct AnswerSlot {
+  Answers* answers;
+  size_t i;
+  static void Callback(void* ctx, const Status& s, const BatchInfo&) {
+    auto* a = static_cast<AnswerSlot*>(ctx);
+    a->answers->codes[a->i] = s.code();
+    a->answers->messages[a->i] = s.message();
+  }
+};
+
+bool AllValuesFinite(const std::vector<float>& v) {
+  for (float x : v) {
+    if (!std::isfinite(x)) return false;
+  }
+  return true;
+}
+
+// forward: out = x * x, which overflows F32 to Inf for |x| > ~1.8e19.
+Status Square(const float* x, int64_t tokens, float* out, int64_t hidden) {
+  for (int64_t i = 0; i < tokens * hidden; ++i) out[i] = x[i] * x[i];
+  return Status::Ok();
+}
+
+TEST(BatcherTest, ARequestWhoseOutputIsNotFiniteIsRefusedAloneItsBatchMatesAreAnswered) {
+  const int64_t hidden = 4;
+  BatcherOptions o;
+  o.max_batch_tokens = 64;
+  o.max_wait_us = 1000000;
+  Batcher b(o, hidden);
+  // 0: ordinary; 1: one value of 1e20 (its square overflows); 2: ordinary, BF16 out;
+  // 3: 1.8439e19 squares to 3.4e38, finite in F32 but Inf once rounded to BF16; 4: ordinary.
+  std::vector<std::vector<float>> xs(5, std::vector<float>(2 * hidden, 3.0f));
+  xs[1][5] = 1e20f;
+  xs[3][2] = 1.8439e19f;
+  std::vector<std::vector<float>> outs(5, std::vector<float>(2 * hidden, -1.0f));
+  std::vector<uint16_t> bf16_out(2 * hidden), bf16_big(2 * hidden);
+  Answers answers(5);
+  std::vector<AnswerSlot> slots;
+  for (size_t i = 0; i < 5; ++i) slots.push_back(AnswerSlot{&answers, i});
+  ASSERT_TRUE(std::isfinite(xs[3][2] * xs[3][2]));
+  ASSERT_FALSE(std::isfinite(Bf16ToF32(F32ToBf16(xs[3][2] * xs[3][2]))));
+  for (size_t i = 0; i < 5; ++i) {
+    BatchRequest r{0, xs[i].data(), outs[i].data(), 2, &AnswerSlot::Callback, &slots[i]};
+    if (i == 2) r.out = bf16_out.data();
+    if (i == 3) r.out = bf16_big.data();
+    if (i == 2 || i == 3) r.out_type = DType::kBF16;
+    ASSERT_TRUE(b.Submit(r).ok());
+  }
+  b.Stop();
+  int batches = 0;
+  b.Run(
+      [&](int, const float* x, int64_t t, float* out, auto) {
+        ++batches;
+        return Square(x, t, out, hidden);
+      },
+      [] { return false; }, [] {});
+  EXPECT_EQ(batches, 1);  // all five in one batch
+  EXPECT_EQ(answers.codes[0], StatusCode::kOk);
+  EXPECT_EQ(answers.codes[2], StatusCode::kOk);
+  EXPECT_EQ(answers.codes[4], StatusCode::kOk);
+  for (size_t i : {size_t{0}, size_t{4}}) {
+    for (float v : outs[i]) EXPECT_EQ(v, 9.0f);
+  }
+  for (uint16_t v : bf16_out) EXPECT_EQ(Bf16ToF32(v), 9.0f);
+  EXPECT_EQ(answers.codes[1], StatusCode::kInvalidArgument);
+  EXPECT_NE(answers.messages[1].find("output is not finite"), std::string::npos)
+      << answers.messages[1];
+  EXPECT_NE(answers.messages[1].find("|x| up to 1e+20"), std::string::npos) << answers.messages[1];
+  EXPECT_EQ(answers.codes[3], StatusCode::kInvalidArgument) << "BF16 rounding to Inf";
+  EXPECT_NE(answers.messages[3].find("|x| up to 1.8e+19"), std::string::npos)
+      << answers.messages[3];
+  EXPECT_EQ(b.stats().nonfinite, 2u);
+  EXPECT_EQ(b.stats().requests, 5u);
+}
+
+TEST(BatcherTest, AFailedForwardFailsTheBatchAsBeforeWithoutANonFiniteCount) {
+  BatcherOptions o;
+  o.max_wait_us = 0;
+  Batcher b(o, 2);
+  std::vector<float> x(2, 1.0f), out(2, -1.0f);
+  Answers answers(1);
+  AnswerSlot slot{&answers, 0};
+  ASSERT_TRUE(
+      b.Submit(BatchRequest{0, x.data(), out.data(), 1, &AnswerSlot::Callback, &slot}).ok());
+  b.Stop();
+  b.Run(
+      [](int, const float*, int64_t, float* y, auto) {
+        y[0] = NAN;  // not looked at: the forward failed
+        return Status::Unavailable("expert rank 2 does not answer");
+      },
+      [] { return false; }, [] {});
+  EXPECT_EQ(answers.codes[0], StatusCode::kUnavailable);
+  EXPECT_EQ(b.stats().nonfinite, 0u);
+}
+
+// The real layer behind the batcher: a request with values of 1e20 makes the experts overflow;
+// it gets kInvalidArgument naming the cause, and the requests batched with it get bitwise what
+// the layer computes for them alone.
+TEST(BatcherTest, HugeInputsThroughTheRealLayerAreRefusedAndTheirBatchMatesAreExact) {
+  using namespace moerun::testing;
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(1);
+  MoeLayer layer(LoadFixture("deepseek_v3", k), k, &pool);
+  const int64_t h = layer.weights().spec.hidden;
+  std::vector<std::vector<float>> xs = {RandomRows(3, h, 1), RandomRows(2, h, 2),
+                                        RandomRows(4, h, 3)};
+  for (float& v : xs[1]) v *= 1e20f;
+  xs[1][0] = 1e20f;
+  // The premise: the layer alone overflows on the scaled request, not on the others.
+  std::vector<std::vector<float>> alone;
+  for (const auto& x : xs) {
+    alone.emplace_back(x.size());
+    ASSERT_TRUE(
+        layer.Forward(x.data(), static_cast<int64_t>(x.size()) / h, alone.back().data()).ok());
+  }
+  ASSERT_TRUE(AllValuesFinite(alone[0]));
+  ASSERT_FALSE(AllValuesFinite(alone[1]));
+  ASSERT_TRUE(AllValuesFinite(alone[2]));
+
+  BatcherOptions o;
+  o.max_batch_tokens = 64;
+  o.max_wait_us = 1000000;
+  Batcher b(o, h);
+  std::vector<std::vector<float>> outs;
+  for (const auto& x : xs) outs.emplace_back(x.size(), -1.0f);
+  Answers answers(3);
+  std::vector<AnswerSlot> slots;
+  for (size_t i = 0; i < 3; ++i) slots.push_back(AnswerSlot{&answers, i});
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(b.Submit(BatchRequest{0, xs[i].data(), outs[i].data(),
+                                      static_cast<int64_t>(xs[i].size()) / h, &AnswerSlot::Callback,
+                                      &slots[i]})
+                    .ok());
+  }
+  b.Stop();
+  int batches = 0;
+  b.Run(
+      [&](int, const float* x, int64_t t, float* y, auto) {
+        ++batches;
+        return layer.Forward(x, t, y);
+      },
+      [] { return false; }, [] {});
+  EXPECT_EQ(batches, 1);
+  EXPECT_EQ(answers.codes[1], StatusCode::kInvalidArgument);
+  EXPECT_NE(answers.messages[1].find("output is not finite for this input (|x| up to 1e+20)"),
+            std::string::npos)
+      << answers.messages[1];
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    EXPECT_EQ(answers.codes[i], StatusCode::kOk) << answers.messages[i];
+    EXPECT_EQ(std::memcmp(outs[i].data(), alone[i].data(), alone[i].size() * sizeof(float)), 0);
+  }
 }
 
 }  // namespace
