@@ -70,6 +70,40 @@ std::string Resolve(const std::string& path, const std::string& base) {
   return (fs::path(base) / path).lexically_normal().string();
 }
 
+std::string AbsoluteDir(const std::string& path, const std::string& base) {
+  std::error_code ec;
+  fs::path p = fs::absolute(Resolve(path, base), ec);
+  if (ec) p = Resolve(path, base);
+  p = p.lexically_normal();
+  std::string s = p.string();
+  if (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+
+// files: {allow: [dir, ...]}; by default the model's folder (a preset has none).
+Status ParseFiles(const YAML::Node& root, const std::string& source, const std::string& base_dir,
+                  ServeConfig* c) {
+  const YAML::Node n = root["files"];
+  if (!n) {
+    if (!c->model.empty()) c->files_allow = {AbsoluteDir(c->model, base_dir)};
+    return Status::Ok();
+  }
+  Reader fr(n, source + ": \"files\"");
+  MOERUN_RETURN_IF_ERROR(fr.CheckKeys({"allow"}));
+  const YAML::Node a = n["allow"];
+  if (!a) return Status::Ok();  // files: {} allows none
+  if (!a.IsSequence()) {
+    return Status::InvalidArgument(fr.Where("allow") + " must be a list of directories");
+  }
+  for (const auto& e : a) {
+    if (!e.IsScalar() || e.as<std::string>().empty()) {
+      return Status::InvalidArgument(fr.Where("allow") + " must be a list of directories");
+    }
+    c->files_allow.push_back(AbsoluteDir(e.as<std::string>(), base_dir));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string& source,
@@ -104,7 +138,8 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
                                       "expert_cache_loaders",
                                       "expert_cache_pinned",
                                       "expert_cache_spill_dir",
-                                      "expert_cache_load_mib_s"}));
+                                      "expert_cache_load_mib_s",
+                                      "files"}));
   MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_spill_dir", &c.expert_cache_spill_dir));
   c.expert_cache_spill_dir = Resolve(c.expert_cache_spill_dir, base_dir);
   MOERUN_RETURN_IF_ERROR(
@@ -151,6 +186,7 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
     return Status::InvalidArgument(source + ": give exactly one of \"model\" and \"preset\"");
   }
   c.model = Resolve(c.model, base_dir);
+  MOERUN_RETURN_IF_ERROR(ParseFiles(root, source, base_dir, &c));
   if (const YAML::Node l = root["layers"]) {
     if (l.IsScalar() && l.as<std::string>() == "all") {
       c.layers = {-1};

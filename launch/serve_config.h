@@ -60,6 +60,10 @@ struct ServeConfig {
   ServingConfig serving;
   RebalanceConfig rebalance;
   std::string log_level = "info";
+  // files.allow: the only directories `moectl expert update --from FILE` may name (absolute,
+  // lexically normal; migration/file_allow.h). Without the key: the model's folder, or none
+  // (updates refused) for a preset.
+  std::vector<std::string> files_allow;
   // Expert ranks: an expert cache of this many MiB each (0: every hosted expert resident), its
   // eviction policy (lfu | lru), parallel loads, and experts (of every layer) that never leave.
   int64_t expert_cache_mib = 0;

@@ -168,7 +168,8 @@ void RouterServer::StartPlacementControl() {
                                     "Version of the placement this router uses");
   version_->Set(static_cast<double>(rc->placement()->version()));
   if (router_.rank() != 0) return;
-  placement_control_ = std::make_unique<PlacementControl>(&rs_, rc, setup_.config.rebalance);
+  placement_control_ = std::make_unique<PlacementControl>(&rs_, rc, setup_.config.rebalance,
+                                                          setup_.config.files_allow);
   migration_running_ =
       rs_.metrics().AddGauge("moerun_migration_running", "1 while a migration runs");
   migration_bytes_ = rs_.metrics().AddGauge("moerun_migration_bytes_loaded",

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "base/log.h"
+#include "migration/file_allow.h"
 
 namespace moerun {
 
@@ -49,10 +50,11 @@ moerun::v1::ExpertVariant UpdateToProto(const ExpertUpdateView& v) {
 }
 
 PlacementControl::PlacementControl(const PlanSource* plans, RouterControl* control,
-                                   RebalanceConfig config)
+                                   RebalanceConfig config, std::vector<std::string> update_dirs)
     : plans_(plans),
       control_(control),
       config_(std::move(config)),
+      update_dirs_(std::move(update_dirs)),
       next_auto_(std::chrono::steady_clock::now() + std::chrono::seconds(config_.interval_s)) {}
 
 Result<moerun::v1::MigrationStatus> PlacementControl::ApplyPlan(
@@ -118,8 +120,11 @@ Result<moerun::v1::ExpertResponse> PlacementControl::Update(
   if (!(r.canary_percent() >= 0 && r.canary_percent() <= 100)) {
     return Status::InvalidArgument("--canary must be within 0..100");
   }
-  MOERUN_ASSIGN_OR_RETURN(ExpertUpdateView v, control_->Update(r.layer(), r.expert(), r.file(),
-                                                               r.canary_percent() / 100));
+  // The expert ranks read the resolved path, checked here against the allowed directories.
+  MOERUN_ASSIGN_OR_RETURN(std::string file,
+                          ResolveAllowedFile(r.file(), update_dirs_, "expert update file"));
+  MOERUN_ASSIGN_OR_RETURN(ExpertUpdateView v,
+                          control_->Update(r.layer(), r.expert(), file, r.canary_percent() / 100));
   moerun::v1::ExpertResponse out;
   *out.add_variants() = UpdateToProto(v);
   return out;

@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "base/status.h"
 #include "migration/router_control.h"
@@ -44,7 +45,10 @@ moerun::v1::ExpertVariant UpdateToProto(const ExpertUpdateView& v);
 
 class PlacementControl {
  public:
-  PlacementControl(const PlanSource* plans, RouterControl* control, RebalanceConfig config);
+  // `update_dirs`: the only directories expert update files are read from (migration/
+  // file_allow.h); empty: expert updates are refused.
+  PlacementControl(const PlanSource* plans, RouterControl* control, RebalanceConfig config,
+                   std::vector<std::string> update_dirs);
 
   // Any thread (the control endpoint's).
   Result<moerun::v1::MigrationStatus> Apply(const moerun::v1::ApplyRequest& request);
@@ -66,6 +70,7 @@ class PlacementControl {
   const PlanSource* plans_;
   RouterControl* control_;
   RebalanceConfig config_;
+  std::vector<std::string> update_dirs_;
   std::chrono::steady_clock::time_point next_auto_;
   mutable std::mutex mu_;
   uint64_t plan_for_ = 0;  // the migration the plan below made

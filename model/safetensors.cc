@@ -118,13 +118,16 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> bytes,
   }
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
+  // The length's value is never printed: those 8 bytes may be the start of any file (a path
+  // named by a control request), and an error must not echo a file's content.
   if (n > kMaxSafetensorsHeaderBytes) {
-    return Status::Corrupt("header length " + std::to_string(n) + " exceeds the limit of " +
-                           std::to_string(kMaxSafetensorsHeaderBytes) + " bytes");
+    return Status::Corrupt(
+        "not a safetensors file: invalid header length (it exceeds the limit of " +
+        std::to_string(kMaxSafetensorsHeaderBytes) + " bytes)");
   }
   if (n + 8 > file_size) {
-    return Status::Corrupt("header length " + std::to_string(n) + " runs past the end of the " +
-                           std::to_string(file_size) + "-byte file (truncated?)");
+    return Status::Corrupt("not a safetensors file: invalid header length (past the end of the " +
+                           std::to_string(file_size) + "-byte file; truncated?)");
   }
   if (bytes.size() < n + 8) return Status::Internal("header bytes not supplied");
   const auto text = bytes.subspan(8, n);

@@ -50,8 +50,8 @@ int FinishExpert(const v1::ExpertResponse& er, const ExpertFlags& f, const std::
   return v && v->state() == "failed" ? 1 : 0;
 }
 
-// update --from FILE: the file's absolute path, which the expert ranks open; "" after printing
-// why it cannot be.
+// update --from FILE: the file's absolute path (symlinks resolved), which the expert ranks open; ""
+// after printing why it cannot be.
 std::string WeightsPath(const std::string& path) {
   std::error_code ec;
   std::filesystem::path abs = std::filesystem::absolute(path, ec).lexically_normal();
@@ -63,7 +63,9 @@ std::string WeightsPath(const std::string& path) {
     Fail(fmt::format("expert weights {} is not a file", abs.string()));
     return "";
   }
-  return abs.string();
+  // Symlinks resolved, as router 0 resolves it (the update's file in its answers is this path).
+  std::filesystem::path real = std::filesystem::canonical(abs, ec);
+  return ec ? abs.string() : real.string();
 }
 
 // update --wait: polls until the update of `file` is no longer loading, printing a line when

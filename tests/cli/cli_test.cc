@@ -272,7 +272,7 @@ TEST_F(CliTest, TruncatedModelFile) {
 TEST_F(CliTest, ModelFileCutInsideItsHeader) {
   const std::string dir = CopyFixture(kQwen);
   fs::resize_file(dir + "/model.safetensors", 100);
-  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "runs past the end", "truncated"});
+  ExpectFailure(Forward(dir, kQwen), {"model.safetensors", "past the end", "truncated"});
 }
 
 TEST_F(CliTest, GarbledHeaderText) {
@@ -533,6 +533,32 @@ TEST_F(CliTest, InputWithInfinity) {
   const ProcessResult r = Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
                                   tmp_.File("x.safetensors"), "--output", Output()});
   ExpectFailure(r, {"non-finite", "token 0"});
+}
+
+// Finite inputs so large that the layer overflows: an error naming the token and the magnitude,
+// exit 2 and no output file, in one process and with ranks (inproc); never an output of NaNs.
+TEST_F(CliTest, InputSoLargeThatTheOutputIsNotFinite) {
+  std::vector<float> v(3 * 64, 0.5f);
+  for (int i = 64; i < 128; ++i) v[i] = 1e20f;
+  ASSERT_TRUE(
+      WriteSafetensorsF32(tmp_.File("x.safetensors"), {{"input", F32Tensor{{3, 64}, v}}}).ok());
+  for (const std::vector<std::string>& launch :
+       {std::vector<std::string>{},
+        std::vector<std::string>{"--transport", "inproc", "--ranks", "3"}}) {
+    std::vector<std::string> args = {
+        "forward",  "--model", FixtureDir(kQwen), "--input", tmp_.File("x.safetensors"),
+        "--output", Output()};
+    args.insert(args.end(), launch.begin(), launch.end());
+    const ProcessResult r = Moerun(args);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    ExpectFailure(r, {"output is not finite at token 1", "|x| reaches 1e+20", "not written"});
+    EXPECT_FALSE(std::filesystem::exists(Output())) << "an output of NaNs was written";
+  }
+  v.assign(v.size(), 0.5f);  // the same shape with ordinary values: answered
+  ASSERT_TRUE(
+      WriteSafetensorsF32(tmp_.File("x.safetensors"), {{"input", F32Tensor{{3, 64}, v}}}).ok());
+  ExpectSuccess(Moerun({"forward", "--model", FixtureDir(kQwen), "--input",
+                        tmp_.File("x.safetensors"), "--output", Output()}));
 }
 
 TEST_F(CliTest, InputOneDimensional) {

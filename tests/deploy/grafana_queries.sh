@@ -64,6 +64,7 @@ transport: mpi
 routers: 1
 placement: linear
 threads: 1
+files: {allow: [$WORK]}  # expert update files (a preset has no folder of its own)
 serving:
   listen: 127.0.0.1:$PORT
   control_listen: 127.0.0.1:$((PORT + 100))

@@ -55,6 +55,7 @@ transport: $TRANSPORT
 routers: 2
 placement: linear
 threads: 1
+files: {allow: [$WORK]}  # expert update files (a preset has no folder of its own)
 serving:
   listen: 127.0.0.1:$PORT
   control_listen: 127.0.0.1:$((PORT + 100))

@@ -244,9 +244,20 @@ TEST(SafetensorsHeaderTest, FileShorterThanEightBytes) {
 }
 
 TEST(SafetensorsHeaderTest, HeaderLengthOverTheLimit) {
-  ExpectCorrupt(
-      MakeSafetensors("{}", "", static_cast<int64_t>(kMaxSafetensorsHeaderBytes) + 1),
-      {"header length " + std::to_string(kMaxSafetensorsHeaderBytes + 1), "exceeds the limit"});
+  ExpectCorrupt(MakeSafetensors("{}", "", static_cast<int64_t>(kMaxSafetensorsHeaderBytes) + 1),
+                {"not a safetensors file: invalid header length", "exceeds the limit"});
+  // The length (the file's first 8 bytes) is not echoed.
+  const std::string passwd = "root:x:0:0:root:/root:/bin/bash\n";
+  uint64_t first8 = 0;
+  for (int i = 7; i >= 0; --i) first8 = (first8 << 8) | static_cast<uint8_t>(passwd[i]);
+  const auto h = ParseSafetensorsHeader(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(passwd.data()), passwd.size()),
+      passwd.size());
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().message().find(std::to_string(first8)), std::string::npos)
+      << h.status().message();
+  EXPECT_NE(h.status().message().find("invalid header length"), std::string::npos)
+      << h.status().message();
   // The largest 64-bit length must not overflow 8 + N.
   std::string file(8, '\xff');
   file += "{}";
@@ -255,10 +266,10 @@ TEST(SafetensorsHeaderTest, HeaderLengthOverTheLimit) {
 
 TEST(SafetensorsHeaderTest, HeaderLengthPastTheEndOfTheFile) {
   const std::string header = Braced(Entry("w", "F32", "[1]", 0, 4));
-  ExpectCorrupt(MakeSafetensors(header, "", 1000), {"header length 1000", "truncated"});
+  ExpectCorrupt(MakeSafetensors(header, "", 1000), {"invalid header length", "truncated"});
   // The header itself cut short.
   const std::string whole = MakeSafetensors(header, std::string(4, '\0'));
-  ExpectCorrupt(whole.substr(0, 8 + header.size() / 2), {"runs past the end", "truncated"});
+  ExpectCorrupt(whole.substr(0, 8 + header.size() / 2), {"past the end", "truncated"});
 }
 
 TEST(SafetensorsHeaderTest, HeaderMustStartWithABrace) {
