@@ -163,7 +163,14 @@ class ContextImpl final : public CudaRankContext {
   Status PinHost(void* p, size_t bytes) override {
     if (p == nullptr || bytes == 0 || pinned_.count(p) != 0) return Status::Ok();
     MOERUN_CUDA_TRY(cudaSetDevice(opts_.device));
-    MOERUN_CUDA_TRY(cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+    const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (e == cudaErrorHostMemoryAlreadyRegistered) {
+      // Page-locked already by its other user (the nccl transport's RegisterMemory): pinned all
+      // the same, and that user unregisters it, so it is not ours to release.
+      cudaGetLastError();
+      return Status::Ok();
+    }
+    MOERUN_CUDA_TRY(e);
     pinned_.insert(p);
     return Status::Ok();
   }
@@ -263,9 +270,11 @@ class CudaLayerImpl final : public CudaMoeLayer {
       return Status::Unsupported(fmt::format(
           "CUDA layer: {} experts; the gate kernel handles at most 512", s.num_experts));
     }
-    if (s.top_k > 32) {
-      return Status::Unsupported(
-          fmt::format("CUDA layer: top_k {}; the route kernel handles at most 32", s.top_k));
+    if (s.top_k < 1 || s.top_k > 64 || s.top_k > s.num_experts) {
+      return Status::Unsupported(fmt::format(
+          "CUDA layer: top-k {} of {} experts; the route kernel handles 1..64, at most the expert "
+          "count",
+          s.top_k, s.num_experts));
     }
     if (s.gate.n_group > 256) return Status::Unsupported("CUDA layer: more than 256 expert groups");
     if (opts_.math == CudaMath::kTensorCore && s.hidden % 8 != 0) {

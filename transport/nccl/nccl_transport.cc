@@ -831,6 +831,9 @@ Status NcclTransport::RegisterMemory(void* p, size_t bytes) {
   }
   if (const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault); e != cudaSuccess) {
     (void)cudaGetLastError();
+    // Page-locked already by another user of this process (the CUDA layer's host pinning of the
+    // same buffer): pinned all the same, and that user unregisters it.
+    if (e == cudaErrorHostMemoryAlreadyRegistered) return Status::Ok();
     // Pinning is an optimisation: unpinned memory is staged all the same, only slower.
     if (!warned_register_) {
       spdlog::warn("nccl: cudaHostRegister of {} bytes: {} (staging copies run unpinned)", bytes,
