@@ -91,6 +91,7 @@ struct FramedServer::Impl {
 
   void Accept();
   bool MakeRoom();  // closes one untrusted connection to admit a new one
+  std::chrono::steady_clock::time_point no_room_until{};
   std::shared_ptr<std::atomic<int64_t>> JoinPeer(const std::string& key) {
     Peer& p = peers[key];
     if (!p.held) p.held = std::make_shared<std::atomic<int64_t>>(0);
@@ -476,6 +477,10 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 }  // namespace
 
 bool FramedServer::Impl::MakeRoom() {
+  // After a scan that found nothing to close, refuse without scanning for a while: a flood of
+  // connections against a cap of busy ones must not cost a scan of every connection each.
+  const auto now = Clock::now();
+  if (now < no_room_until) return false;
   // The oldest untrusted connection that has sent nothing yet; else the oldest untrusted one
   // that waits quietly between frames; else the oldest untrusted one that holds nothing for its
   // client (it may be sending a frame).
@@ -492,6 +497,7 @@ bool FramedServer::Impl::MakeRoom() {
       return true;
     }
   }
+  no_room_until = now + std::chrono::milliseconds(10);
   return false;
 }
 
