@@ -112,7 +112,9 @@ Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankS
       pc->Join(r, std::move(done));
     };
   }
-  return ControlEndpoint::Start(co, s.token, provider, &rs.metrics());
+  ControlAuthOptions auth;
+  auth.token_file = s.config.serving.token_file;  // read again when it changes
+  return ControlEndpoint::Start(co, s.token, provider, &rs.metrics(), auth);
 }
 
 // One router rank's serving: its endpoints, its batcher and the loop between them.

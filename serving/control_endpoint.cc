@@ -1,13 +1,10 @@
 #include "serving/control_endpoint.h"
 
-#include <sys/stat.h>
-
-#include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 
 #include "base/log.h"
 #include "serving/frame.h"
@@ -62,45 +59,16 @@ void ControlEndpoint::Stop() {
   if (server_) server_->Stop();
 }
 
-Result<std::string> ReadTokenFile(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    return Status::NotFound("token file " + path + ": " + std::strerror(errno));
-  }
-  if ((st.st_mode & 007) != 0) {
-    return Status::InvalidArgument("token file " + path +
-                                   " is readable or writable by others: chmod o-rwx it");
-  }
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) {
-    return Status::InvalidArgument("token file " + path + " is empty or unreadable");
-  }
-  const auto b = line.find_first_not_of(" \t\r\n");
-  const auto e = line.find_last_not_of(" \t\r\n");
-  if (b == std::string::npos) return Status::InvalidArgument("token file " + path + " is empty");
-  return line.substr(b, e - b + 1);
-}
-
-bool ConstantTimeEqual(const std::string& a, const std::string& b) {
-  // Compares every byte of the longer string whatever the content; lengths may leak.
-  const size_t n = std::max(a.size(), b.size());
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff = static_cast<unsigned char>(diff | (x ^ y));
-  }
-  return diff == 0;
-}
-
 Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServerOptions& options,
                                                                 std::string token,
                                                                 ControlProvider provider,
-                                                                MetricsRegistry* metrics) {
+                                                                MetricsRegistry* metrics,
+                                                                ControlAuthOptions auth) {
   if (token.empty()) return Status::InvalidArgument("control endpoint: empty token");
   std::unique_ptr<ControlEndpoint> ep(new ControlEndpoint());
-  ep->token_ = std::move(token);
+  ep->tokens_ = std::make_unique<TokenFileWatch>(auth.token_file, std::move(token), auth.grace);
+  ep->backoff_ = std::make_unique<AuthBackoff>(auth.backoff);
+  ep->auth_log_ = std::make_unique<AuthFailureLog>(auth.log_interval);
   ep->provider_ = std::move(provider);
   ep->auth_failures_ = metrics->AddCounter("moerun_control_auth_failures_total",
                                            "Control requests refused for a missing or wrong token");
@@ -129,7 +97,63 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
   MOERUN_ASSIGN_OR_RETURN(ep->server_, FramedServer::Start(o, std::move(h)));
   ep->poster_ = std::make_shared<Poster>();
   ep->poster_->io = &ep->server_->io();
+  ep->auth_log_timer_ = std::make_shared<boost::asio::steady_timer>(ep->server_->io());
   return ep;
+}
+
+bool ControlEndpoint::Authenticate(const std::shared_ptr<FramedConnection>& conn,
+                                   const std::string& token) {
+  const auto now = AuthClock::now();
+  // At most one stat(2) a second: a rotated token file takes effect without a restart.
+  if (std::string line = tokens_->Poll(now); !line.empty()) spdlog::warn("{}", line);
+  const std::string address = conn->peer_address();
+  const AuthBackoff::Decision d = backoff_->Admit(address, now);
+  if (!d.refuse && tokens_->Accepts(token, now)) return true;
+  auth_failures_->Inc();
+  const std::string line = auth_log_->Record(address, d.refuse ? "a token during its cool-down"
+                                                      : token.empty() ? "no token"
+                                                                      : "a wrong token");
+  if (!line.empty()) {
+    spdlog::warn("{}", line);
+    ArmAuthLogTimer();
+  }
+  if (!d.refuse) {
+    backoff_->OnFailure(address, now);
+    conn->Send(ErrorFrame(moerun::v1::UNAUTHENTICATED,
+                          token.empty() ? "a token is required (--token-file)" : "wrong token"));
+    return false;
+  }
+  // Cooling down: refused unchecked; the connection reads nothing more until the cool-down ends
+  // (a timer: the I/O thread goes on), so that it cannot spin on refusals.
+  conn->Send(ErrorFrame(moerun::v1::UNAUTHENTICATED,
+                        "too many wrong tokens from " + address + ": requests are refused for " +
+                            std::to_string(d.wait.count()) + " ms more"));
+  if (d.close) {
+    conn->CloseAfterWrites();
+    return false;
+  }
+  conn->Pause();
+  auto timer = std::make_shared<boost::asio::steady_timer>(server_->io(), d.wait);
+  AuthBackoff* backoff = backoff_.get();
+  timer->async_wait([timer, conn, backoff, address](const boost::system::error_code&) {
+    backoff->Released(address);
+    if (conn->open()) conn->Resume();
+  });
+  return false;
+}
+
+void ControlEndpoint::ArmAuthLogTimer() {
+  auto* timer = static_cast<boost::asio::steady_timer*>(auth_log_timer_.get());
+  timer->expires_after(auth_log_->interval());
+  AuthFailureLog* log = auth_log_.get();
+  std::weak_ptr<void> alive = auth_log_timer_;
+  timer->async_wait([this, log, alive](const boost::system::error_code& ec) {
+    if (ec || alive.expired()) return;
+    const std::string summary = log->TakeSummary();
+    if (summary.empty()) return;  // a quiet interval: the next refusal gets its own line
+    spdlog::warn("{}", summary);
+    ArmAuthLogTimer();
+  });
 }
 
 void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
@@ -140,14 +164,7 @@ void ControlEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn,
     return conn->Send(ErrorFrame(moerun::v1::MALFORMED_FRAME,
                                  "the frame is not a valid moerun.v1.ControlRequest"));
   }
-  if (req.token().empty() || !ConstantTimeEqual(req.token(), token_)) {
-    auth_failures_->Inc();
-    spdlog::warn("control: refused a request with {} token",
-                 req.token().empty() ? "no" : "a wrong");
-    return conn->Send(
-        ErrorFrame(moerun::v1::UNAUTHENTICATED,
-                   req.token().empty() ? "a token is required (--token-file)" : "wrong token"));
-  }
+  if (!Authenticate(conn, req.token())) return;
   conn->MarkTrusted();  // authenticated: never closed to make room
   ControlResponse r;
   r.set_code(moerun::v1::OK);

@@ -1,10 +1,16 @@
 // The control endpoint of router 0 for moectl: ControlRequest frames (same framing as serving)
 // answered with ControlResponse. Every request carries a token compared in constant time with
 // the server's; a missing or wrong one is refused (UNAUTHENTICATED) and counted
-// (moerun_control_auth_failures_total). The provider's functions run on the endpoint's I/O
-// thread and must be thread-safe.
+// (moerun_control_auth_failures_total). After a few wrong tokens from one peer address, the
+// address cools down (doubling): its requests are refused without their token being checked and
+// its connections are not read until the cool-down ends (timers; the I/O thread never waits). A
+// right token from another address is answered at once. One summary line per interval is logged
+// instead of a line per try. The token file is read again when it changes, the old token
+// accepted for a grace period. The provider's functions run on the endpoint's I/O thread and
+// must be thread-safe.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -13,6 +19,7 @@
 
 #include "base/metrics.h"
 #include "moerun/v1/control.pb.h"
+#include "serving/control_auth.h"
 #include "serving/framed_server.h"
 
 namespace moerun {
@@ -40,32 +47,49 @@ struct ControlProvider {
       join;
 };
 
-// Reads a token file: its first line, surrounding whitespace removed; an error if the file is
-// missing, unreadable, empty, or readable by others than its owner's group (mode & 007).
-Result<std::string> ReadTokenFile(const std::string& path);
-
-// Equal strings in time that depends only on their lengths.
-bool ConstantTimeEqual(const std::string& a, const std::string& b);
+// How the endpoint checks tokens (ReadTokenFile and the policies: serving/control_auth.h).
+struct ControlAuthOptions {
+  // The file the token came from: read again when it changes (looked at at most once a second,
+  // when a request comes), the old token accepted for `grace` after a change. Empty: the token
+  // given to Start is the only one.
+  std::string token_file;
+  std::chrono::seconds grace{60};
+  AuthBackoffOptions backoff;
+  // Wrong tokens after the first of a quiet period are logged as one summary per interval.
+  std::chrono::seconds log_interval{10};
+};
 
 class ControlEndpoint {
  public:
   static Result<std::unique_ptr<ControlEndpoint>> Start(const FramedServerOptions& options,
                                                         std::string token, ControlProvider provider,
-                                                        MetricsRegistry* metrics);
+                                                        MetricsRegistry* metrics,
+                                                        ControlAuthOptions auth = {});
   ~ControlEndpoint();
   uint16_t port() const { return server_->port(); }
   void Stop();
 
  private:
   void OnFrame(const std::shared_ptr<FramedConnection>& conn, std::string_view body);
+  // Whether `token` is accepted; if not, the refusal is counted, logged (summarised), and sent
+  // now or after the peer's back-off delay (the connection paused until then).
+  bool Authenticate(const std::shared_ptr<FramedConnection>& conn, const std::string& token);
+  void ArmAuthLogTimer();
 
   // Where answers that come from other threads (join) are posted; cleared when the server
   // stops, so that a late answer is dropped instead of reaching a dead I/O context.
   struct Poster;
   std::shared_ptr<Poster> poster_;
-  std::string token_;
+  // Token checking (I/O thread only): the token file's watch, the back-off per address, the
+  // summarised log and its timer.
+  std::unique_ptr<TokenFileWatch> tokens_;
+  std::unique_ptr<AuthBackoff> backoff_;
+  std::unique_ptr<AuthFailureLog> auth_log_;
   ControlProvider provider_;
   std::unique_ptr<FramedServer> server_;
+  // The log's boost::asio::steady_timer on server_'s I/O context (declared after server_, so
+  // destroyed before the context).
+  std::shared_ptr<void> auth_log_timer_;
   Counter* auth_failures_ = nullptr;
   // status, placement, stats, plan, malformed, apply, progress, expert_update, expert_action,
   // join

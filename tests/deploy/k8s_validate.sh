@@ -146,9 +146,11 @@ env = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers
 open(f"{tmp}/device", "w").write(next(e["value"] for e in env if e["name"] == "MOERUN_DEVICE"))
 PY
 manifest_port=$(cat "$tmp/probe")
-# The token as the Secret volume gives it: mode 0440.
+# The token file. The Secret volume gives mode 0440 (root's file, the pod's fsGroup), which moerun
+# accepts only there (owned by root, read by a non-root member of its group: ReadTokenFile); this
+# test's own file is owned by whoever runs it, so it is 0600.
 head -c 24 /dev/urandom | base64 | tr -d '/+=' >"$tmp/token"
-chmod 0440 "$tmp/token"
+chmod 0600 "$tmp/token"
 mkdir "$tmp/bin"; ln -s "$moerun" "$tmp/bin/moerun"
 # OMPI_COMM_WORLD_RANK as the rank that makes 9700 - rank the free port here (rank 0 of the
 # inproc job then listens there, rank 1 on the next port).
