@@ -39,17 +39,26 @@ from moerun.v1 import control_pb2
 __all__ = ["Control", "read_token_file", "to_dict"]
 
 
+def _kubelet_secret(st: os.stat_result) -> bool:
+    """A Kubernetes Secret volume with the pod's fsGroup (serving/control_auth.cc KubeletSecret)."""
+    if st.st_uid != 0 or os.geteuid() == 0 or (st.st_mode & 0o077) != 0o040:
+        return False
+    return st.st_gid == os.getegid() or st.st_gid in os.getgroups()
+
+
 def read_token_file(path: str) -> str:
     """The token in ``path`` (its first line, blanks stripped), as moectl and the server read
-    it. InvalidArgumentError if the file is readable or writable by others (as moectl
-    refuses it), empty or unreadable."""
+    it (serving/control_auth.cc). InvalidArgumentError if its group or others may read or write
+    it (as moectl refuses it; the one exception is a Kubernetes Secret: owned by root, readable
+    by its group only, read by a non-root process in that group), empty or unreadable."""
     try:
         st = os.stat(path)
     except OSError as e:
         raise InvalidArgumentError(f"token file {path}: {e.strerror}") from None
-    if st.st_mode & (stat.S_IRWXO):
+    if st.st_mode & 0o077 and not _kubelet_secret(st):
         raise InvalidArgumentError(
-            f"token file {path} is readable or writable by others: chmod o-rwx it")
+            f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: its group or others "
+            "may read or write it; chmod 600 it")
     try:
         with open(path, "r", encoding="utf-8", errors="replace") as f:
             line = f.readline()

@@ -120,7 +120,10 @@ def test_token_file_checks(tmp_path):
     os.chmod(f, 0o600)
     assert read_token_file(str(f)) == "secret"
     os.chmod(f, 0o644)
-    with pytest.raises(moerun.InvalidArgumentError, match="chmod o-rwx"):
+    with pytest.raises(moerun.InvalidArgumentError, match="mode 0644.*chmod 600"):
+        read_token_file(str(f))
+    os.chmod(f, 0o640)  # group-readable: refused too, as moectl and the server refuse it
+    with pytest.raises(moerun.InvalidArgumentError, match="mode 0640"):
         read_token_file(str(f))
     with pytest.raises(moerun.InvalidArgumentError):
         read_token_file(str(tmp_path / "missing"))
