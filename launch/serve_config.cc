@@ -319,8 +319,8 @@ std::string AllInterfacesWarning(const std::string& endpoint, const std::string&
     return "";
   }
   return endpoint + " listens on every network interface (" + listen +
-         "): every host that can reach this one can connect to it; to restrict it, set " + key + " (or " +
-         flag + ") to the address of one interface (127.0.0.1 for this host only)";
+         "): every host that can reach this one can connect to it; to restrict it, set " + key +
+         " (or " + flag + ") to the address of one interface (127.0.0.1 for this host only)";
 }
 
 }  // namespace moerun
