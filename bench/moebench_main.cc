@@ -149,6 +149,8 @@ int main(int argc, char** argv) {
                      "--verify: preset weights f32, bf16, f16, fp8, mxfp4")
         ->default_val("f32");
     serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
+    serve->add_option("--key-file", sf.key_file,
+                      "Serving key file (chmod 600), for a server with serving.key_file");
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
     serve->add_option("--plot", sf.plot,
                       "Also draw latency and throughput per second of the run: an SVG FILE");

@@ -20,6 +20,7 @@
 #include "base/thread_pool.h"
 #include "layer/moe_layer.h"
 #include "plot/svg_plot.h"
+#include "serving/control_auth.h"
 #include "serving/failover_client.h"
 #include "serving/frame.h"
 #include "serving/serve_client.h"
@@ -46,6 +47,7 @@ struct Workload {
   size_t elem_bytes = 4;
   std::vector<std::string> bodies;
   std::vector<std::string> expected;  // empty unless verifying
+  std::string key;                    // the serving key sent in every request (--key-file)
   milliseconds wait{60000};           // how long a client waits for one answer
 };
 
@@ -496,6 +498,7 @@ Status BuildWorkload(const ServeBenchFlags& f, Workload* w) {
   for (int p = 0; p < f.inputs; ++p) {
     std::vector<float> x = MakeInput(f.seed_inputs, p, count);
     req.Clear();
+    if (!w->key.empty()) req.set_key(w->key);
     if (request_layer) req.set_layer(*request_layer);
     if (f.deadline_ms > 0) req.set_deadline_ms(static_cast<uint32_t>(f.deadline_ms));
     SetRequestData(&req, x.data(), w->tokens, w->hidden, w->dtype);
@@ -561,6 +564,11 @@ int RunServeBench(const ServeBenchFlags& f) {
     // Fail fast on an unreachable target, before loading a layer.
     FailoverClient probe(w.targets);
     if (Status s = probe.Connect(); !s.ok()) return FailWith(s);
+  }
+  if (!f.key_file.empty()) {
+    Result<std::string> key = ReadTokenFile(f.key_file);
+    if (!key.ok()) return FailWith(key.status().WithContext("--key-file"));
+    w.key = std::move(*key);
   }
   if (Status s = BuildWorkload(f, &w); !s.ok()) return FailWith(s);
 

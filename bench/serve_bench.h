@@ -39,7 +39,8 @@ struct ServeBenchFlags {
   LayerFlags layer;  // --layer (also the request's layer), and with --verify --model/--preset,
                      // --seed, --experts, --weights-dtype (into layer.dtype)
   bool json = false;
-  std::string plot;  // --plot FILE.svg: latency and throughput per second of the run
+  std::string plot;      // --plot FILE.svg: latency and throughput per second of the run
+  std::string key_file;  // --key-file: the serving key sent in every request (chmod 600)
 };
 
 int RunServeBench(const ServeBenchFlags& f);

@@ -37,6 +37,7 @@ struct ServeFlags {
   std::string ready_file;
   std::string pid_file;
   std::string listen, control_listen, metrics_listen, token_file;
+  std::string serving_key_file;  // --serving-key-file: overrides serving.key_file
   std::string join;  // router 0's control endpoint: take over a dead expert rank of that job
   int64_t expert_cache_mib = -1;  // -1: the config's
   std::string expert_cache_policy;
@@ -109,6 +110,7 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!f.control_listen.empty()) c.serving.control_listen = f.control_listen;
   if (!f.metrics_listen.empty()) c.serving.metrics_listen = f.metrics_listen;
   if (!f.token_file.empty()) c.serving.token_file = f.token_file;
+  if (!f.serving_key_file.empty()) c.serving.key_file = f.serving_key_file;
   if (f.expert_cache_mib >= 0) c.expert_cache_mib = f.expert_cache_mib;
   if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
   if (!f.expert_cache_spill_dir.empty()) c.expert_cache_spill_dir = f.expert_cache_spill_dir;
@@ -123,6 +125,10 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
                           ParseHostPort(sc.metrics_listen).WithContext("metrics listen address"));
   if (!sc.token_file.empty()) {
     MOERUN_ASSIGN_OR_RETURN(s.token, ReadTokenFile(sc.token_file));
+  }
+  if (!sc.key_file.empty()) {  // the same rules as the token file (mode 600, first line)
+    MOERUN_ASSIGN_OR_RETURN(s.serving_key,
+                            ReadTokenFile(sc.key_file).WithContext("serving key file"));
   }
   s.ready_file = f.ready_file;
   return s;
@@ -376,6 +382,9 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "127.0.0.1:9700: probes and Prometheus from other hosts need an interface's "
                   "address or 0.0.0.0)");
   cmd->add_option("--token-file", flags->token_file, "Control token file (enables moectl)");
+  cmd->add_option("--serving-key-file", flags->serving_key_file,
+                  "Serving key file (chmod 600): every request must carry its key (overrides "
+                  "serving.key_file)");
   cmd->add_option("--expert-cache-mib", flags->expert_cache_mib,
                   "Expert cache of each expert rank in MiB (0: every hosted expert resident; "
                   "overrides expert_cache_mib)")

@@ -237,17 +237,19 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   if (const YAML::Node n = root["serving"]) {
     Reader sr(n, source + ": \"serving\"");
     ServingConfig& v = c.serving;
-    MOERUN_RETURN_IF_ERROR(
-        sr.CheckKeys({"listen", "control_listen", "metrics_listen", "token_file", "max_frame_bytes",
-                      "max_connections", "max_inflight_per_connection", "max_buffered_bytes",
-                      "max_request_tokens", "default_deadline_ms", "frame_timeout_ms",
-                      "probe_interval_ms", "probe_deadline_ms", "drain_timeout_s", "load_window_s",
-                      "first_frame_timeout_ms", "idle_timeout_ms"}));
+    MOERUN_RETURN_IF_ERROR(sr.CheckKeys(
+        {"listen", "control_listen", "metrics_listen", "token_file", "key_file", "max_frame_bytes",
+         "max_connections", "max_inflight_per_connection", "max_buffered_bytes",
+         "max_request_tokens", "default_deadline_ms", "frame_timeout_ms", "probe_interval_ms",
+         "probe_deadline_ms", "drain_timeout_s", "load_window_s", "first_frame_timeout_ms",
+         "idle_timeout_ms"}));
     MOERUN_RETURN_IF_ERROR(sr.GetString("listen", &v.listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("control_listen", &v.control_listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("metrics_listen", &v.metrics_listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("token_file", &v.token_file));
     v.token_file = Resolve(v.token_file, base_dir);
+    MOERUN_RETURN_IF_ERROR(sr.GetString("key_file", &v.key_file));
+    v.key_file = Resolve(v.key_file, base_dir);
     MOERUN_RETURN_IF_ERROR(
         sr.Get<int64_t>("max_frame_bytes", &v.max_frame_bytes, 64, int64_t{1} << 31));
     MOERUN_RETURN_IF_ERROR(sr.Get<int>("max_connections", &v.max_connections, 1, 1 << 20));

@@ -20,6 +20,7 @@ struct ServingConfig {
   std::string control_listen = "127.0.0.1:5800";  // moectl endpoint (router 0; needs token_file)
   std::string metrics_listen = "127.0.0.1:9700";  // HTTP /metrics and /health of rank 0
   std::string token_file;                         // control token (empty: no control endpoint)
+  std::string key_file;  // serving key every InferRequest must carry (empty: none; chmod 600)
   int64_t max_frame_bytes = 64 << 20;
   int max_connections = 4096;
   int max_inflight_per_connection = 64;

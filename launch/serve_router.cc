@@ -66,6 +66,7 @@ ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
   so.framed.max_buffered_bytes = sc.max_buffered_bytes;
   so.max_inflight_per_connection = sc.max_inflight_per_connection;
   so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
+  so.key = s.serving_key;
   return so;
 }
 

@@ -28,8 +28,9 @@ namespace moerun {
 struct ServeSetup {
   ServeConfig config;
   HostPort listen, control_listen, metrics_listen;
-  std::string token;       // the control token; empty: no control endpoint
-  std::string ready_file;  // written once router 0 listens
+  std::string token;        // the control token; empty: no control endpoint
+  std::string serving_key;  // every InferRequest must carry it; empty: none
+  std::string ready_file;   // written once router 0 listens
   std::vector<int> layers;
   int64_t hidden = 0;
   std::string family;

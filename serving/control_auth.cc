@@ -53,7 +53,7 @@ Result<std::string> ReadTokenFile(const std::string& path) {
   return line.substr(b, e - b + 1);
 }
 
-bool ConstantTimeEqual(const std::string& a, const std::string& b) {
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
   // Compares every byte of the longer string whatever the content; lengths may leak.
   const size_t n = std::max(a.size(), b.size());
   unsigned char diff = a.size() == b.size() ? 0 : 1;
@@ -213,7 +213,7 @@ std::string WithThousands(uint64_t n) {
 std::string AuthFailureLog::Record(const std::string& address, const std::string& reason) {
   if (!open_) {
     open_ = true;
-    return "control: refused a request with " + reason + " from " + address +
+    return scope_ + ": refused a request with " + reason + " from " + address +
            " (further refusals are summarised every " + std::to_string(interval_.count()) + " s)";
   }
   ++total_;
@@ -242,9 +242,9 @@ std::string AuthFailureLog::TakeSummary() {
     }
   }
   const uint64_t addresses = counts_.size() + unnamed_addresses_;
-  std::string line = "control: " + WithThousands(total_) + " request" + (total_ == 1 ? "" : "s") +
-                     " with a wrong or no token from " + WithThousands(addresses) + " address" +
-                     (addresses == 1 ? "" : "es") + " in the last " +
+  std::string line = scope_ + ": " + WithThousands(total_) + " request" + (total_ == 1 ? "" : "s") +
+                     " with a wrong or no " + credential_ + " from " + WithThousands(addresses) +
+                     " address" + (addresses == 1 ? "" : "es") + " in the last " +
                      std::to_string(interval_.count()) + " s (most: " + top + ", " +
                      WithThousands(top_n) + ")";
   total_ = 0;

@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
+#include <utility>
 
 #include "base/status.h"
 
@@ -35,7 +37,7 @@ namespace moerun {
 Result<std::string> ReadTokenFile(const std::string& path);
 
 // Equal strings in time that depends only on their lengths.
-bool ConstantTimeEqual(const std::string& a, const std::string& b);
+bool ConstantTimeEqual(std::string_view a, std::string_view b);
 
 using AuthClock = std::chrono::steady_clock;
 
@@ -87,9 +89,15 @@ class AuthBackoff {
 
 class AuthFailureLog {
  public:
+  // `scope` starts each line ("control", "serving"); `credential` names what was wrong or
+  // missing in the summary ("token", "key").
   explicit AuthFailureLog(std::chrono::seconds interval = std::chrono::seconds(10),
-                          size_t max_addresses = 4096)
-      : interval_(interval), max_addresses_(max_addresses) {}
+                          size_t max_addresses = 4096, std::string scope = "control",
+                          std::string credential = "token")
+      : interval_(interval),
+        max_addresses_(max_addresses),
+        scope_(std::move(scope)),
+        credential_(std::move(credential)) {}
 
   // Counts a refusal from `address`; returns the line to log now (the first of a quiet period),
   // or "" when it goes into the interval's summary. `reason`: "a wrong token", "no token".
@@ -104,6 +112,7 @@ class AuthFailureLog {
  private:
   std::chrono::seconds interval_;
   size_t max_addresses_;
+  std::string scope_, credential_;
   bool open_ = false;
   uint64_t total_ = 0;
   std::unordered_map<std::string, uint64_t> counts_;  // at most max_addresses_ named

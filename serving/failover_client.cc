@@ -87,8 +87,8 @@ Status FailoverClient::Call(const SendFn& send, uint64_t id, v1::InferResponse* 
 
 Status FailoverClient::Call(const v1::InferRequest& request, v1::InferResponse* response,
                             Deadline deadline) {
-  return Call([&](ServeConnection* c, Deadline d) { return c->Send(request, d); }, request.id(),
-              response, deadline);
+  return Call([&](ServeConnection* c, Deadline d) { return c->SendRequest(request, d); },
+              request.id(), response, deadline);
 }
 
 }  // namespace moerun

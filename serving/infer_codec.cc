@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "serving/control_auth.h"
 #include "serving/frame.h"
 
 namespace moerun {
@@ -29,6 +30,7 @@ struct WireRequest {
   size_t dims = 0;            // entries seen
   std::string_view data;
   uint32_t deadline_ms = 0;
+  std::string_view key;
 };
 
 // The wire format as Protobuf 3's parser reads it (parse_context.h): a tag is a varint of at
@@ -150,6 +152,11 @@ bool ReadWire(std::string_view body, WireRequest* r) {
     } else if (field == 6 && wire == 0) {
       if (!in.Varint64(&v)) return false;
       r->deadline_ms = static_cast<uint32_t>(v);
+    } else if (field == 7 && wire == 2) {
+      if (!in.Size(&len)) return false;
+      const size_t at = in.offset();
+      if (!in.Skip(len)) return false;
+      r->key = body.substr(at, len);
     } else if (!in.SkipField(tag)) {
       return false;
     }
@@ -210,7 +217,7 @@ constexpr size_t kMaxTrailer = 64;  // id, code, dtype, packed shape, queue_us, 
 }  // namespace
 
 bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRequest* out,
-                       RequestError* error) {
+                       RequestError* error, std::string_view required_key) {
   WireRequest req;
   if (!ReadWire(body, &req)) {
     return Fail(error, 0, moerun::v1::MALFORMED_FRAME,
@@ -219,6 +226,12 @@ bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRe
   }
   const uint64_t id = req.id;
   out->id = id;
+  out->key = req.key;
+  if (!required_key.empty() && !ConstantTimeEqual(req.key, required_key)) {
+    return Fail(error, id, moerun::v1::UNAUTHENTICATED,
+                req.key.empty() ? "this server requires a key (InferRequest.key); none was sent"
+                                : "wrong key (InferRequest.key)");
+  }
   if (req.has_layer) {
     if (std::find(model.layers.begin(), model.layers.end(), req.layer) == model.layers.end()) {
       std::string list;

@@ -40,6 +40,7 @@ struct ParsedRequest {
   int64_t tokens = 0;
   uint32_t deadline_ms = 0;
   std::string_view data;  // tokens x hidden finite values of dtype, inside the parsed body
+  std::string_view key;   // the serving key sent (InferRequest.key), inside the parsed body
 };
 
 struct RequestError {
@@ -49,8 +50,11 @@ struct RequestError {
 };
 
 // Parses and checks one InferRequest body. On failure fills *error and returns false.
+// `required_key` non-empty: the request's key must equal it (constant time in the content), else
+// UNAUTHENTICATED with the request's id, checked first, so that a client without the key learns
+// nothing of the model (layers, hidden size) from the other refusals.
 bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRequest* out,
-                       RequestError* error);
+                       RequestError* error, std::string_view required_key = {});
 
 // The wire dtype as the batcher's row type (F32 or BF16; the request was checked).
 DType RowTypeOf(moerun::v1::DType dtype);

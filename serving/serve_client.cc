@@ -283,9 +283,37 @@ Status ServeConnection::Receive(google::protobuf::MessageLite* m, Deadline deadl
   return Status::Ok();
 }
 
+std::string EncodeKeyField(const std::string& key) {
+  std::string f;
+  f.push_back(static_cast<char>(7 << 3 | 2));  // field 7, length-delimited
+  uint64_t n = key.size();
+  while (n >= 0x80) {
+    f.push_back(static_cast<char>((n & 0x7f) | 0x80));
+    n >>= 7;
+  }
+  f.push_back(static_cast<char>(n));
+  return f + key;
+}
+
+Status ServeConnection::SendRequest(const v1::InferRequest& request, Deadline deadline) {
+  if (opts_.key.empty() || !request.key().empty()) return Send(request, deadline);
+  const std::string body = request.SerializeAsString();
+  const std::string key = EncodeKeyField(opts_.key);
+  const size_t n = body.size() + key.size();
+  if (n > std::numeric_limits<uint32_t>::max()) {
+    return Status::InvalidArgument(target_ + ": a request of " + std::to_string(n) +
+                                   " bytes does not fit in one frame (at most 4 GiB - 1)");
+  }
+  uint8_t header[kFrameHeaderBytes];
+  PutFrameLength(static_cast<uint32_t>(n), header);
+  const std::string_view parts[] = {
+      std::string_view(reinterpret_cast<const char*>(header), kFrameHeaderBytes), body, key};
+  return SendParts(parts, deadline);
+}
+
 Status ServeConnection::Call(const v1::InferRequest& request, v1::InferResponse* response,
                              Deadline deadline) {
-  MOERUN_RETURN_IF_ERROR(Send(request, deadline));
+  MOERUN_RETURN_IF_ERROR(SendRequest(request, deadline));
   MOERUN_RETURN_IF_ERROR(Receive(response, deadline));
   if (response->id() != request.id()) {
     return Status::Corrupt(target_ + ": answer for id " + std::to_string(response->id()) +

@@ -34,6 +34,9 @@ namespace moerun {
 struct ClientOptions {
   std::chrono::milliseconds connect_timeout{5000};
   uint32_t max_frame_bytes = kDefaultMaxFrameBytes;  // of the frames it accepts
+  // The serving key (the server's serving.key_file), sent in every InferRequest that SendRequest
+  // and Call send without one of its own; empty: none.
+  std::string key;
 };
 
 class ServeConnection {
@@ -62,7 +65,11 @@ class ServeConnection {
   // The same, without parsing: the frame's body.
   Status ReceiveFrame(std::string* body, Deadline deadline);
 
-  // Send + Receive for one request in flight; the answer must carry the request's id.
+  // One frame holding the request, with the options' key added when the request has none (as
+  // an extra field after its bytes, so the request is not copied).
+  Status SendRequest(const v1::InferRequest& request, Deadline deadline);
+
+  // SendRequest + Receive for one request in flight; the answer must carry the request's id.
   Status Call(const v1::InferRequest& request, v1::InferResponse* response, Deadline deadline);
 
   int fd() const { return fd_; }
@@ -83,6 +90,10 @@ class ServeConnection {
   FrameDecoder decoder_;
   std::vector<char> rbuf_;
 };
+
+// The bytes of InferRequest.key = `key` as a field: appended to a serialized request, they set
+// its key (Protobuf: the last value of a field wins).
+std::string EncodeKeyField(const std::string& key);
 
 // Fills dtype, shape [tokens, hidden] and data (row-major, little-endian) from x. BF16 rounds to
 // nearest even (NaN stays NaN); any dtype other than BF16 is written (and set) as F32.

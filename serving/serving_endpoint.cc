@@ -4,6 +4,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include "base/log.h"
+#include "serving/control_auth.h"
 #include "serving/handler_memory.h"
 #include "serving/serve_client.h"
 
@@ -33,8 +34,12 @@ struct ServingEndpoint::Pending {
 
 // One timer for every deadline: a min-heap of the requests by deadline (I/O thread only).
 struct ServingEndpoint::Timers {
-  explicit Timers(boost::asio::io_context& io) : timer(io) {}
+  explicit Timers(boost::asio::io_context& io)
+      : timer(io), key_log_timer(io), key_log(std::chrono::seconds(10), 4096, "serving", "key") {}
   boost::asio::steady_timer timer;
+  // The log of requests refused for their key: its interval's timer runs while it is open.
+  boost::asio::steady_timer key_log_timer;
+  AuthFailureLog key_log;
   HandlerMemory* timer_mem = nullptr;
   HandlerMemory* wake_mem = nullptr;
   std::vector<Pending*> heap;
@@ -170,6 +175,8 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
   ep->timers_->timer_mem = ep->server_->NewHandlerMemory();
   ep->timers_->wake_mem = ep->server_->NewHandlerMemory();
   ep->timers_->heap.reserve(1024);
+  if (!options.key.empty())
+    spdlog::info("{}: every request must carry the serving key", framed.name);
   ep->server_->StartAccepting();  // after this post, the I/O thread sees all of the above
   return ep;
 }
@@ -246,7 +253,9 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
   p->received = Clock::now();
   p->body = std::move(body);
   RequestError err;
-  if (!ParseInferRequest(std::string_view(p->body.data(), p->body.size()), model_, &p->req, &err)) {
+  if (!ParseInferRequest(std::string_view(p->body.data(), p->body.size()), model_, &p->req, &err,
+                         opts_.key)) {
+    if (err.code == moerun::v1::UNAUTHENTICATED) LogRefusedKey(*conn, p->req.key.empty());
     Refuse(*conn, err.id, err.code, err.message);
     return FreeSlot(p);
   }
@@ -290,6 +299,27 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
   if (++conn->held >= opts_.max_inflight_per_connection) conn->Pause();
   // The deadline holds even if the batch that carries this request is slow to come back.
   Arm(p);
+}
+
+void ServingEndpoint::LogRefusedKey(FramedConnection& conn, bool missing) {
+  const std::string line =
+      timers_->key_log.Record(conn.peer_address(), missing ? "no key" : "a wrong key");
+  if (line.empty()) return;
+  spdlog::warn("{}", line);
+  ArmKeyLogTimer();
+}
+
+// Once per interval while refusals come: their summary; a quiet interval stops the timer.
+void ServingEndpoint::ArmKeyLogTimer() {
+  Timers& t = *timers_;
+  t.key_log_timer.expires_after(t.key_log.interval());
+  t.key_log_timer.async_wait([this](const boost::system::error_code& ec) {
+    if (ec) return;
+    const std::string summary = timers_->key_log.TakeSummary();
+    if (summary.empty()) return;
+    spdlog::warn("{}", summary);
+    ArmKeyLogTimer();
+  });
 }
 
 void ServingEndpoint::Arm(Pending* p) {

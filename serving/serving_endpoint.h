@@ -11,6 +11,11 @@
 // are reused, frames in pooled buffers, and one timer serves every deadline, so that at steady
 // state a request allocates nothing.
 //
+// Serving key: when options.key is set, a request whose InferRequest.key is missing or wrong is
+// refused (UNAUTHENTICATED, with its id) before anything else is looked at; the refusals are
+// logged as the control endpoint logs wrong tokens: one line for the first of a quiet period,
+// then one summary per 10 s interval (serving/control_auth.h AuthFailureLog).
+//
 // BeginDrain: no new connections; new requests get UNAVAILABLE; those in flight finish.
 // Threads: the framed server's I/O thread runs everything but OnBatchDone (the router thread),
 // which hands finished requests back through a list and one wake-up of the I/O thread.
@@ -20,6 +25,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "base/metrics.h"
@@ -34,6 +40,7 @@ struct ServingOptions {
   int max_inflight_per_connection = 64;
   std::chrono::milliseconds default_deadline{30000};
   std::chrono::milliseconds max_deadline{600000};
+  std::string key;  // non-empty: every request must carry it (InferRequest.key)
 };
 
 class ServingEndpoint {
@@ -64,6 +71,8 @@ class ServingEndpoint {
   void Arm(Pending* p);  // the request's deadline joins the timer's heap
   void OnDeadlines();    // the timer fired: answer what is past its deadline
   void TakeFinished();   // I/O thread: the requests the router thread handed back
+  void LogRefusedKey(FramedConnection& conn, bool missing);  // I/O thread
+  void ArmKeyLogTimer();
   static void OnBatchDone(void* ctx, const Status& status, const BatchInfo& info);
 
   ServingOptions opts_;

@@ -228,7 +228,7 @@ class AsyncClient(ClientOptions):
         deadline = time.monotonic() + wait
         rid = self._next_id
         self._next_id += 1
-        head = request_head(rid, prep, layer, deadline_ms)
+        head = request_head(rid, prep, layer, deadline_ms, self._key)
         check_request_size(head, prep, self.max_frame_bytes)
         data = _frame.byte_view(prep.payload)
         attempts = 0

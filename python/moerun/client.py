@@ -56,7 +56,7 @@ from moerun.errors import (
 from moerun import tensors
 from moerun.v1 import serving_pb2
 
-__all__ = ["Client", "Timing", "parse_targets"]
+__all__ = ["Client", "Timing", "parse_targets", "read_key_file"]
 
 _OK = 0
 _UNAVAILABLE = 4
@@ -187,13 +187,28 @@ class _Call:
 
 
 def request_head(rid: int, prep: tensors.Prepared, layer: Optional[int],
-                 deadline_ms: int) -> serving_pb2.InferRequest:
-    """The InferRequest of one call, all but its data (sent from the input's own buffer)."""
+                 deadline_ms: int, key: str = "") -> serving_pb2.InferRequest:
+    """The InferRequest of one call, all but its data (sent from the input's own buffer);
+    ``key``: the serving key, when the server requires one."""
     head = serving_pb2.InferRequest(id=rid, dtype=prep.wire_dtype, shape=[prep.tokens, prep.hidden],
                                     deadline_ms=int(deadline_ms))
     if layer is not None:
         head.layer = int(layer)
+    if key:
+        head.key = key
     return head
+
+
+def read_key_file(path: str) -> str:
+    """The serving key in ``path``, read as the server reads its ``serving.key_file`` and as
+    the control token is read (:func:`moerun.ctl.read_token_file`: the first line, blanks
+    stripped; InvalidArgumentError if its group or others may read or write it, empty or
+    unreadable)."""
+    from moerun.ctl import read_token_file  # moerun.ctl imports this module
+    try:
+        return read_token_file(path)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"key_file: {e}") from None
 
 
 def check_request_size(head: serving_pb2.InferRequest, prep: tensors.Prepared,
@@ -213,8 +228,15 @@ class ClientOptions:
 
     def __init__(self, targets: Union[str, Sequence[str]], *, timeout: float = 30.0,
                  connect_timeout: float = 5.0, max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES,
-                 retries: int = 1):
+                 retries: int = 1, key: Optional[str] = None, key_file: Optional[str] = None):
         self._targets = parse_targets(targets)
+        if key is not None and key_file is not None:
+            raise InvalidArgumentError("give key or key_file, not both")
+        if key_file is not None:
+            key = read_key_file(key_file)
+        if key is not None and (not isinstance(key, str) or not key):
+            raise InvalidArgumentError("key must be a non-empty string")
+        self._key = key or ""
         if not timeout > 0 or not connect_timeout > 0:
             raise InvalidArgumentError("timeout and connect_timeout must be > 0 seconds")
         if not 0 < int(max_frame_bytes) <= _frame.MAX_WIRE_FRAME:
@@ -285,7 +307,10 @@ class Client(ClientOptions):
     call may take in all (connecting, sending, waiting, failing over). ``connect_timeout``:
     seconds per connection attempt. ``max_frame_bytes``: the largest frame accepted from the
     server, and sent (64 MiB, the server's default). ``retries``: times one request is sent
-    again after its connection broke or its router answered UNAVAILABLE. The connection is
+    again after its connection broke or its router answered UNAVAILABLE. ``key`` (or
+    ``key_file``, read as the server reads its ``serving.key_file``: chmod 600): the serving
+    key sent in every request, for a job that requires one (without it, or with a wrong one,
+    every call raises :class:`~moerun.errors.UnauthenticatedError`). The connection is
     made by the first call (or :meth:`connect`).
     """
 
@@ -341,7 +366,7 @@ class Client(ClientOptions):
         calls = []
         for i, x in enumerate(xs):
             prep = tensors.prepare(x, dtype)
-            calls.append(_Call(i, 0, prep, request_head(0, prep, layer, deadline_ms)))
+            calls.append(_Call(i, 0, prep, request_head(0, prep, layer, deadline_ms, self._key)))
         with self._enter():
             for c in calls:
                 c.id = self._next_id

@@ -136,7 +136,8 @@ class LocalJob:
     1 << 20}``), ``config`` (more top-level keys), ``ready_timeout`` (s), ``mpirun_args``,
     ``env`` (more environment), ``kill_with_parent`` (Linux: mpirun gets SIGTERM when the thread
     that started it dies, so that even a SIGKILLed test run leaves no job behind; start jobs from
-    a thread that lives as long as they do, e.g. the main thread).
+    a thread that lives as long as they do, e.g. the main thread), ``serving_key_file``
+    (``moerun serve --serving-key-file``: every request must carry that file's key).
 
     Attributes once started: ``target`` (router 0's serving address), ``targets`` (every
     router's), ``control`` (router 0's control endpoint), ``token_file``, ``token``,
@@ -150,7 +151,7 @@ class LocalJob:
                  batching: Optional[Dict] = None, serving: Optional[Dict] = None,
                  config: Optional[Dict] = None, ready_timeout: float = 60.0,
                  mpirun_args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
-                 kill_with_parent: bool = True):
+                 kill_with_parent: bool = True, serving_key_file: Optional[str] = None):
         self.model = os.path.abspath(model)
         self.ranks = int(ranks)
         self.routers = int(routers)
@@ -166,6 +167,7 @@ class LocalJob:
         self.mpirun_args = list(mpirun_args)
         self.env = dict(env or {})
         self.kill_with_parent = kill_with_parent
+        self.serving_key_file = serving_key_file
         self.proc: Optional[subprocess.Popen] = None
         self.work: Optional[str] = None
         self.tag = f"moerun-job-{os.getpid()}-{secrets.token_hex(6)}"
@@ -244,6 +246,8 @@ class LocalJob:
                "--listen", f"127.0.0.1:{serve}", "--control-listen", f"127.0.0.1:{control}",
                "--metrics-listen", f"127.0.0.1:{metrics}", "--token-file", self.token_file,
                "--ready-file", ready]
+        if self.serving_key_file:
+            cmd += ["--serving-key-file", self.serving_key_file]
         env = dict(os.environ)
         env.update(self.env)
         env["MOERUN_JOB_TAG"] = self.tag

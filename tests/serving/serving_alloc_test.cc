@@ -43,7 +43,8 @@ uint16_t FreePort() {
 
 // The serving path of `moerun serve` as it runs (ServeRouter on a router rank of an inproc job
 // with peer health and RouterControl, two expert ranks), fed by clients over TCP: after warm-up,
-// requests of 1..16 tokens in F32 and BF16 on two connections allocate nothing, on any thread.
+// requests of 1..16 tokens in F32 and BF16 on two connections, each with the serving key the
+// endpoint requires, allocate nothing, on any thread.
 TEST(AllocationTest, ServingPathPerRequest) {
   SetThreadNotCounted(true);                // this thread only starts and joins the clients
   spdlog::info("serving allocation test");  // the logger exists before the ranks' threads log
@@ -59,6 +60,8 @@ TEST(AllocationTest, ServingPathPerRequest) {
   setup.metrics_listen = HostPort{"127.0.0.1", 0};
   setup.family = "deepseek_v3";
   setup.ranks = 3;
+  // A serving key, so that its check (in constant time, in place) is on the path counted.
+  setup.serving_key = "a-serving-key-longer-than-any-small-string-buffer";
   JobOptions opts = FixtureJob(fixture, 8);
   opts.router.health = PeerHealthOptions{std::chrono::milliseconds(50), std::chrono::seconds(2)};
   opts.router.control = true;
@@ -100,7 +103,9 @@ TEST(AllocationTest, ServingPathPerRequest) {
   for (int attempt = 0; attempt < 100 && !conns[1]; ++attempt) {
     for (auto& c : conns) {
       if (c) continue;
-      auto made = ServeConnection::Connect("127.0.0.1:" + std::to_string(port));
+      ClientOptions co;
+      co.key = setup.serving_key;
+      auto made = ServeConnection::Connect("127.0.0.1:" + std::to_string(port), co);
       if (made.ok()) c = std::move(made).value();
     }
     if (!conns[1]) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -136,6 +141,23 @@ TEST(AllocationTest, ServingPathPerRequest) {
   counted = StopCountingAllocations();
   requests = 800;
   answered_ok = ok[0] + ok[1];
+  {
+    // The key is required (ServeSetup::serving_key reached the endpoint): a request without it
+    // is refused.
+    v1::InferRequest req;
+    req.set_id(7);
+    SetRequestData(&req, x.data(), 1, hidden, v1::F32);
+    req.set_key("");
+    // (No ASSERT here: the ranks' threads are joined below.)
+    auto keyless = ServeConnection::Connect("127.0.0.1:" + std::to_string(port));
+    EXPECT_TRUE(keyless.ok()) << keyless.status().ToString();
+    v1::InferResponse resp;
+    if (keyless.ok()) {
+      EXPECT_TRUE((*keyless)->Call(req, &resp, DeadlineIn(std::chrono::seconds(20))).ok());
+    }
+    EXPECT_EQ(resp.code(), v1::UNAUTHENTICATED) << resp.message();
+    EXPECT_EQ(resp.id(), 7u);
+  }
   conns[0].reset();
   conns[1].reset();
   stop = true;

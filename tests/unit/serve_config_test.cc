@@ -66,6 +66,19 @@ TEST(ServeConfigTest, ServingKeys) {
   EXPECT_EQ(c->serving.probe_interval_ms, 10);
 }
 
+TEST(ServeConfigTest, ServingKeyFile) {
+  auto d = ParseServeConfig("model: m\n", "c.yaml", "/etc/moerun");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->serving.key_file, "");  // no key required by default
+  auto c = ParseServeConfig("model: m\nserving: {key_file: keys/serving.key}\n", "c.yaml",
+                            "/etc/moerun");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->serving.key_file, "/etc/moerun/keys/serving.key");  // relative to the config
+  auto bad = ParseServeConfig("model: m\nserving: {key_file: [a]}\n", "c.yaml", "");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("key_file"), std::string::npos) << bad.status().message();
+}
+
 TEST(ServeConfigTest, RebalanceKeys) {
   auto d = ParseServeConfig("model: m\n", "c.yaml", "");
   ASSERT_TRUE(d.ok());

@@ -1,0 +1,275 @@
+// The serving key (ServingOptions::key, InferRequest.key) over real sockets: a keyed endpoint
+// refuses a request without the key, or with a wrong one, with UNAUTHENTICATED and the request's
+// id before any other check, answers one that carries it exactly as the layer computes, and keeps
+// the connection; the C++ clients send the key of their options; the codec's check alone.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "layer/moe_layer.h"
+#include "serving/control_auth.h"
+#include "serving/failover_client.h"
+#include "serving/frame.h"
+#include "serving/infer_codec.h"
+#include "serving/serve_client.h"
+#include "serving/serving_endpoint.h"
+#include "tests/unit/layer_fixtures.h"
+#include "tests/unit/test_util.h"
+
+namespace moerun {
+namespace {
+
+using namespace moerun::testing;
+using moerun::v1::InferRequest;
+using moerun::v1::InferResponse;
+
+constexpr char kKey[] = "k3y-0f-the-serving-path-7f1c9a";
+
+// A router in miniature: the single-process layer behind a Batcher and a ServingEndpoint.
+class Server {
+ public:
+  explicit Server(std::string key) : kernels_(KernelsFor(BestIsa())), pool_(1) {
+    layer_ = std::make_unique<MoeLayer>(LoadFixture("deepseek_v3", kernels_), kernels_, &pool_);
+    hidden_ = layer_->weights().spec.hidden;
+    batcher_ = std::make_unique<Batcher>(BatcherOptions{}, hidden_);
+    ServingOptions so;
+    so.framed.listen = HostPort{"127.0.0.1", 0};
+    so.framed.name = "test serving";
+    so.key = std::move(key);
+    ServedModel m;
+    m.layers = {0};
+    m.hidden = hidden_;
+    m.max_request_tokens = 4096;
+    auto ep = ServingEndpoint::Start(so, m, batcher_.get(), &metrics_);
+    EXPECT_TRUE(ep.ok()) << ep.status().ToString();
+    endpoint_ = std::move(*ep);
+    runner_ = std::thread([this] {
+      batcher_->Run(
+          [&](int, const float* x, int64_t t, float* out, std::chrono::steady_clock::time_point) {
+            return layer_->Forward(x, t, out);
+          },
+          [&] { return stop_.load(); }, [] {});
+    });
+  }
+  ~Server() {
+    stop_ = true;
+    runner_.join();
+    endpoint_->Stop();
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(endpoint_->port()); }
+  int64_t hidden() const { return hidden_; }
+  MetricsRegistry& metrics() { return metrics_; }
+  std::vector<float> Expected(const std::vector<float>& x) {
+    std::vector<float> out(x.size());
+    EXPECT_TRUE(
+        layer_->Forward(x.data(), static_cast<int64_t>(x.size()) / hidden_, out.data()).ok());
+    return out;
+  }
+
+ private:
+  const CpuKernels& kernels_;
+  ThreadPool pool_;
+  std::unique_ptr<MoeLayer> layer_;
+  int64_t hidden_ = 0;
+  MetricsRegistry metrics_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<ServingEndpoint> endpoint_;
+  std::atomic<bool> stop_{false};
+  std::thread runner_;
+};
+
+std::unique_ptr<ServeConnection> Connect(const Server& s, const std::string& key = "") {
+  ClientOptions o;
+  o.key = key;
+  auto c = ServeConnection::Connect(s.target(), o);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+InferRequest Request(uint64_t id, const std::vector<float>& x, int64_t hidden) {
+  InferRequest r;
+  r.set_id(id);
+  SetRequestData(&r, x.data(), static_cast<int64_t>(x.size()) / hidden, hidden, v1::F32);
+  return r;
+}
+
+Deadline Soon() { return DeadlineIn(std::chrono::seconds(20)); }
+
+void ExpectExact(Server& s, const InferResponse& resp, const std::vector<float>& x, uint64_t id) {
+  ASSERT_EQ(resp.code(), v1::OK) << resp.message();
+  EXPECT_EQ(resp.id(), id);
+  auto y = ResponseFloats(resp);
+  ASSERT_TRUE(y.ok()) << y.status().ToString();
+  const auto want = s.Expected(x);
+  ASSERT_EQ(y->size(), want.size());
+  EXPECT_EQ(std::memcmp(y->data(), want.data(), want.size() * 4), 0);
+}
+
+TEST(ServingKeyTest, RefusesNoKeyAndAWrongKeyWithTheRequestsIdAndAnswersTheRightOne) {
+  Server s(kKey);
+  auto c = Connect(s);
+  ASSERT_NE(c, nullptr);
+  const auto x = RandomRows(3, s.hidden(), 5);
+  InferResponse resp;
+  // No key.
+  ASSERT_TRUE(c->Call(Request(41, x, s.hidden()), &resp, Soon()).ok());
+  EXPECT_EQ(resp.code(), v1::UNAUTHENTICATED);
+  EXPECT_EQ(resp.id(), 41u);
+  EXPECT_NE(resp.message().find("requires a key"), std::string::npos) << resp.message();
+  EXPECT_TRUE(resp.data().empty());
+  // A wrong key, one a byte short, one a byte longer: the same refusal, nothing computed.
+  for (const std::string& wrong :
+       {std::string("nope"), std::string(kKey).substr(1), std::string(kKey) + "x"}) {
+    InferRequest r = Request(42, x, s.hidden());
+    r.set_key(wrong);
+    ASSERT_TRUE(c->Call(r, &resp, Soon()).ok());
+    EXPECT_EQ(resp.code(), v1::UNAUTHENTICATED) << wrong;
+    EXPECT_EQ(resp.id(), 42u);
+    EXPECT_EQ(resp.message(), "wrong key (InferRequest.key)");
+  }
+  // The right key in the request, on the same connection (a refusal does not close it).
+  InferRequest r = Request(43, x, s.hidden());
+  r.set_key(kKey);
+  ASSERT_TRUE(c->Call(r, &resp, Soon()).ok());
+  ExpectExact(s, resp, x, 43);
+  // Refusals are counted by code.
+  const std::string text = s.metrics().Render();
+  EXPECT_NE(text.find("moerun_requests_total{code=\"unauthenticated\"} 4"), std::string::npos)
+      << text;
+}
+
+TEST(ServingKeyTest, TheKeyIsCheckedBeforeAnythingElse) {
+  Server s(kKey);
+  auto c = Connect(s);
+  ASSERT_NE(c, nullptr);
+  // A bad shape and an unserved layer: without the key they say nothing of the model.
+  InferRequest r;
+  r.set_id(7);
+  r.set_layer(99);
+  r.set_dtype(v1::F32);
+  r.add_shape(1);
+  r.add_shape(s.hidden() + 1);
+  InferResponse resp;
+  ASSERT_TRUE(c->Call(r, &resp, Soon()).ok());
+  EXPECT_EQ(resp.code(), v1::UNAUTHENTICATED);
+  EXPECT_EQ(resp.id(), 7u);
+  EXPECT_EQ(resp.message().find(std::to_string(s.hidden())), std::string::npos);
+  // With the key the same request gets its own error.
+  r.set_key(kKey);
+  ASSERT_TRUE(c->Call(r, &resp, Soon()).ok());
+  EXPECT_EQ(resp.code(), v1::INVALID_ARGUMENT) << resp.message();
+}
+
+TEST(ServingKeyTest, ClientsSendTheKeyOfTheirOptions) {
+  Server s(kKey);
+  const auto x = RandomRows(2, s.hidden(), 9);
+  InferResponse resp;
+  auto c = Connect(s, kKey);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Call(Request(1, x, s.hidden()), &resp, Soon()).ok());
+  ExpectExact(s, resp, x, 1);
+  // A key of the request's own is not overridden.
+  InferRequest own = Request(2, x, s.hidden());
+  own.set_key("wrong");
+  ASSERT_TRUE(c->Call(own, &resp, Soon()).ok());
+  EXPECT_EQ(resp.code(), v1::UNAUTHENTICATED);
+
+  FailoverOptions fo;
+  fo.client.key = kKey;
+  FailoverClient fc({s.target()}, 0, fo);
+  ASSERT_TRUE(fc.Call(Request(3, x, s.hidden()), &resp, Soon()).ok());
+  ExpectExact(s, resp, x, 3);
+  FailoverClient keyless({s.target()});
+  ASSERT_TRUE(keyless.Call(Request(4, x, s.hidden()), &resp, Soon()).ok());
+  EXPECT_EQ(resp.code(), v1::UNAUTHENTICATED);
+  EXPECT_EQ(resp.id(), 4u);
+}
+
+TEST(ServingKeyTest, AnUnkeyedServerIgnoresAKey) {
+  Server s("");
+  const auto x = RandomRows(1, s.hidden(), 3);
+  InferRequest r = Request(5, x, s.hidden());
+  r.set_key("anything");
+  auto c = Connect(s);
+  ASSERT_NE(c, nullptr);
+  InferResponse resp;
+  ASSERT_TRUE(c->Call(r, &resp, Soon()).ok());
+  ExpectExact(s, resp, x, 5);
+}
+
+TEST(ServingKeyCodecTest, KeyFieldAppendedSetsTheKeyAndTheParserChecksIt) {
+  ServedModel m;
+  m.layers = {0};
+  m.hidden = 4;
+  const std::vector<float> x = {1, 2, 3, 4};
+  InferRequest r = Request(11, x, 4);
+  const std::string plain = r.SerializeAsString();
+  const std::string keyed = plain + EncodeKeyField(kKey);
+  InferRequest back;
+  ASSERT_TRUE(back.ParseFromString(keyed));
+  EXPECT_EQ(back.key(), kKey);
+  // A key of 200 bytes: its length takes two varint bytes.
+  const std::string long_key(200, 'k');
+  ASSERT_TRUE(back.ParseFromString(plain + EncodeKeyField(long_key)));
+  EXPECT_EQ(back.key(), long_key);
+
+  ParsedRequest out;
+  RequestError err;
+  EXPECT_TRUE(ParseInferRequest(plain, m, &out, &err));  // no key required
+  EXPECT_FALSE(ParseInferRequest(plain, m, &out, &err, kKey));
+  EXPECT_EQ(err.code, v1::UNAUTHENTICATED);
+  EXPECT_EQ(err.id, 11u);
+  EXPECT_TRUE(ParseInferRequest(keyed, m, &out, &err, kKey)) << err.message;
+  EXPECT_EQ(out.key, kKey);
+  EXPECT_EQ(out.tokens, 1);
+  EXPECT_FALSE(ParseInferRequest(plain + EncodeKeyField(long_key), m, &out, &err, kKey));
+  EXPECT_EQ(err.code, v1::UNAUTHENTICATED);
+  // The last key wins, as in Protobuf.
+  EXPECT_TRUE(
+      ParseInferRequest(plain + EncodeKeyField("x") + EncodeKeyField(kKey), m, &out, &err, kKey));
+}
+
+// The key file is read as the control token is: its first line; refused when its group or
+// others may read it.
+TEST(ServingKeyFileTest, ModeIsChecked) {
+  const std::string path = ::testing::TempDir() + "/serving_key_" + std::to_string(::getpid());
+  {
+    std::ofstream f(path);
+    f << "  " << kKey << "  \nsecond line\n";
+  }
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  auto key = ReadTokenFile(path);
+  ASSERT_TRUE(key.ok()) << key.status().ToString();
+  EXPECT_EQ(*key, kKey);
+  // 0640 by its owner (this process, root or not): no Kubernetes Secret exception applies.
+  ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
+  auto refused = ReadTokenFile(path);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("0640"), std::string::npos)
+      << refused.status().message();
+  std::remove(path.c_str());
+}
+
+// The serving endpoint's refusal log: its own scope and credential in both kinds of line.
+TEST(ServingKeyLogTest, LinesNameServingAndTheKey) {
+  AuthFailureLog log(std::chrono::seconds(10), 4096, "serving", "key");
+  EXPECT_EQ(log.Record("10.0.0.7", "no key"),
+            "serving: refused a request with no key from 10.0.0.7 (further refusals are "
+            "summarised every 10 s)");
+  for (int i = 0; i < 1500; ++i) EXPECT_EQ(log.Record("10.0.0.7", "a wrong key"), "");
+  EXPECT_EQ(log.Record("10.0.0.8", "a wrong key"), "");
+  EXPECT_EQ(log.TakeSummary(),
+            "serving: 1,501 requests with a wrong or no key from 2 addresses in the last 10 s "
+            "(most: 10.0.0.7, 1,500)");
+  EXPECT_EQ(log.TakeSummary(), "");  // a quiet interval
+}
+
+}  // namespace
+}  // namespace moerun
