@@ -195,7 +195,7 @@ def request_head(rid: int, prep: tensors.Prepared, layer: Optional[int],
     if layer is not None:
         head.layer = int(layer)
     if key:
-        head.key = key
+        head.key = key.encode("utf-8")
     return head
 
 
