@@ -285,9 +285,9 @@ TEST(HttpServerTest, SixHundredConnections) {
   for (auto& c : clients) {
     if (c->Send(Get("/hello")) && c->Read().body == "hello world\n") ++served;
   }
-  // At most 512 at once get a session; the rest are accepted and closed.
+  // At the cap (512) a new connection takes the place of the oldest silent or idle one
+  // (serving/http_server.h), so clients that connect later are not shut out.
   EXPECT_GE(served, 400);
-  EXPECT_LE(served, 512);
   clients.clear();
   // Once they are gone, new clients are served again.
   for (int attempt = 0; attempt < 50; ++attempt) {
@@ -302,7 +302,9 @@ TEST(HttpServerTest, SixHundredConnections) {
 }
 
 TEST(HttpServerTest, SlowClientIsClosedAfterTheTimeout) {
-  auto server = StartServer({std::chrono::milliseconds(1000), 512});
+  auto server = StartServer({.read_timeout = std::chrono::milliseconds(1000),
+                             .idle_timeout = std::chrono::milliseconds(1000),
+                             .max_connections = 512});
   Client slow(server->port());
   auto t0 = Clock::now();
   ASSERT_TRUE(slow.Send("G"));
@@ -315,7 +317,7 @@ TEST(HttpServerTest, SlowClientIsClosedAfterTheTimeout) {
   double s = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_GE(s, 0.8);
   EXPECT_LE(s, 4.0);
-  // An idle keep-alive connection is closed the same way.
+  // An idle keep-alive connection is closed after the idle timeout.
   Client idle(server->port());
   ASSERT_TRUE(idle.Send(Get("/hello")));
   EXPECT_EQ(idle.Read().status, 200);
@@ -357,7 +359,9 @@ TEST(HttpServerTest, StartErrorsNameTheAddress) {
   ASSERT_FALSE(foreign.ok());
   EXPECT_NE(foreign.status().message().find("192.0.2.1:0"), std::string::npos)
       << foreign.status().message();
-  auto bad = HttpServer::Start({"127.0.0.1", 0}, {}, "bad", {std::chrono::milliseconds(0), 1});
+  auto bad =
+      HttpServer::Start({"127.0.0.1", 0}, {}, "bad",
+                        {.read_timeout = std::chrono::milliseconds(0), .max_connections = 1});
   EXPECT_FALSE(bad.ok());
 }
 
