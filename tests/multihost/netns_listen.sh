@@ -62,51 +62,15 @@ ip link set "$V1" netns "$H1" && ip link set "$V2" netns "$H2" &&
 cat >"$WORK/probe.py" <<'PY'
 import socket, struct, sys
 
+from raw_frames import infer_request, read_response
+
 host, serve_port, http_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-
-def varint(v):
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-def read_exact(s, n):
-    b = b""
-    while len(b) < n:
-        c = s.recv(n - len(b))
-        if not c:
-            raise EOFError("closed")
-        b += c
-    return b
-
-def fields(body):
-    i, f = 0, {}
-    def rv():
-        nonlocal i
-        v = sh = 0
-        while True:
-            c = body[i]; i += 1
-            v |= (c & 0x7F) << sh; sh += 7
-            if c < 0x80:
-                return v
-    while i < len(body):
-        tag = rv()
-        if tag & 7 == 0:
-            f[tag >> 3] = rv()
-        else:
-            n = rv(); f[tag >> 3] = body[i:i + n]; i += n
-    return f
 
 def serve():
     data = struct.pack("<128f", *([0.5] * 128))
-    shape = varint(2) + varint(64)
-    body = (b"\x08\x07" + b"\x18\x01" + b"\x22" + varint(len(shape)) + shape + b"\x2a" +
-            varint(len(data)) + data)
     with socket.create_connection((host, serve_port), timeout=5) as s:
-        s.sendall(struct.pack(">I", len(body)) + body)
-        f = fields(read_exact(s, struct.unpack(">I", read_exact(s, 4))[0]))
+        s.sendall(infer_request(7, [2, 64], 1, data))
+        f = read_response(s)
     if f.get(2, 0) != 0:
         return "error %d %s" % (f[2], f.get(3, b"").decode())
     return "ok" if f.get(1) == 7 and len(f.get(6, b"")) == 128 * 4 else "bad answer"
@@ -152,7 +116,7 @@ stop() {
 }
 probe() {  # probe NAMESPACE HOST SERVE_PORT HTTP_PORT EXPECTED
   local got
-  got=$(timeout 20 ip netns exec "$1" python3 "$WORK/probe.py" "$2" "$3" "$4" 2>&1 | tr '\n' ' ')
+  got=$(PYTHONPATH="$SRC/tests/lib" timeout 20 ip netns exec "$1" python3 "$WORK/probe.py" "$2" "$3" "$4" 2>&1 | tr '\n' ' ')
   [[ $got == "$5 " ]] || fail "from $1 to $2:$3/$4: expected '$5', got '$got'"
   echo "  from $1 to $2 (serving $3, http $4): $got"
 }

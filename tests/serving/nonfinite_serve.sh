@@ -14,6 +14,7 @@ MOERUN=$(realpath "$1")
 MODEL=$(realpath "$2")/hf-moe/deepseek_v3
 WORK=$(mktemp -d /tmp/moerun-nonfinite.XXXXXX)
 source "$(dirname "$0")/ports.sh"
+LIB=$(cd "$(dirname "$0")/../lib" && pwd)  # raw_frames.py
 cleanup() {
   [[ -n "${SERVE_PID:-}" ]] && kill -KILL "$SERVE_PID" 2>/dev/null
   [[ -n "${KEEP:-}" ]] || rm -rf "$WORK"
@@ -25,6 +26,8 @@ fail() { echo "FAIL: $*" >&2; tail -20 "$WORK/serve.log" >&2; exit 1; }
 # client (stdlib only).
 cat >"$WORK/io.py" <<'PY'
 import json, math, random, socket, struct, sys
+
+from raw_frames import infer_request, read_response
 
 HIDDEN = 64
 
@@ -50,14 +53,6 @@ def read_safetensors(path, name):
     lo, hi = h["data_offsets"]
     return b[8 + n + lo:8 + n + hi]
 
-def varint(v):
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
 def bf16(values):  # round to nearest even, as the server's decoder expects bf16 bits
     out = bytearray()
     for u in struct.unpack("<%dI" % len(values), struct.pack("<%df" % len(values), *values)):
@@ -66,37 +61,7 @@ def bf16(values):  # round to nearest even, as the server's decoder expects bf16
 
 def request(rid, values, n, dtype):
     data = struct.pack("<%df" % len(values), *values) if dtype == 1 else bf16(values)
-    shape = varint(n) + varint(HIDDEN)
-    body = (b"\x08" + varint(rid) + b"\x18" + varint(dtype) + b"\x22" + varint(len(shape)) +
-            shape + b"\x2a" + varint(len(data)) + data)
-    return struct.pack(">I", len(body)) + body
-
-def read_exact(s, n):
-    b = b""
-    while len(b) < n:
-        c = s.recv(n - len(b))
-        if not c:
-            raise EOFError("the server closed the connection")
-        b += c
-    return b
-
-def fields(body):
-    i, f = 0, {}
-    def rv():
-        nonlocal i
-        v = sh = 0
-        while True:
-            c = body[i]; i += 1
-            v |= (c & 0x7F) << sh; sh += 7
-            if c < 0x80:
-                return v
-    while i < len(body):
-        tag = rv()
-        if tag & 7 == 0:
-            f[tag >> 3] = rv()
-        else:
-            n = rv(); f[tag >> 3] = body[i:i + n]; i += n
-    return f
+    return infer_request(rid, [n, HIDDEN], dtype, data)
 
 cmd, work = sys.argv[1], sys.argv[2]
 # id -> (seed, tokens, scale, dtype)
@@ -111,7 +76,7 @@ with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
     s.sendall(b"".join(request(rid, rows(seed, n, scale), n, dt)
                        for rid, (seed, n, scale, dt) in REQUESTS.items()))
     for _ in REQUESTS:
-        f = fields(read_exact(s, struct.unpack(">I", read_exact(s, 4))[0]))
+        f = read_response(s)
         rid, code, msg = f.get(1, 0), f.get(2, 0), f.get(3, b"").decode()
         scale = REQUESTS[rid][2]
         if scale > 1:
@@ -125,7 +90,7 @@ with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
 sys.exit(1 if bad else 0)
 PY
 
-python3 "$WORK/io.py" write "$WORK" || fail "cannot write the inputs"
+PYTHONPATH="$LIB" python3 "$WORK/io.py" write "$WORK" || fail "cannot write the inputs"
 for i in 1 4; do
   "$MOERUN" forward --model "$MODEL" --input "$WORK/x$i.safetensors" --output "$WORK/y$i.safetensors" \
     --threads 1 >"$WORK/forward$i.log" 2>&1 || { cat "$WORK/forward$i.log"; fail "moerun forward $i"; }
@@ -152,7 +117,7 @@ EOC
 }
 start_serving write_config "$MOERUN" serve --config "$WORK/serve.yaml" --ready-file "$WORK/ready" ||
   fail "serve did not get ready"
-python3 "$WORK/io.py" ask "$WORK" "$PORT" || fail "answers (above)"
+PYTHONPATH="$LIB" python3 "$WORK/io.py" ask "$WORK" "$PORT" || fail "answers (above)"
 kill -TERM "$SERVE_PID"
 wait "$SERVE_PID" || fail "serve did not shut down cleanly"
 grep -q "1 batches, 4 requests" "$WORK/serve.log" || fail "the four requests were not one batch: $(grep 'batches' "$WORK/serve.log")"

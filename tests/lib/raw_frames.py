@@ -1,0 +1,66 @@
+"""The serving protocol's frames by hand, standard library only, for the shell tests' clients
+(they run where the Python package or protobuf may be missing, e.g. inside a network namespace).
+
+A frame is a 4-byte big-endian length, then an InferRequest / InferResponse message
+(proto/moerun/v1/serving.proto): request fields 1 id, 3 dtype (1 F32, 2 BF16), 4 shape
+(packed), 5 data; response fields 1 id, 2 error code, 3 message, 6 data.
+"""
+import struct
+
+
+def varint(v):
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def infer_request(rid, shape, dtype, data):
+    """One whole frame: an InferRequest of `shape` (a list of ints) with `data`'s bytes."""
+    packed = b"".join(varint(d) for d in shape)
+    body = (b"\x08" + varint(rid) + b"\x18" + varint(dtype) + b"\x22" + varint(len(packed)) +
+            packed + b"\x2a" + varint(len(data)) + data)
+    return struct.pack(">I", len(body)) + body
+
+
+def read_exact(s, n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            raise EOFError("the server closed the connection")
+        b += c
+    return b
+
+
+def fields(body):
+    """A message's fields by number: varints as ints, length-delimited ones as bytes."""
+    i, f = 0, {}
+
+    def rv():
+        nonlocal i
+        v = sh = 0
+        while True:
+            c = body[i]
+            i += 1
+            v |= (c & 0x7F) << sh
+            sh += 7
+            if c < 0x80:
+                return v
+
+    while i < len(body):
+        tag = rv()
+        if tag & 7 == 0:
+            f[tag >> 3] = rv()
+        else:
+            n = rv()
+            f[tag >> 3] = body[i:i + n]
+            i += n
+    return f
+
+
+def read_response(s):
+    """The next frame from socket `s`, as fields()."""
+    return fields(read_exact(s, struct.unpack(">I", read_exact(s, 4))[0]))
