@@ -25,6 +25,7 @@
 #include "serving/http_server.h"
 #include "serving/serve_client.h"
 #include "serving/serving_endpoint.h"
+#include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"
 
@@ -123,48 +124,18 @@ struct Fds {
 
 Deadline Soon() { return DeadlineIn(seconds(30)); }
 
-// A router in miniature: the single-process layer behind a Batcher and a ServingEndpoint.
-class Server {
+// A router in miniature (tests/serving/mini_router.h) with a verified request of 2 tokens.
+class Server : public MiniRouter {
  public:
   explicit Server(ServingOptions so = {}, milliseconds slow = milliseconds(0))
-      : kernels_(KernelsFor(BestIsa())), pool_(1) {
-    layer_ = std::make_unique<MoeLayer>(LoadFixture("deepseek_v3", kernels_), kernels_, &pool_);
-    hidden_ = layer_->weights().spec.hidden;
-    batcher_ = std::make_unique<Batcher>(BatcherOptions{}, hidden_);
-    so.framed.listen = HostPort{"127.0.0.1", 0};
-    so.framed.name = "dos test serving";
-    ServedModel m;
-    m.layers = {0};
-    m.hidden = hidden_;
-    m.max_request_tokens = 4096;
-    auto ep = ServingEndpoint::Start(so, m, batcher_.get(), &metrics_);
-    EXPECT_TRUE(ep.ok()) << ep.status().ToString();
-    endpoint_ = std::move(*ep);
-    runner_ = std::thread([this, slow] {
-      batcher_->Run(
-          [&](int, const float* x, int64_t t, float* out, Clock::time_point) {
-            if (slow.count() > 0) std::this_thread::sleep_for(slow);
-            return layer_->Forward(x, t, out);
-          },
-          [&] { return stop_.load(); }, [] {});
-    });
-    x_ = RandomRows(2, hidden_, 7);
-    want_.resize(x_.size());
-    EXPECT_TRUE(layer_->Forward(x_.data(), 2, want_.data()).ok());
-  }
-  ~Server() {
-    stop_ = true;
-    runner_.join();
-    endpoint_->Stop();
-  }
-  uint16_t port() const { return endpoint_->port(); }
-  std::string target() const { return "127.0.0.1:" + std::to_string(port()); }
-  int64_t hidden() const { return hidden_; }
+      : MiniRouter(std::move(so), BatcherOptions{}, slow),
+        x_(RandomRows(2, hidden(), 7)),
+        want_(Expected(x_)) {}
 
   InferRequest Request(uint64_t id) const {
     InferRequest r;
     r.set_id(id);
-    SetRequestData(&r, x_.data(), 2, hidden_, v1::F32);
+    SetRequestData(&r, x_.data(), 2, hidden(), v1::F32);
     return r;
   }
   // One verified call on `c`: OK, the request's id, the layer's exact answer.
@@ -189,15 +160,6 @@ class Server {
   }
 
  private:
-  const CpuKernels& kernels_;
-  ThreadPool pool_;
-  std::unique_ptr<MoeLayer> layer_;
-  int64_t hidden_ = 0;
-  MetricsRegistry metrics_;
-  std::unique_ptr<Batcher> batcher_;
-  std::unique_ptr<ServingEndpoint> endpoint_;
-  std::atomic<bool> stop_{false};
-  std::thread runner_;
   std::vector<float> x_, want_;
 };
 

@@ -19,6 +19,7 @@
 #include "serving/infer_codec.h"
 #include "serving/serve_client.h"
 #include "serving/serving_endpoint.h"
+#include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"
 
@@ -31,57 +32,17 @@ using moerun::v1::InferResponse;
 
 constexpr char kKey[] = "k3y-0f-the-serving-path-7f1c9a";
 
-// A router in miniature: the single-process layer behind a Batcher and a ServingEndpoint.
-class Server {
+// A router in miniature (tests/serving/mini_router.h) whose endpoint requires `key` (none: "").
+class Server : public MiniRouter {
  public:
-  explicit Server(std::string key) : kernels_(KernelsFor(BestIsa())), pool_(1) {
-    layer_ = std::make_unique<MoeLayer>(LoadFixture("deepseek_v3", kernels_), kernels_, &pool_);
-    hidden_ = layer_->weights().spec.hidden;
-    batcher_ = std::make_unique<Batcher>(BatcherOptions{}, hidden_);
-    ServingOptions so;
-    so.framed.listen = HostPort{"127.0.0.1", 0};
-    so.framed.name = "test serving";
-    so.key = std::move(key);
-    ServedModel m;
-    m.layers = {0};
-    m.hidden = hidden_;
-    m.max_request_tokens = 4096;
-    auto ep = ServingEndpoint::Start(so, m, batcher_.get(), &metrics_);
-    EXPECT_TRUE(ep.ok()) << ep.status().ToString();
-    endpoint_ = std::move(*ep);
-    runner_ = std::thread([this] {
-      batcher_->Run(
-          [&](int, const float* x, int64_t t, float* out, std::chrono::steady_clock::time_point) {
-            return layer_->Forward(x, t, out);
-          },
-          [&] { return stop_.load(); }, [] {});
-    });
-  }
-  ~Server() {
-    stop_ = true;
-    runner_.join();
-    endpoint_->Stop();
-  }
-  std::string target() const { return "127.0.0.1:" + std::to_string(endpoint_->port()); }
-  int64_t hidden() const { return hidden_; }
-  MetricsRegistry& metrics() { return metrics_; }
-  std::vector<float> Expected(const std::vector<float>& x) {
-    std::vector<float> out(x.size());
-    EXPECT_TRUE(
-        layer_->Forward(x.data(), static_cast<int64_t>(x.size()) / hidden_, out.data()).ok());
-    return out;
-  }
+  explicit Server(std::string key) : MiniRouter(Keyed(std::move(key))) {}
 
  private:
-  const CpuKernels& kernels_;
-  ThreadPool pool_;
-  std::unique_ptr<MoeLayer> layer_;
-  int64_t hidden_ = 0;
-  MetricsRegistry metrics_;
-  std::unique_ptr<Batcher> batcher_;
-  std::unique_ptr<ServingEndpoint> endpoint_;
-  std::atomic<bool> stop_{false};
-  std::thread runner_;
+  static ServingOptions Keyed(std::string key) {
+    ServingOptions so;
+    so.key = std::move(key);
+    return so;
+  }
 };
 
 std::unique_ptr<ServeConnection> Connect(const Server& s, const std::string& key = "") {

@@ -14,6 +14,7 @@
 #include "serving/frame.h"
 #include "serving/serve_client.h"
 #include "serving/serving_endpoint.h"
+#include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"
 
@@ -24,63 +25,7 @@ using namespace moerun::testing;
 using moerun::v1::InferRequest;
 using moerun::v1::InferResponse;
 
-// A router in miniature: the single-process layer behind a Batcher and a ServingEndpoint.
-class Server {
- public:
-  explicit Server(ServingOptions so = {}, BatcherOptions bo = {},
-                  std::chrono::milliseconds slow = std::chrono::milliseconds(0))
-      : kernels_(KernelsFor(BestIsa())), pool_(1) {
-    layer_ = std::make_unique<MoeLayer>(LoadFixture("deepseek_v3", kernels_), kernels_, &pool_);
-    hidden_ = layer_->weights().spec.hidden;
-    batcher_ = std::make_unique<Batcher>(bo, hidden_);
-    so.framed.listen = HostPort{"127.0.0.1", 0};
-    so.framed.name = "test serving";
-    ServedModel m;
-    m.layers = {0};
-    m.hidden = hidden_;
-    m.max_request_tokens = 4096;
-    auto ep = ServingEndpoint::Start(so, m, batcher_.get(), &metrics_);
-    EXPECT_TRUE(ep.ok()) << ep.status().ToString();
-    endpoint_ = std::move(*ep);
-    runner_ = std::thread([this, slow] {
-      batcher_->Run(
-          [&](int, const float* x, int64_t t, float* out, std::chrono::steady_clock::time_point) {
-            if (slow.count() > 0) std::this_thread::sleep_for(slow);
-            return layer_->Forward(x, t, out);
-          },
-          [&] { return stop_.load(); }, [] {});
-    });
-  }
-  ~Server() {
-    stop_ = true;
-    runner_.join();
-    endpoint_->Stop();
-  }
-  std::string target() const { return "127.0.0.1:" + std::to_string(endpoint_->port()); }
-  int64_t hidden() const { return hidden_; }
-  ServingEndpoint& endpoint() { return *endpoint_; }
-  MetricsRegistry& metrics() { return metrics_; }
-  // What the layer computes for x, alone.
-  std::vector<float> Expected(const std::vector<float>& x) {
-    std::vector<float> out(x.size());
-    const CpuKernels& k = kernels_;
-    ThreadPool pool(1);
-    MoeLayer l(LoadFixture("deepseek_v3", k), k, &pool);
-    EXPECT_TRUE(l.Forward(x.data(), static_cast<int64_t>(x.size()) / hidden_, out.data()).ok());
-    return out;
-  }
-
- private:
-  const CpuKernels& kernels_;
-  ThreadPool pool_;
-  std::unique_ptr<MoeLayer> layer_;
-  int64_t hidden_ = 0;
-  MetricsRegistry metrics_;
-  std::unique_ptr<Batcher> batcher_;
-  std::unique_ptr<ServingEndpoint> endpoint_;
-  std::atomic<bool> stop_{false};
-  std::thread runner_;
-};
+using Server = MiniRouter;  // tests/serving/mini_router.h
 
 std::unique_ptr<ServeConnection> Connect(const Server& s) {
   auto c = ServeConnection::Connect(s.target());
