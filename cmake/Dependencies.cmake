@@ -6,6 +6,7 @@ find_package(fmt REQUIRED)
 find_package(yaml-cpp REQUIRED)
 find_package(Protobuf 3.12 REQUIRED)
 find_package(Boost 1.74 REQUIRED)  # Asio and Beast (header-only)
+find_package(OpenSSL 1.1.1 REQUIRED)  # TLS on the serving and control endpoints
 find_package(CLI11 CONFIG QUIET)
 if(NOT CLI11_FOUND)
   find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)

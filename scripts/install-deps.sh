@@ -11,6 +11,8 @@ want=(
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libucx-dev
   libboost-dev libboost-system-dev libprotobuf-dev protobuf-compiler
+  # TLS on the serving and control endpoints (Boost.Asio's SSL over OpenSSL); openssl makes certs.
+  libssl-dev openssl
   # The Python package (python/moerun): protobuf classes, numpy, PyTorch, the pybind11 module.
   python3 python3-dev python3-protobuf python3-numpy python3-torch pybind11-dev
   python3-setuptools
