@@ -274,7 +274,14 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
     MOERUN_ASSIGN_OR_RETURN(std::vector<float> x, ReadMatrix(io->input, ep.weights().spec.hidden));
     std::vector<float> out(x.size());
     const auto t0 = std::chrono::steady_clock::now();
-    MOERUN_RETURN_IF_ERROR(ep.Forward(x.data(), io->input.rows, out.data()));
+    if (Status fs = ep.Forward(x.data(), io->input.rows, out.data()); !fs.ok()) {
+      // The job ends with this error whatever the others do: over mpirun, abort now rather than
+      // first stopping the expert ranks one by one (they would enter MPI_Finalize, which waits
+      // for a frozen rank, while this rank aborts: Open MPI 4.1's teardown has been seen to hang
+      // on that race). In one process the caller's Abort ends every rank's thread the same way.
+      if (job.multi_process()) job.Abort(FailWith(fs));
+      return fs;
+    }
     const double ms = MsSince(t0);
     const std::string how = fmt::format(
         "{} ranks ({} router, {} expert) over {} | placement {} | microbatch {} | cpu {}",

@@ -84,6 +84,12 @@ attempt() {
       kill -CONT "$pid" 2>/dev/null; resumed=1
     fi
     if (( SECONDS - stopped_at > 30 )); then
+      # Where each process of the job is (state, kernel wait channel), to tell which one hangs.
+      echo "--- the job's processes 30 s after the signal:"
+      for p in $(tagged_pids); do
+        ps -o pid=,stat=,wchan:32=,args= -p "$p" 2>/dev/null | cut -c1-160
+        tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -E '^OMPI_COMM_WORLD_RANK=' | sed 's/^/    /'
+      done
       fail "mpirun still running 30 s after rank 2 was stopped (hang)"
     fi
     sleep 0.2
