@@ -27,6 +27,11 @@ static_assert(std::endian::native == std::endian::little,
               "the wire format is little-endian; this client writes host floats as they are");
 
 constexpr size_t kReadChunk = 256 << 10;
+// TLS: buffers smaller than this are gathered into one write (one record, not one per buffer).
+constexpr size_t kTlsGather = 16 << 10;
+// TLS: a write that needs to read first (a renegotiation) waits at most this long at a time,
+// since a thread in Receive may be the one that reads what it waits for.
+constexpr auto kTlsWriteWantsRead = std::chrono::milliseconds(10);
 
 std::string Errno(int e) { return std::strerror(e); }
 
@@ -119,6 +124,30 @@ Result<int> ConnectOne(const addrinfo* ai, Deadline deadline) {
   return fd;
 }
 
+// The TLS handshake on a connected fd within connect_timeout. Errors name the target.
+Result<std::unique_ptr<TlsSession>> StartTls(int fd, const ClientOptions& o,
+                                             const std::string& host, const std::string& target) {
+  const std::string where = "connect to " + target;
+  auto session = TlsSession::Create(fd, o.tls, host);
+  if (!session.ok()) return session.status().WithContext(where);
+  const Deadline deadline = DeadlineIn(o.connect_timeout);
+  for (;;) {
+    std::string why;
+    const TlsSession::Io io = (*session)->Handshake(&why);
+    if (io == TlsSession::Io::kDone) return session;
+    if (io == TlsSession::Io::kClosed || io == TlsSession::Io::kError) {
+      return Status::Unavailable(where + ": TLS handshake failed: " + why);
+    }
+    const short events = io == TlsSession::Io::kWantRead ? POLLIN : POLLOUT;
+    const Status st = WaitFd(fd, events, deadline, "TLS handshake");
+    if (st.code() == StatusCode::kDeadlineExceeded) {
+      return Status::DeadlineExceeded(where + ": TLS handshake failed: no answer within " +
+                                      std::to_string(o.connect_timeout.count()) + " ms");
+    }
+    if (!st.ok()) return st.WithContext(where);
+  }
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ServeConnection>> ServeConnection::Connect(const std::string& host_port,
@@ -141,7 +170,18 @@ Result<std::unique_ptr<ServeConnection>> ServeConnection::Connect(const std::str
     auto fd = ConnectOne(ai, DeadlineIn(o.connect_timeout));
     if (fd.ok()) {
       ::freeaddrinfo(res);
-      return std::unique_ptr<ServeConnection>(new ServeConnection(*fd, host_port, o));
+      std::unique_ptr<TlsSession> tls;
+      if (o.tls.enabled) {
+        // The server answered: a failed handshake is its answer (no other address is tried).
+        auto session = StartTls(*fd, o, host, host_port);
+        if (!session.ok()) {
+          ::close(*fd);
+          return session.status();
+        }
+        tls = std::move(session).value();
+      }
+      return std::unique_ptr<ServeConnection>(
+          new ServeConnection(*fd, host_port, std::move(o), std::move(tls)));
     }
     std::string msg = fd.status().message();
     if (fd.status().code() == StatusCode::kDeadlineExceeded) {
@@ -154,8 +194,13 @@ Result<std::unique_ptr<ServeConnection>> ServeConnection::Connect(const std::str
   return last;
 }
 
-ServeConnection::ServeConnection(int fd, std::string target, ClientOptions o)
-    : fd_(fd), target_(std::move(target)), opts_(o), decoder_(o.max_frame_bytes) {}
+ServeConnection::ServeConnection(int fd, std::string target, ClientOptions o,
+                                 std::unique_ptr<TlsSession> tls)
+    : fd_(fd),
+      target_(std::move(target)),
+      opts_(std::move(o)),
+      decoder_(opts_.max_frame_bytes),
+      tls_(std::move(tls)) {}
 
 ServeConnection::~ServeConnection() { Close(); }
 
@@ -164,36 +209,96 @@ void ServeConnection::Shutdown() {
 }
 
 void ServeConnection::Close() {
+  tls_.reset();  // its close_notify needs the fd
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
+}
+
+ssize_t ServeConnection::WriteSome(const struct iovec* iov, int count, short* events,
+                                   Status* error) {
+  if (!tls_) {
+    msghdr msg{};
+    msg.msg_iov = const_cast<struct iovec*>(iov);
+    msg.msg_iovlen = static_cast<size_t>(std::min(count, IOV_MAX));
+    for (;;) {
+      const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (n >= 0) return n;
+      const int e = errno;
+      if (e == EINTR) continue;
+      if (e == EAGAIN || e == EWOULDBLOCK) {
+        *events = POLLOUT;
+        return -1;
+      }
+      *error = (e == EPIPE || e == ECONNRESET)
+                   ? Status::Unavailable(target_ + ": connection closed by the server")
+                   : Status::IoError(target_ + ": send: " + Errno(e));
+      return -2;
+    }
+  }
+  // TLS: one buffer as it is, or several small ones gathered into wbuf_ (the same bytes again
+  // after a retry, as OpenSSL requires: the iovs do not move until something is written).
+  const void* bytes = iov[0].iov_base;
+  size_t n = iov[0].iov_len;
+  if (n < kTlsGather && count > 1) {
+    wbuf_.resize(kTlsGather);
+    n = 0;
+    for (int i = 0; i < count && n < kTlsGather; ++i) {
+      const size_t take = std::min(iov[i].iov_len, kTlsGather - n);
+      std::memcpy(wbuf_.data() + n, iov[i].iov_base, take);
+      n += take;
+    }
+    bytes = wbuf_.data();
+  }
+  size_t sent = 0;
+  std::string why;
+  switch (tls_->Write(bytes, n, &sent, &why)) {
+    case TlsSession::Io::kDone:
+      return static_cast<ssize_t>(sent);
+    case TlsSession::Io::kWantRead:
+      *events = POLLIN;
+      return -1;
+    case TlsSession::Io::kWantWrite:
+      *events = POLLOUT;
+      return -1;
+    case TlsSession::Io::kClosed:
+      *error = Status::Unavailable(target_ + ": connection closed by the server");
+      return -2;
+    case TlsSession::Io::kError:
+      break;
+  }
+  *error = Status::IoError(target_ + ": TLS " + why);
+  return -2;
 }
 
 Status ServeConnection::SendIov(struct iovec* iov, int count, Deadline deadline) {
   if (!send_error_.ok()) return send_error_;
   if (fd_ < 0) return Status::Unavailable(target_ + ": connection closed");
+  // TLS: once a write was tried, its bytes may be partly out (OpenSSL holds the rest).
   bool started = false;
   while (count > 0) {
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<size_t>(std::min(count, IOV_MAX));
-    const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
-    if (n < 0) {
-      const int e = errno;
-      if (e == EINTR) continue;
-      if (e == EAGAIN || e == EWOULDBLOCK) {
-        Status st = WaitFd(fd_, POLLOUT, deadline, "send");
-        if (!st.ok()) {
-          st = st.WithContext(target_);
-          // A frame cut in the middle leaves the stream out of sync for good.
-          if (started) send_error_ = Status(st.code(), st.message() + " (part of a frame sent)");
-          return st;
-        }
+    short events = 0;
+    Status error;
+    const ssize_t n = WriteSome(iov, count, &events, &error);
+    if (n == -2) {
+      send_error_ = error;
+      return send_error_;
+    }
+    if (n == -1) {
+      started = started || tls_ != nullptr;
+      // A TLS write that must read first polls in short steps: a Receive may read it.
+      const bool step = events == POLLIN;
+      const Deadline until = step ? std::min(deadline, DeadlineIn(kTlsWriteWantsRead)) : deadline;
+      Status st = WaitFd(fd_, events, until, "send");
+      if (step && st.code() == StatusCode::kDeadlineExceeded && SteadyClock::now() < deadline) {
         continue;
       }
-      send_error_ = (e == EPIPE || e == ECONNRESET)
-                        ? Status::Unavailable(target_ + ": connection closed by the server")
-                        : Status::IoError(target_ + ": send: " + Errno(e));
-      return send_error_;
+      if (!st.ok()) {
+        st = st.WithContext(target_);
+        // A frame cut in the middle leaves the stream out of sync for good.
+        if (started) send_error_ = Status(st.code(), st.message() + " (part of a frame sent)");
+        return st;
+      }
+      continue;
     }
     started = started || n > 0;
     size_t left = static_cast<size_t>(n);
@@ -245,20 +350,41 @@ Status ServeConnection::ReceiveFrame(std::string* body, Deadline deadline) {
         kFrameHeaderBytes + static_cast<size_t>(decoder_.max_frame_bytes()) - decoder_.buffered();
     const size_t want = std::min(kReadChunk, std::max<size_t>(room, 1));
     if (rbuf_.size() < want) rbuf_.resize(kReadChunk);
-    const ssize_t n = ::recv(fd_, rbuf_.data(), want, 0);
-    if (n > 0) {
-      decoder_.Feed(rbuf_.data(), static_cast<size_t>(n));
-      continue;
-    }
-    if (n == 0) {
+    const auto closed = [&](const std::string& why) {
       const size_t partial = decoder_.buffered();
       recv_error_ =
           Status::Unavailable(target_ + ": connection closed by the server" +
                               (partial > 0 ? " in the middle of a frame (" +
                                                  std::to_string(partial) + " bytes of it received)"
-                                           : std::string()));
+                                           : std::string()) +
+                              why);
       return recv_error_;
+    };
+    if (tls_) {
+      // OpenSSL's buffered bytes come first: the fd is polled only when it wants more.
+      size_t got = 0;
+      std::string why;
+      const TlsSession::Io io = tls_->Read(rbuf_.data(), want, &got, &why);
+      if (io == TlsSession::Io::kDone) {
+        decoder_.Feed(rbuf_.data(), got);
+        continue;
+      }
+      if (io == TlsSession::Io::kClosed) return closed("");
+      if (io == TlsSession::Io::kError) {
+        recv_error_ = Status::IoError(target_ + ": TLS " + why);
+        return recv_error_;
+      }
+      const short events = io == TlsSession::Io::kWantWrite ? POLLOUT : POLLIN;
+      Status st = WaitFd(fd_, events, deadline, "receive");
+      if (!st.ok()) return st.WithContext(target_);
+      continue;
     }
+    const ssize_t n = ::recv(fd_, rbuf_.data(), want, 0);
+    if (n > 0) {
+      decoder_.Feed(rbuf_.data(), static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0) return closed("");
     const int e = errno;
     if (e == EINTR) continue;
     if (e == EAGAIN || e == EWOULDBLOCK) {
@@ -266,9 +392,8 @@ Status ServeConnection::ReceiveFrame(std::string* body, Deadline deadline) {
       if (!st.ok()) return st.WithContext(target_);
       continue;
     }
-    recv_error_ = e == ECONNRESET
-                      ? Status::Unavailable(target_ + ": connection closed by the server (reset)")
-                      : Status::IoError(target_ + ": recv: " + Errno(e));
+    if (e == ECONNRESET) return closed(" (reset)");
+    recv_error_ = Status::IoError(target_ + ": recv: " + Errno(e));
     return recv_error_;
   }
 }

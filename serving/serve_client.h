@@ -6,7 +6,13 @@
 // (only the name lookup of Connect is not: give numeric addresses where that matters). Several
 // requests may be in flight on one connection; answers come back in any order, matched by id.
 //
-// Thread-safety: one thread may Send while another Receives (the two directions share no state);
+// TLS (ClientOptions::tls.enabled): the same frames inside TLS 1.2 or newer; Connect does the
+// handshake (within connect_timeout), verifying the server's certificate and name always
+// (serving/tls_client.h). Send, SendRaw, SendParts and Receive then go through TLS, with the
+// same deadlines and the same thread-safety.
+//
+// Thread-safety: one thread may Send while another Receives (the two directions share no state
+// but the TLS session, whose every call is under its own mutex);
 // two Sends, or two Receives, at once are not allowed. Shutdown may be called from any thread and
 // wakes a blocked Send or Receive; Close and the destructor only when no call is running.
 // After a Send that failed part-way the outgoing stream is out of sync and every later Send fails;
@@ -28,6 +34,7 @@
 #include "base/status.h"
 #include "moerun/v1/serving.pb.h"
 #include "serving/frame.h"
+#include "serving/tls_client.h"
 
 namespace moerun {
 
@@ -37,13 +44,17 @@ struct ClientOptions {
   // The serving key (the server's serving.key_file), sent in every InferRequest that SendRequest
   // and Call send without one of its own; empty: none.
   std::string key;
+  // TLS to the server (tls.enabled); off: plain TCP.
+  ClientTls tls;
 };
 
 class ServeConnection {
  public:
   // "HOST:PORT" or "[IPv6]:PORT". Tries every address the name resolves to, each within
   // connect_timeout. Errors name the target: kInvalidArgument (not HOST:PORT), kUnavailable
-  // (unknown host, refused, unreachable), kDeadlineExceeded (no answer in time).
+  // (unknown host, refused, unreachable; with TLS: "connect to HOST:PORT: TLS handshake failed:
+  // certificate verify failed (self-signed certificate)", or the server closed the handshake),
+  // kDeadlineExceeded (no answer in time, the handshake included).
   static Result<std::unique_ptr<ServeConnection>> Connect(const std::string& host_port,
                                                           ClientOptions o = {});
   ~ServeConnection();
@@ -73,14 +84,21 @@ class ServeConnection {
   Status Call(const v1::InferRequest& request, v1::InferResponse* response, Deadline deadline);
 
   int fd() const { return fd_; }
+  // Whether the connection speaks TLS; "TLSv1.3 TLS_AES_256_GCM_SHA384" (empty: plain TCP).
+  bool tls() const { return tls_ != nullptr; }
+  std::string TlsDescription() const { return tls_ ? tls_->Describe() : std::string(); }
   const std::string& target() const { return target_; }
   // Shuts both directions down (wakes a thread blocked in Send or Receive); the fd stays open.
   void Shutdown();
   void Close();
 
  private:
-  ServeConnection(int fd, std::string target, ClientOptions o);
+  ServeConnection(int fd, std::string target, ClientOptions o, std::unique_ptr<TlsSession> tls);
   Status SendIov(struct iovec* iov, int count, Deadline deadline);
+  // One write of the iovs' first bytes: sendmsg, or one TLS write (small buffers gathered
+  // into wbuf_ first). >= 0: bytes written; -1: wait for *events and try again with the same
+  // iovs; -2: failed (*error set).
+  ssize_t WriteSome(const struct iovec* iov, int count, short* events, Status* error);
 
   int fd_ = -1;
   std::string target_;
@@ -89,6 +107,8 @@ class ServeConnection {
   Status recv_error_;  // sticky: closed, reset or lost sync
   FrameDecoder decoder_;
   std::vector<char> rbuf_;
+  std::unique_ptr<TlsSession> tls_;  // null: plain TCP
+  std::vector<char> wbuf_;           // TLS: small buffers gathered into one record
 };
 
 // The bytes of InferRequest.key = `key` as a field: appended to a serialized request, they set
