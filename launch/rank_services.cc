@@ -31,12 +31,10 @@ void DeadExpertRanks(const std::vector<PeerView>& peers, int routers, std::vecto
 }
 }  // namespace
 
-Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placement& placement,
-                                                          const ModelSpec& spec,
-                                                          const std::vector<int>& layers,
-                                                          const Transport* transport,
-                                                          const HostPort& metrics_listen,
-                                                          std::chrono::milliseconds load_window) {
+Result<std::unique_ptr<RankServices>> RankServices::Start(
+    int rank, const Placement& placement, const ModelSpec& spec, const std::vector<int>& layers,
+    const Transport* transport, const HostPort& metrics_listen,
+    std::chrono::milliseconds load_window, HttpServerOptions http) {
   std::unique_ptr<RankServices> rs(new RankServices());
   rs->rank_ = rank;
   rs->router_ = rank < placement.num_routers();
@@ -147,9 +145,9 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(int rank, const Placem
     return HttpReply{503, "text/plain; charset=utf-8", "not ready: " + why + "\n"};
   };
   const HostPort where = WithPortOffset(metrics_listen, rank);
-  MOERUN_ASSIGN_OR_RETURN(rs->http_,
-                          HttpServer::Start(where, std::move(routes),
-                                            role + " rank " + std::to_string(rank) + " http"));
+  MOERUN_ASSIGN_OR_RETURN(
+      rs->http_, HttpServer::Start(where, std::move(routes),
+                                   role + " rank " + std::to_string(rank) + " http", http));
   return rs;
 }
 

@@ -37,11 +37,13 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& report);
 
 class RankServices : public PlanSource {
  public:
-  // Registers the rank's metrics and starts its HTTP endpoint at metrics_listen + rank.
+  // Registers the rank's metrics and starts its HTTP endpoint at metrics_listen + rank (with
+  // `http`'s idle timeout and connection cap: serving.http_idle_timeout_ms, _max_connections).
   static Result<std::unique_ptr<RankServices>> Start(
       int rank, const Placement& placement, const ModelSpec& spec, const std::vector<int>& layers,
       const Transport* transport, const HostPort& metrics_listen,
-      std::chrono::milliseconds load_window = std::chrono::seconds(60));
+      std::chrono::milliseconds load_window = std::chrono::seconds(60),
+      HttpServerOptions http = {});
   ~RankServices();
 
   bool router() const { return router_; }

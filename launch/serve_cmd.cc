@@ -210,10 +210,14 @@ Status ServeExpert(RankJob& job, RankServices& services, const DeviceFlags& dev)
 Status ServeRank(Transport* t, const ServeSetup& setup, const JobOptions& options,
                  const DeviceFlags& dev) {
   MOERUN_ASSIGN_OR_RETURN(auto job, RankJob::Prepare(t, options));
+  const ServingConfig& sc = setup.config.serving;
+  HttpServerOptions http;
+  http.idle_timeout = std::chrono::milliseconds(sc.http_idle_timeout_ms);
+  http.max_connections = sc.http_max_connections;
   MOERUN_ASSIGN_OR_RETURN(
-      auto services, RankServices::Start(job->rank(), job->placement(), job->spec(), options.layers,
-                                         t, setup.metrics_listen,
-                                         std::chrono::seconds(setup.config.serving.load_window_s)));
+      auto services,
+      RankServices::Start(job->rank(), job->placement(), job->spec(), options.layers, t,
+                          setup.metrics_listen, std::chrono::seconds(sc.load_window_s), http));
   MOERUN_RETURN_IF_ERROR(job->Load());
   MOERUN_RETURN_IF_ERROR(job->WaitReady());
   services->set_loaded();

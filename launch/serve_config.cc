@@ -237,12 +237,26 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   if (const YAML::Node n = root["serving"]) {
     Reader sr(n, source + ": \"serving\"");
     ServingConfig& v = c.serving;
-    MOERUN_RETURN_IF_ERROR(sr.CheckKeys(
-        {"listen", "control_listen", "metrics_listen", "token_file", "key_file", "max_frame_bytes",
-         "max_connections", "max_inflight_per_connection", "max_buffered_bytes",
-         "max_request_tokens", "default_deadline_ms", "frame_timeout_ms", "probe_interval_ms",
-         "probe_deadline_ms", "drain_timeout_s", "load_window_s", "first_frame_timeout_ms",
-         "idle_timeout_ms"}));
+    MOERUN_RETURN_IF_ERROR(sr.CheckKeys({"listen",
+                                         "control_listen",
+                                         "metrics_listen",
+                                         "token_file",
+                                         "key_file",
+                                         "max_frame_bytes",
+                                         "max_connections",
+                                         "max_inflight_per_connection",
+                                         "max_buffered_bytes",
+                                         "max_request_tokens",
+                                         "default_deadline_ms",
+                                         "frame_timeout_ms",
+                                         "probe_interval_ms",
+                                         "probe_deadline_ms",
+                                         "drain_timeout_s",
+                                         "load_window_s",
+                                         "first_frame_timeout_ms",
+                                         "idle_timeout_ms",
+                                         "http_idle_timeout_ms",
+                                         "http_max_connections"}));
     MOERUN_RETURN_IF_ERROR(sr.GetString("listen", &v.listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("control_listen", &v.control_listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("metrics_listen", &v.metrics_listen));
@@ -265,6 +279,10 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
     MOERUN_RETURN_IF_ERROR(
         sr.Get<int64_t>("first_frame_timeout_ms", &v.first_frame_timeout_ms, 1, 3600000));
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("idle_timeout_ms", &v.idle_timeout_ms, 1, 86400000));
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int64_t>("http_idle_timeout_ms", &v.http_idle_timeout_ms, 1, 86400000));
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int>("http_max_connections", &v.http_max_connections, 1, 1 << 16));
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_interval_ms", &v.probe_interval_ms, 1, 3600000));
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_deadline_ms", &v.probe_deadline_ms, 1, 3600000));
     MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("drain_timeout_s", &v.drain_timeout_s, 0, 86400));

@@ -30,6 +30,10 @@ struct ServingConfig {
   int64_t frame_timeout_ms = 10000;
   int64_t first_frame_timeout_ms = 10000;  // a new connection's first frame must start by then
   int64_t idle_timeout_ms = 60000;         // between frames, with no answer owed
+  // The HTTP endpoint (/metrics, /health): a connection waiting for a request's first byte this
+  // long is closed; at most this many connections (serving/http_server.h).
+  int64_t http_idle_timeout_ms = 10000;
+  int http_max_connections = 512;
   int64_t probe_interval_ms = 1000;
   int64_t probe_deadline_ms = 2000;
   int64_t drain_timeout_s = 30;

@@ -79,6 +79,28 @@ TEST(ServeConfigTest, ServingKeyFile) {
   EXPECT_NE(bad.status().message().find("key_file"), std::string::npos) << bad.status().message();
 }
 
+TEST(ServeConfigTest, HttpEndpointKeys) {
+  auto d = ParseServeConfig("model: m\n", "c.yaml", "");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->serving.http_idle_timeout_ms, 10000);  // the HTTP server's defaults
+  EXPECT_EQ(d->serving.http_max_connections, 512);
+  auto c = ParseServeConfig(
+      "model: m\nserving: {http_idle_timeout_ms: 2500, http_max_connections: 64}\n", "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->serving.http_idle_timeout_ms, 2500);
+  EXPECT_EQ(c->serving.http_max_connections, 64);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"{http_idle_timeout_ms: 0}", "\"http_idle_timeout_ms\" must be in"},
+      {"{http_max_connections: 0}", "\"http_max_connections\" must be in"},
+      {"{http_max_connections: 100000}", "\"http_max_connections\" must be in"},
+  };
+  for (const auto& [serving, want] : bad) {
+    auto e = ParseServeConfig("model: m\nserving: " + serving + "\n", "c.yaml", "");
+    ASSERT_FALSE(e.ok()) << serving;
+    EXPECT_NE(e.status().message().find(want), std::string::npos) << e.status().message();
+  }
+}
+
 TEST(ServeConfigTest, RebalanceKeys) {
   auto d = ParseServeConfig("model: m\n", "c.yaml", "");
   ASSERT_TRUE(d.ok());
