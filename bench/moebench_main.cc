@@ -151,6 +151,10 @@ int main(int argc, char** argv) {
     serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
     serve->add_option("--key-file", sf.key_file,
                       "Serving key file (chmod 600), for a server with serving.key_file");
+    serve->add_option("--tls-ca-file", sf.tls_ca_file,
+                      "Speak TLS, verifying the server with this PEM CA file (serving.tls)");
+    serve->add_option("--tls-server-name", sf.tls_server_name,
+                      "Name the server's certificate must carry (default: the target's host)");
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
     serve->add_option("--plot", sf.plot,
                       "Also draw latency and throughput per second of the run: an SVG FILE");

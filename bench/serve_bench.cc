@@ -201,9 +201,12 @@ int InputOf(const Workload& w, int conn, uint64_t seq) {
   return static_cast<int>((seq + static_cast<uint64_t>(conn) * 7919u) % w.bodies.size());
 }
 
-FailoverOptions ClientFailover() {
+FailoverOptions ClientFailover(const ServeBenchFlags& f) {
   FailoverOptions o;
   o.client.connect_timeout = milliseconds(2000);
+  o.client.tls.enabled = !f.tls_ca_file.empty();
+  o.client.tls.ca_file = f.tls_ca_file;
+  o.client.tls.server_name = f.tls_server_name;
   return o;
 }
 
@@ -437,6 +440,9 @@ Status Validate(const ServeBenchFlags& f) {
     return bad("--deadline-ms must be in 0..86400000 (0: the server's default)");
   }
   if (f.inputs < 1 || f.inputs > 65536) return bad("--inputs must be in 1..65536");
+  if (!f.tls_server_name.empty() && f.tls_ca_file.empty()) {
+    return bad("--tls-server-name needs --tls-ca-file (the CA the server is verified with)");
+  }
   if (f.hidden < 0 || f.hidden > (1 << 20)) return bad("--hidden must be in 1..1048576");
   if (!f.verify) {
     if (f.hidden == 0) return bad("--hidden H is required without --verify");
@@ -562,7 +568,9 @@ int RunServeBench(const ServeBenchFlags& f) {
   w.targets = *ParseTargets(f.target);  // checked by Validate
   {
     // Fail fast on an unreachable target, before loading a layer.
-    FailoverClient probe(w.targets);
+    FailoverOptions po = ClientFailover(f);
+    po.client.connect_timeout = ClientOptions{}.connect_timeout;
+    FailoverClient probe(w.targets, 0, po);
     if (Status s = probe.Connect(); !s.ok()) return FailWith(s);
   }
   if (!f.key_file.empty()) {
@@ -576,7 +584,7 @@ int RunServeBench(const ServeBenchFlags& f) {
   std::vector<std::unique_ptr<FailoverClient>> clients;
   for (int c = 0; c < f.concurrency; ++c) {
     clients.push_back(
-        std::make_unique<FailoverClient>(w.targets, static_cast<size_t>(c), ClientFailover()));
+        std::make_unique<FailoverClient>(w.targets, static_cast<size_t>(c), ClientFailover(f)));
     if (Status st = clients.back()->Connect(); !st.ok()) return FailWith(st);
   }
   const bool open = f.rate > 0;

@@ -13,6 +13,8 @@
 // a fault injected at a known time can be read off it; --plot FILE.svg draws that timeline:
 // latency p50/p99/max and answers per second). Requests sent
 // during the warmup are left out of the statistics (their errors still fail the run).
+// With --tls-ca-file every connection speaks TLS (the handshake is not part of a request's
+// latency: connections are made before the run).
 // Exit code: 0 all answers OK (and verified), 1 any error or mismatch, 2 bad flags.
 #pragma once
 
@@ -41,6 +43,11 @@ struct ServeBenchFlags {
   bool json = false;
   std::string plot;      // --plot FILE.svg: latency and throughput per second of the run
   std::string key_file;  // --key-file: the serving key sent in every request (chmod 600)
+  // TLS (a server with serving.tls): --tls-ca-file FILE, the CA the server's certificate is
+  // verified with (implies TLS); --tls-server-name NAME, the name it must carry (default: the
+  // host of each --target).
+  std::string tls_ca_file;
+  std::string tls_server_name;
 };
 
 int RunServeBench(const ServeBenchFlags& f);

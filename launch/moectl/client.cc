@@ -1,6 +1,10 @@
 #include "launch/moectl/client.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <utility>
 
@@ -22,6 +26,18 @@ void AddConnectionOptions(CLI::App& app, Session& s) {
       ->envname("MOERUN_TOKEN_FILE");
   app.add_option("--timeout-ms", s.timeout_ms, "Give up on one request after this long")
       ->default_val(10000);
+  app.add_flag("--tls", s.tls,
+               "Speak TLS to the control endpoint (the server's certificate is verified with the "
+               "system's CA store unless --tls-ca-file)");
+  app.add_option("--tls-ca-file", s.tls_options.ca_file,
+                 "PEM CA certificate(s) the server's certificate is verified with (implies --tls)")
+      ->envname("MOERUN_TLS_CA_FILE");
+  app.add_option("--tls-server-name", s.tls_options.server_name,
+                 "Name the server's certificate must carry, also sent as SNI (default: the host "
+                 "of --target; implies --tls)");
+  app.add_option("--tls-cert-file", s.tls_options.cert_file,
+                 "Client certificate (PEM), for a server that requires one (implies --tls)");
+  app.add_option("--tls-key-file", s.tls_options.key_file, "Private key (PEM) of --tls-cert-file");
 }
 
 int Fail(const std::string& message, int code) {
@@ -29,8 +45,11 @@ int Fail(const std::string& message, int code) {
   return code;
 }
 
-ControlClient::ControlClient(std::string target, std::string token, int timeout_ms)
-    : target_(std::move(target)), token_(std::move(token)), timeout_ms_(timeout_ms) {}
+ControlClient::ControlClient(std::string target, std::string token, int timeout_ms, ClientTls tls)
+    : target_(std::move(target)),
+      token_(std::move(token)),
+      timeout_ms_(timeout_ms),
+      tls_(std::move(tls)) {}
 
 int ControlClient::Call(const v1::ControlRequest& req, v1::ControlResponse* resp, bool retry) {
   Status s = Exchange(req, resp, retry);
@@ -57,6 +76,7 @@ Status ControlClient::CallOnce(const v1::ControlRequest& req, v1::ControlRespons
   if (!conn_) {
     ClientOptions co;
     co.connect_timeout = std::chrono::milliseconds(timeout_ms_);
+    co.tls = tls_;
     auto conn = ServeConnection::Connect(target_, co);
     if (!conn.ok()) return conn.status();
     conn_ = std::move(conn).value();
@@ -66,6 +86,21 @@ Status ControlClient::CallOnce(const v1::ControlRequest& req, v1::ControlRespons
 }
 
 std::unique_ptr<ControlClient> MakeClient(const Session& s) {
+  ClientTls tls = s.tls_options;
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    Fail("--tls-cert-file and --tls-key-file go together", 2);
+    return nullptr;
+  }
+  for (const auto& [flag, path] :
+       {std::pair<const char*, const std::string&>{"--tls-ca-file", tls.ca_file},
+        {"--tls-cert-file", tls.cert_file},
+        {"--tls-key-file", tls.key_file}}) {
+    if (!path.empty() && ::access(path.c_str(), R_OK) != 0) {
+      Fail(std::string(flag) + " " + path + ": " + std::strerror(errno), 2);
+      return nullptr;
+    }
+  }
+  tls.enabled = s.tls || !tls.ca_file.empty() || !tls.server_name.empty() || !tls.cert_file.empty();
   std::string token;
   if (!s.token_file.empty()) {
     auto t = ReadTokenFile(s.token_file);
@@ -75,7 +110,7 @@ std::unique_ptr<ControlClient> MakeClient(const Session& s) {
     }
     token = std::move(t).value();
   }
-  return std::make_unique<ControlClient>(s.target, token, s.timeout_ms);
+  return std::make_unique<ControlClient>(s.target, token, s.timeout_ms, std::move(tls));
 }
 
 int Send(const Session& s, const v1::ControlRequest& req, v1::ControlResponse* resp, bool retry) {

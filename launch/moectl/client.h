@@ -1,5 +1,6 @@
 // What every moectl command shares: the flags before the command and the exit code (Session), a
-// client of router 0's control endpoint that sends the token of --token-file, the error message
+// client of router 0's control endpoint that sends the token of --token-file (over TLS with
+// --tls or --tls-ca-file: the server's certificate and name always verified), the error message
 // (Fail), the pace and the progress lines of --wait (Waiter), and the NUMBER >= 0 check.
 #pragma once
 
@@ -21,10 +22,14 @@ struct Session {
   std::string target = "127.0.0.1:5800";  // --target HOST:PORT
   std::string token_file;                 // --token-file, or MOERUN_TOKEN_FILE
   int timeout_ms = 10000;                 // --timeout-ms: one request
+  // --tls; --tls-ca-file (or MOERUN_TLS_CA_FILE), --tls-server-name, --tls-cert-file and
+  // --tls-key-file (a client certificate, for a server with tls.client_ca_file) imply it.
+  bool tls = false;
+  ClientTls tls_options;  // enabled is set by MakeClient
   int rc = 0;
 };
 
-// --target, --token-file and --timeout-ms on the top-level app.
+// --target, --token-file, --timeout-ms and the --tls flags on the top-level app.
 void AddConnectionOptions(CLI::App& app, Session& s);
 
 // Prints "moectl: MESSAGE" on stderr and returns `code`, the exit code.
@@ -34,7 +39,7 @@ int Fail(const std::string& message, int code = 1);
 // fails on the wire is tried again once on a fresh connection when `retry` (read-only requests).
 class ControlClient {
  public:
-  ControlClient(std::string target, std::string token, int timeout_ms);
+  ControlClient(std::string target, std::string token, int timeout_ms, ClientTls tls = {});
 
   // 0 with the answer in *resp, or 1 after printing why (failed, or refused by the router).
   int Call(const v1::ControlRequest& req, v1::ControlResponse* resp, bool retry);
@@ -45,11 +50,12 @@ class ControlClient {
 
   std::string target_, token_;
   int timeout_ms_;
+  ClientTls tls_;
   std::unique_ptr<ServeConnection> conn_;
 };
 
-// The client of --target with the token of --token-file, read now; null after printing why
-// (the exit code is then 2).
+// The client of --target with the token of --token-file, read now, and the --tls flags; null
+// after printing why (the exit code is then 2).
 std::unique_ptr<ControlClient> MakeClient(const Session& s);
 
 // One request on a client of its own: 0 with the answer in *resp, or the exit code after

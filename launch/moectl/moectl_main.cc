@@ -21,9 +21,11 @@
 //   moectl ... expert rollback --layer L --expert E [--json]
 // --wait polls every 0.5 s, printing a line when something changes, until the migration is no
 // longer "running" (or the update no longer "loading"); --json prints the final answer only.
-// The token comes from --token-file or MOERUN_TOKEN_FILE. Exit: 0 ok (a migration done, skipped
-// or still running without --wait; an update loading, canary, promoted or rolled back), 1 refused
-// or failed (also: a file that cannot be read), 2 bad usage.
+// The token comes from --token-file or MOERUN_TOKEN_FILE. A job with serving.tls: --tls-ca-file
+// FILE (or MOERUN_TLS_CA_FILE; --tls alone: the system's CA store), --tls-server-name NAME when
+// --target's host is not a name or address in the server's certificate. Exit: 0 ok (a migration
+// done, skipped or still running without --wait; an update loading, canary, promoted or rolled
+// back), 1 refused or failed (also: a file that cannot be read), 2 bad usage.
 #include <CLI/CLI.hpp>
 
 #include "launch/cli_options.h"

@@ -15,10 +15,16 @@ aligned. :func:`parse_infer_response` parses everything but ``data`` with Protob
 data as a writable ``numpy.uint8`` view of the frame's buffer: no copy. A length prefix over the
 limit raises :class:`~moerun.errors.FrameTooLargeError` before any of the body is buffered.
 
+TLS: the same frames inside an ``ssl.SSLSocket`` (non-blocking). :func:`send_some` and
+:func:`recv_some` take either kind of socket; over TLS a write is one ``send`` of at most
+``_TLS_CHUNK`` bytes (small parts gathered into one record) and OpenSSL's "want read/write"
+becomes :class:`TlsWouldBlock` (a ``BlockingIOError``).
+
 Internal: used by moerun.client, moerun.aio and moerun.ctl.
 """
 
 import socket
+import ssl
 import struct
 from typing import List, Optional, Sequence, Tuple
 
@@ -38,6 +44,8 @@ _DATA_TAG = 0x2A            # InferRequest.data: field 5, wire type 2
 _RESPONSE_DATA_FIELD = 6    # InferResponse.data
 _IOV_MAX = 512              # parts per sendmsg call (IOV_MAX is 1024 on Linux)
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
+_TLS_GATHER = 16 << 10      # TLS: parts smaller than this are gathered into one write
+_TLS_CHUNK = 256 << 10      # TLS: bytes per write (a slice of a part: no copy)
 
 
 def encode_varint(n: int) -> bytes:
@@ -76,11 +84,25 @@ def infer_request_parts(request, data: Optional[memoryview]) -> Tuple[List, int]
     return ([first, data] if n else [first]), HEADER_BYTES + size
 
 
-def send_some(sock: socket.socket, parts: List) -> List:
-    """One ``sendmsg`` of ``parts`` (a list of byte buffers) on a non-blocking socket: returns
-    the parts still to send (the first one cut where the write stopped). Raises
-    ``BlockingIOError`` when nothing could be written, ``OSError`` when the connection broke."""
-    n = sock.sendmsg(parts[:_IOV_MAX], (), _SEND_FLAGS)
+class TlsWouldBlock(BlockingIOError):
+    """A TLS write that could not finish: call :func:`send_some` again with the same parts
+    (OpenSSL requires the same bytes; some of them may be on the wire already, so the frame
+    counts as started). ``want_read``: OpenSSL must read first (a renegotiation), not write."""
+
+    def __init__(self, want_read: bool):
+        super().__init__("TLS write would block")
+        self.want_read = want_read
+
+
+def _bytes_view(part) -> memoryview:
+    mv = memoryview(part)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _advance(parts: List, n: int) -> List:
+    """The parts after the first n bytes (the first one cut where the write stopped)."""
     i = 0
     while i < len(parts):
         size = memoryview(parts[i]).nbytes
@@ -90,11 +112,60 @@ def send_some(sock: socket.socket, parts: List) -> List:
         i += 1
     rest = parts[i:]
     if rest and n:
-        first = memoryview(rest[0])
-        if first.format != "B" or first.ndim != 1:
-            first = first.cast("B")
-        rest[0] = first[n:]
+        rest[0] = _bytes_view(rest[0])[n:]
     return rest
+
+
+def send_some(sock: socket.socket, parts: List) -> List:
+    """One ``sendmsg`` of ``parts`` (a list of byte buffers) on a non-blocking socket: returns
+    the parts still to send (the first one cut where the write stopped). Raises
+    ``BlockingIOError`` when nothing could be written (:class:`TlsWouldBlock` over TLS),
+    ``OSError`` when the connection broke."""
+    if isinstance(sock, ssl.SSLSocket):
+        return _send_some_tls(sock, parts)
+    n = sock.sendmsg(parts[:_IOV_MAX], (), _SEND_FLAGS)
+    return _advance(parts, n)
+
+
+def _send_some_tls(sock: ssl.SSLSocket, parts: List) -> List:
+    # The bytes of one write are a function of `parts` alone, so that a retry after
+    # TlsWouldBlock passes the same ones.
+    first = _bytes_view(parts[0])
+    if first.nbytes >= _TLS_GATHER or len(parts) == 1:
+        chunk = first[:_TLS_CHUNK]
+    else:
+        pieces, size = [], 0
+        for p in parts:
+            mv = _bytes_view(p)[:_TLS_GATHER - size]
+            pieces.append(mv)
+            size += mv.nbytes
+            if size >= _TLS_GATHER:
+                break
+        chunk = b"".join(pieces)
+    if not len(chunk):
+        return _advance(parts, 0)  # empty parts only: nothing to write
+    try:
+        n = sock.send(chunk)
+    except ssl.SSLWantWriteError:
+        raise TlsWouldBlock(False) from None
+    except ssl.SSLWantReadError:
+        raise TlsWouldBlock(True) from None
+    return _advance(parts, n)
+
+
+def recv_some(sock: socket.socket, buf: memoryview) -> int:
+    """``sock.recv_into(buf)``; over TLS OpenSSL's "want read/write" raises
+    ``BlockingIOError`` as a plain socket's EAGAIN does (bytes OpenSSL already holds come
+    first: see :func:`tls_pending`)."""
+    try:
+        return sock.recv_into(buf)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        raise BlockingIOError("TLS read would block") from None
+
+
+def tls_pending(sock: socket.socket) -> bool:
+    """Whether OpenSSL holds decrypted bytes of sock not read yet (poll would not see them)."""
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
 
 
 def byte_view(array: np.ndarray) -> memoryview:

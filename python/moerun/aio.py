@@ -19,17 +19,29 @@ choice). Every wait is bounded by the call's ``timeout`` (``asyncio.wait_for``).
 cancelled or timed out while its frame was half sent closes the connection (the stream would be
 out of step); the other calls on it then fail over like after a broken connection.
 
+TLS: ``tls``, ``tls_ca_file`` and ``tls_server_name`` as :class:`moerun.client.Client` (the
+handshake within ``connect_timeout``; the same verification and errors). Over TLS the reader
+and the writers use the ``ssl.SSLSocket`` directly, waiting with ``add_reader``/``add_writer``.
+
 Needs an event loop with ``add_reader``/``add_writer`` (the default selector loop on Linux and
 macOS, uvloop). Not thread-safe: use a client from the loop's thread only.
 """
 
 import asyncio
 import socket
+import ssl
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from moerun import _frame, tensors
-from moerun.client import ClientOptions, Timing, check_request_size, request_head, split_host_port
+from moerun.client import (
+    ClientOptions,
+    Timing,
+    check_request_size,
+    request_head,
+    split_host_port,
+    tls_handshake_error,
+)
 from moerun.errors import (
     DeadlineExceededError,
     MoerunError,
@@ -42,6 +54,22 @@ __all__ = ["AsyncClient"]
 
 _OK = 0
 _UNAVAILABLE = 4
+_TLS_STEP = 0.005  # seconds: a TLS read that must write first (or a write that must read) waits
+
+
+async def _fd_ready(loop, fd: int, write: bool) -> None:
+    """Until fd is writable (write) or readable."""
+    fut = loop.create_future()
+
+    def ready():
+        if not fut.done():
+            fut.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(fd, ready)
+    try:
+        await fut
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
 
 
 class _Lost(Exception):
@@ -55,6 +83,8 @@ class _AConn:
     def __init__(self, loop, sock: socket.socket, target: str, max_frame_bytes: int):
         self.loop = loop
         self.sock = sock
+        self.fd = sock.fileno()
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self.target = target
         self.reader = _frame.FrameReader(max_frame_bytes, True, target)
         self.pending: Dict[int, asyncio.Future] = {}
@@ -72,7 +102,7 @@ class _AConn:
         try:
             while True:
                 buf = self.reader.get_buffer()
-                n = await self.loop.sock_recv_into(self.sock, buf)
+                n = await self._recv_into(buf)
                 if n == 0:
                     part = self.reader.buffered
                     raise _Lost("connection closed by the server" + (
@@ -95,6 +125,19 @@ class _AConn:
             self.fail(e, from_task=True)
         except Exception as e:  # pragma: no cover (a bug): never leave calls waiting
             self.fail(UnavailableError(f"{self.target}: reader failed: {e!r}"), from_task=True)
+
+    async def _recv_into(self, buf) -> int:
+        if not self.tls:
+            return await self.loop.sock_recv_into(self.sock, buf)
+        while True:
+            try:
+                return self.sock.recv_into(buf)  # what OpenSSL holds comes first
+            except ssl.SSLWantReadError:
+                await _fd_ready(self.loop, self.fd, False)
+            except ssl.SSLWantWriteError:
+                # The fd's writer slot may be a sender's: wait a little instead (rare: OpenSSL
+                # writes while reading only for a key update or a renegotiation).
+                await asyncio.sleep(_TLS_STEP)
 
     def _dispatch(self, frame: _frame.Frame) -> None:
         resp = serving_pb2.InferResponse()
@@ -147,6 +190,11 @@ class _AConn:
                         parts = _frame.send_some(self.sock, parts)
                         started = True
                         continue
+                    except _frame.TlsWouldBlock as e:
+                        started = True  # OpenSSL may have some of it on the wire
+                        if e.want_read:  # the reader task reads; try again soon
+                            await asyncio.sleep(_TLS_STEP)
+                            continue
                     except BlockingIOError:
                         pass
                     except OSError:
@@ -162,18 +210,7 @@ class _AConn:
                 raise
 
     async def _writable(self) -> None:
-        fut = self.loop.create_future()
-        fd = self.sock.fileno()
-
-        def ready():
-            if not fut.done():
-                fut.set_result(None)
-
-        self.loop.add_writer(fd, ready)
-        try:
-            await fut
-        finally:
-            self.loop.remove_writer(fd)
+        await _fd_ready(self.loop, self.fd, True)
 
     def close(self) -> None:
         self.fail(UnavailableError(f"{self.target}: the client was closed with the call pending"))
@@ -185,7 +222,8 @@ class AsyncClient(ClientOptions):
     (``"HOST:PORT"``, a comma list or a list: routers of one job, tried in turn),
     ``timeout`` (seconds per call, in all), ``connect_timeout`` (per connection attempt),
     ``max_frame_bytes`` (largest frame accepted or sent), ``retries`` (times a call is sent
-    again after its connection broke or its router answered UNAVAILABLE).
+    again after its connection broke or its router answered UNAVAILABLE), ``key``/``key_file``,
+    ``tls``/``tls_ca_file``/``tls_server_name`` (TLS, for a job with ``serving.tls``).
 
     Create with ``await AsyncClient.connect(targets, ...)`` or ``async with
     AsyncClient(targets) as c``; a plain ``AsyncClient(targets)`` connects on its first call.
@@ -370,7 +408,8 @@ class AsyncClient(ClientOptions):
             t = self._targets[self._current]
             tried.append(t)
             try:
-                sock = await _connect(loop, t, min(self.connect_timeout, left))
+                sock = await _connect(loop, t, min(self.connect_timeout, left), self._tls,
+                                      self._tls_server_name)
             except UnavailableError as e:
                 last = e
                 continue
@@ -378,11 +417,50 @@ class AsyncClient(ClientOptions):
         if last is None:
             raise DeadlineExceededError(f"no connection to {', '.join(self._targets)} in time")
         if n == 1:
-            raise UnavailableError(last.message)
-        raise UnavailableError(f"no router answers (tried {', '.join(tried)}): {last.message}")
+            raise UnavailableError(last.message) from last.__cause__
+        raise UnavailableError(
+            f"no router answers (tried {', '.join(tried)}): {last.message}") from last.__cause__
 
 
-async def _connect(loop, target: str, timeout: float) -> socket.socket:
+async def _tls_handshake(loop, sock: socket.socket, context: ssl.SSLContext, target: str,
+                         server_name: Optional[str], timeout: float) -> ssl.SSLSocket:
+    """moerun.client.tls_handshake on the event loop."""
+    host, _ = split_host_port(target)
+    try:
+        tsock = context.wrap_socket(sock, server_hostname=server_name or host,
+                                    do_handshake_on_connect=False)
+    except (ValueError, OSError) as e:
+        sock.close()
+        raise tls_handshake_error(target, e) from e
+    fd = tsock.fileno()
+
+    async def run():
+        while True:
+            try:
+                tsock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await _fd_ready(loop, fd, False)
+            except ssl.SSLWantWriteError:
+                await _fd_ready(loop, fd, True)
+
+    try:
+        await asyncio.wait_for(run(), timeout)
+        return tsock
+    except asyncio.TimeoutError:
+        tsock.close()
+        raise UnavailableError(f"connect to {target}: TLS handshake failed: no answer within "
+                               f"{timeout:g} s") from None
+    except OSError as e:  # ssl.SSLError included
+        tsock.close()
+        raise tls_handshake_error(target, e) from e
+    except BaseException:
+        tsock.close()
+        raise
+
+
+async def _connect(loop, target: str, timeout: float, tls: Optional[ssl.SSLContext] = None,
+                   tls_server_name: Optional[str] = None) -> socket.socket:
     host, port = split_host_port(target)
     try:
         infos = await asyncio.wait_for(
@@ -396,11 +474,16 @@ async def _connect(loop, target: str, timeout: float) -> socket.socket:
         try:
             await asyncio.wait_for(loop.sock_connect(sock, addr), timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
         except asyncio.TimeoutError:
             sock.close()
             last = f"connect to {target} ({addr[0]}:{addr[1]}): no answer within {timeout:g} s"
+            continue
         except OSError as e:
             sock.close()
             last = f"connect to {target} ({addr[0]}:{addr[1]}): {e.strerror or e}"
+            continue
+        if tls is None:
+            return sock
+        # The server answered: a failed handshake is its answer (no other address is tried).
+        return await _tls_handshake(loop, sock, tls, target, tls_server_name, timeout)
     raise UnavailableError(last)

@@ -29,6 +29,14 @@ tried, at once. No answer within ``timeout``: :class:`~moerun.errors.DeadlineExc
 (the connection is then dropped, so that a late answer cannot be mistaken for another). Give
 ``deadline_ms`` below ``timeout`` to get the server's own DEADLINE_EXCEEDED answer.
 
+TLS (a job with ``serving.tls``): ``tls_ca_file="ca.crt"`` (or ``tls=True`` for the system's
+CA store, or ``tls=`` an ``ssl.SSLContext`` of your own) makes every connection speak TLS
+around the same frames. The server's certificate is verified, and its name: the host of the
+target (a name, or an address checked against the certificate's IP addresses), or
+``tls_server_name``. A failed handshake raises :class:`~moerun.errors.UnavailableError`
+("connect to HOST:PORT: TLS handshake failed: certificate verify failed (...)") whose
+``__cause__`` is the ``ssl.SSLError``.
+
 Thread-safety: one call at a time per :class:`Client` (a second thread calling at the same time
 gets ``RuntimeError``); use one Client per thread, or :class:`moerun.aio.AsyncClient` for many
 concurrent requests on one connection.
@@ -39,6 +47,7 @@ import math
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -56,7 +65,7 @@ from moerun.errors import (
 from moerun import tensors
 from moerun.v1 import serving_pb2
 
-__all__ = ["Client", "Timing", "parse_targets", "read_key_file"]
+__all__ = ["Client", "Timing", "parse_targets", "read_key_file", "tls_context"]
 
 _OK = 0
 _UNAVAILABLE = 4
@@ -120,7 +129,10 @@ def _poll_ms(seconds: float) -> int:
 
 def _wait(sock: socket.socket, read: bool, write: bool, timeout: float) -> Tuple[bool, bool]:
     """Waits until sock is readable/writable (as asked) or timeout seconds pass: (r, w).
-    An error or hang-up condition reports as ready (the next call on the socket says which)."""
+    An error or hang-up condition reports as ready (the next call on the socket says which).
+    TLS: bytes OpenSSL already decrypted count as readable (poll cannot see them)."""
+    if read and _frame.tls_pending(sock):
+        return True, False
     if hasattr(select, "poll"):
         p = select.poll()
         ev = (select.POLLIN if read else 0) | (select.POLLOUT if write else 0)
@@ -142,10 +154,89 @@ def _wait(sock: socket.socket, read: bool, write: bool, timeout: float) -> Tuple
     return bool(r or (x and read)), bool(w or (x and write))
 
 
-def connect_socket(target: str, timeout: float) -> socket.socket:
+def tls_context(tls: Union[None, bool, ssl.SSLContext] = None,
+                ca_file: Optional[str] = None) -> Optional[ssl.SSLContext]:
+    """The ``ssl.SSLContext`` of the ``tls``/``tls_ca_file`` options: None (plain TCP) when
+    neither is given; ``tls`` itself when it is a context; else a default context (TLS 1.2 or
+    newer, certificate and name verified) with ``ca_file``'s CA certificates, or the system's
+    without one. InvalidArgumentError for a CA file that cannot be read."""
+    if isinstance(tls, ssl.SSLContext):
+        if ca_file is not None:
+            raise InvalidArgumentError("give tls as an ssl.SSLContext or tls_ca_file, not both")
+        return tls
+    if tls not in (None, True, False):
+        raise InvalidArgumentError(
+            f"tls must be None, True, False or an ssl.SSLContext, not {type(tls).__name__}")
+    if not tls and ca_file is None:
+        return None
+    if tls is False:
+        raise InvalidArgumentError("tls_ca_file implies tls: do not give tls=False with it")
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise InvalidArgumentError(
+            f"tls_ca_file {ca_file}: {getattr(e, 'strerror', None) or e}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def tls_handshake_error(target: str, e: BaseException) -> UnavailableError:
+    """The UnavailableError of a failed handshake: "connect to T: TLS handshake failed:
+    certificate verify failed (self-signed certificate)" (raise it ``from e``)."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+        why = f"certificate verify failed ({e.verify_message})"
+    elif isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        why = "the server closed the connection"
+    elif isinstance(e, ssl.SSLError):
+        why = e.reason.lower().replace("_", " ") if e.reason else str(e)
+    elif isinstance(e, OSError):
+        why = f"the server closed the connection ({e.strerror or e})"
+    else:
+        why = str(e)
+    return UnavailableError(f"connect to {target}: TLS handshake failed: {why}")
+
+
+def tls_handshake(sock: socket.socket, context: ssl.SSLContext, target: str,
+                  server_name: Optional[str], timeout: float) -> ssl.SSLSocket:
+    """Wraps a connected non-blocking socket in TLS and does the handshake within ``timeout``
+    seconds, verifying the server as ``server_name`` or the target's host. The socket is
+    closed on failure: :func:`tls_handshake_error`, whose ``__cause__`` is the
+    ``ssl.SSLError`` (or the OSError)."""
+    host, _ = split_host_port(target)
+    try:
+        tsock = context.wrap_socket(sock, server_hostname=server_name or host,
+                                    do_handshake_on_connect=False)
+    except (ValueError, OSError) as e:
+        sock.close()
+        raise tls_handshake_error(target, e) from e
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                tsock.do_handshake()
+                return tsock
+            except ssl.SSLWantReadError:
+                ready, _ = _wait(tsock, True, False, deadline - time.monotonic())
+            except ssl.SSLWantWriteError:
+                _, ready = _wait(tsock, False, True, deadline - time.monotonic())
+            if not ready:
+                raise UnavailableError(
+                    f"connect to {target}: TLS handshake failed: no answer within {timeout:g} s")
+    except OSError as e:  # ssl.SSLError included
+        tsock.close()
+        raise tls_handshake_error(target, e) from e
+    except BaseException:
+        tsock.close()
+        raise
+
+
+def connect_socket(target: str, timeout: float, tls: Optional[ssl.SSLContext] = None,
+                   tls_server_name: Optional[str] = None) -> socket.socket:
     """A non-blocking TCP socket connected to ``target`` (TCP_NODELAY on), trying every address
     the name resolves to within ``timeout`` seconds each. Raises UnavailableError (unknown
-    host, refused, unreachable, no answer in time) naming the target."""
+    host, refused, unreachable, no answer in time) naming the target. With ``tls`` (a
+    context): an ``ssl.SSLSocket`` after its handshake (:func:`tls_handshake`, within
+    ``timeout`` more)."""
     host, port = split_host_port(target)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -165,11 +256,13 @@ def connect_socket(target: str, timeout: float) -> socket.socket:
             if rc != 0:
                 raise OSError(rc, os.strerror(rc))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
         except OSError as e:
             sock.close()
             why = e.strerror or str(e)
             last = f"connect to {target} ({addr[0]}:{addr[1]}): {why}"
+            continue
+        # The server answered: a failed handshake is its answer (no other address is tried).
+        return tls_handshake(sock, tls, target, tls_server_name, timeout) if tls else sock
     raise UnavailableError(last)
 
 
@@ -228,8 +321,17 @@ class ClientOptions:
 
     def __init__(self, targets: Union[str, Sequence[str]], *, timeout: float = 30.0,
                  connect_timeout: float = 5.0, max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES,
-                 retries: int = 1, key: Optional[str] = None, key_file: Optional[str] = None):
+                 retries: int = 1, key: Optional[str] = None, key_file: Optional[str] = None,
+                 tls: Union[None, bool, ssl.SSLContext] = None, tls_ca_file: Optional[str] = None,
+                 tls_server_name: Optional[str] = None):
         self._targets = parse_targets(targets)
+        if tls_server_name is not None and (not isinstance(tls_server_name, str) or
+                                            not tls_server_name):
+            raise InvalidArgumentError("tls_server_name must be a non-empty string")
+        self._tls = tls_context(tls, tls_ca_file)
+        if tls_server_name is not None and self._tls is None:
+            raise InvalidArgumentError("tls_server_name needs tls (or tls_ca_file)")
+        self._tls_server_name = tls_server_name
         if key is not None and key_file is not None:
             raise InvalidArgumentError("give key or key_file, not both")
         if key_file is not None:
@@ -310,8 +412,10 @@ class Client(ClientOptions):
     again after its connection broke or its router answered UNAVAILABLE. ``key`` (or
     ``key_file``, read as the server reads its ``serving.key_file``: chmod 600): the serving
     key sent in every request, for a job that requires one (without it, or with a wrong one,
-    every call raises :class:`~moerun.errors.UnauthenticatedError`). The connection is
-    made by the first call (or :meth:`connect`).
+    every call raises :class:`~moerun.errors.UnauthenticatedError`). ``tls_ca_file`` (implies
+    ``tls=True``; ``tls=True`` alone: the system's CA store; or ``tls=`` an ``ssl.SSLContext``)
+    and ``tls_server_name``: TLS, for a job with ``serving.tls`` (see the module's
+    documentation). The connection is made by the first call (or :meth:`connect`).
     """
 
     def __init__(self, targets: Union[str, Sequence[str]], **options):
@@ -432,7 +536,8 @@ class Client(ClientOptions):
             t = self._targets[self._current]
             tried.append(t)
             try:
-                sock = connect_socket(t, min(self.connect_timeout, left))
+                sock = connect_socket(t, min(self.connect_timeout, left), self._tls,
+                                      self._tls_server_name)
             except UnavailableError as e:
                 last = e
                 continue
@@ -441,8 +546,9 @@ class Client(ClientOptions):
         if last is None:
             raise DeadlineExceededError(f"no connection to {', '.join(self._targets)} in time")
         if n == 1:
-            raise UnavailableError(last.message)
-        raise UnavailableError(f"no router answers (tried {', '.join(tried)}): {last.message}")
+            raise UnavailableError(last.message) from last.__cause__
+        raise UnavailableError(
+            f"no router answers (tried {', '.join(tried)}): {last.message}") from last.__cause__
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -509,7 +615,13 @@ class Client(ClientOptions):
             call, parts = item[0], item[1]
             try:
                 rest = _frame.send_some(conn.sock, parts)
-            except BlockingIOError:
+            except BlockingIOError as e:
+                if isinstance(e, _frame.TlsWouldBlock) and not item[2]:
+                    # OpenSSL may have put some of it on the wire: it counts as sent.
+                    item[2] = True
+                    call.attempts += 1
+                    if call.attempts > 1:
+                        self.retried += 1
                 return
             except OSError:
                 # The server closed: it may have said why first (FRAME_TOO_LARGE, too many
@@ -540,7 +652,7 @@ class Client(ClientOptions):
             for _ in range(_READ_SPIN):
                 buf = conn.reader.get_buffer()
                 try:
-                    n = conn.sock.recv_into(buf)
+                    n = _frame.recv_some(conn.sock, buf)
                 except BlockingIOError:
                     break
                 except OSError as e:

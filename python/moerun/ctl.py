@@ -16,17 +16,22 @@ answer raises its exception (e.g. :class:`~moerun.errors.InvalidArgumentError` f
 whose slots do not divide over the expert ranks). A request whose connection broke is sent once
 more on a fresh connection (they are all read-only).
 
+TLS (a job with ``serving.tls``, whose control endpoint then speaks TLS): ``tls_ca_file``
+(else ``$MOERUN_TLS_CA_FILE``, as moectl), ``tls=True`` (the system's CA store) or an
+``ssl.SSLContext``, and ``tls_server_name``, as :class:`moerun.client.Client` takes them.
+
 Thread-safety: one call at a time per :class:`Control` (one per thread).
 """
 
 import os
+import ssl
 import stat
 import threading
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from moerun import _frame
-from moerun.client import _wait, connect_socket
+from moerun.client import _wait, connect_socket, tls_context
 from moerun.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -89,14 +94,24 @@ class Control:
     ``target``: ``"HOST:PORT"``. The token: ``token``, else the first line of ``token_file``,
     else of the file named by ``$MOERUN_TOKEN_FILE`` (as moectl); none: requests are sent
     without one (and refused). ``timeout``: seconds per request (connecting included).
+    ``tls``, ``tls_ca_file`` (default ``$MOERUN_TLS_CA_FILE``), ``tls_server_name``: TLS, as
+    :class:`moerun.client.Client`.
     """
 
     def __init__(self, target: str, *, token: Optional[str] = None,
                  token_file: Optional[str] = None, timeout: float = 10.0,
-                 max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES):
+                 max_frame_bytes: int = _frame.DEFAULT_MAX_FRAME_BYTES,
+                 tls: Union[None, bool, ssl.SSLContext] = None,
+                 tls_ca_file: Optional[str] = None, tls_server_name: Optional[str] = None):
         from moerun.client import split_host_port
 
         split_host_port(target)
+        if tls_ca_file is None and tls is None:
+            tls_ca_file = os.environ.get("MOERUN_TLS_CA_FILE") or None
+        self._tls = tls_context(tls, tls_ca_file)
+        if tls_server_name is not None and self._tls is None:
+            raise InvalidArgumentError("tls_server_name needs tls (or tls_ca_file)")
+        self._tls_server_name = tls_server_name
         self.target = target
         if token is None:
             path = token_file or os.environ.get("MOERUN_TOKEN_FILE")
@@ -209,7 +224,8 @@ class Control:
     def _call_once(self, request) -> "control_pb2.ControlResponse":
         deadline = time.monotonic() + self.timeout
         if self._sock is None:
-            self._sock = connect_socket(self.target, self.timeout)
+            self._sock = connect_socket(self.target, self.timeout, self._tls,
+                                        self._tls_server_name)
             self._reader = _frame.FrameReader(self.max_frame_bytes, False, self.target)
         sock = self._sock
         parts = [_frame.encode_frame(request)]
@@ -230,7 +246,7 @@ class Control:
                     raise DeadlineExceededError(f"{self.target}: no answer within "
                                                 f"{self.timeout:g} s")
                 try:
-                    n = sock.recv_into(self._reader.get_buffer())
+                    n = _frame.recv_some(sock, self._reader.get_buffer())
                 except BlockingIOError:
                     continue
                 if n == 0:
