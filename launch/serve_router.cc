@@ -67,6 +67,7 @@ ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
   so.max_inflight_per_connection = sc.max_inflight_per_connection;
   so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
   so.key = s.serving_key;
+  so.key_file = sc.key_file;  // re-read when it changes (the old key accepted 60 s more)
   return so;
 }
 

@@ -68,7 +68,7 @@ bool ConstantTimeEqual(std::string_view a, std::string_view b) {
 Result<FileStamp> StampFile(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
-    return Status::NotFound("token file " + path + ": " + std::strerror(errno));
+    return Status::NotFound(path + ": " + std::strerror(errno));
   }
   FileStamp s;
   s.mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
@@ -78,8 +78,10 @@ Result<FileStamp> StampFile(const std::string& path) {
 }
 
 TokenFileWatch::TokenFileWatch(std::string path, std::string token, std::chrono::seconds grace,
-                               Reader reader, Stamper stamper)
+                               Reader reader, Stamper stamper, std::string scope, std::string what)
     : path_(std::move(path)),
+      scope_(std::move(scope)),
+      what_(std::move(what)),
       token_(std::move(token)),
       grace_(grace),
       reader_(reader ? std::move(reader) : Reader(ReadTokenFile)),
@@ -102,7 +104,8 @@ std::string TokenFileWatch::Poll(AuthClock::time_point now) {
     if (stamped_ || !(refused_ == FileStamp{})) {
       stamped_ = false;
       refused_ = FileStamp{};
-      return "control: " + s.status().message() + "; the current token stays in use";
+      return scope_ + ": " + what_ + " file " + s.status().message() + "; the current " + what_ +
+             " stays in use";
     }
     return "";
   }
@@ -111,8 +114,8 @@ std::string TokenFileWatch::Poll(AuthClock::time_point now) {
   Result<std::string> t = reader_(path_);
   if (!t.ok()) {
     refused_ = *s;
-    return "control: the token file changed but is refused: " + t.status().message() +
-           "; the current token stays in use";
+    return scope_ + ": the " + what_ + " file changed but is refused: " + t.status().message() +
+           "; the current " + what_ + " stays in use";
   }
   stamp_ = *s;
   stamped_ = true;
@@ -121,11 +124,11 @@ std::string TokenFileWatch::Poll(AuthClock::time_point now) {
   previous_ = std::move(token_);
   previous_until_ = now + grace_;
   token_ = std::move(t).value();
-  return "control: token file " + path_ + " changed: the new token is in use; the old one is " +
-         "accepted for " + std::to_string(grace_.count()) + " s more";
+  return scope_ + ": " + what_ + " file " + path_ + " changed: the new " + what_ +
+         " is in use; the old one is accepted for " + std::to_string(grace_.count()) + " s more";
 }
 
-bool TokenFileWatch::Accepts(const std::string& token, AuthClock::time_point now) const {
+bool TokenFileWatch::Accepts(std::string_view token, AuthClock::time_point now) const {
   if (token.empty()) return false;
   const bool current = ConstantTimeEqual(token, token_);
   const bool old = !previous_.empty() && ConstantTimeEqual(token, previous_);

@@ -11,7 +11,8 @@
 //   TokenFileWatch   the token file, read again when it changes (mtime, size, inode; looked at
 //                    at most once a second): the new token is used at once, the old one is
 //                    still accepted for a grace period; a changed file that cannot be read, or
-//                    that others may read, keeps the current token (with an error logged).
+//                    that others may read, keeps the current token (with an error logged). The
+//                    serving endpoint watches its key file with it too (scope "serving").
 // Both classes keep at most a bounded number of addresses. Not thread-safe: the endpoint's I/O
 // thread calls them.
 #pragma once
@@ -136,20 +137,23 @@ class TokenFileWatch {
   using Stamper = std::function<Result<FileStamp>(const std::string& path)>;
 
   // `token`: read from `path` at start (stamped now). `reader`/`stamper`: ReadTokenFile and
-  // stat by default (tests give their own).
+  // stat by default (tests give their own). `scope` starts each log line ("control",
+  // "serving"), `what` names the secret in it ("token", "key").
   TokenFileWatch(std::string path, std::string token, std::chrono::seconds grace,
-                 Reader reader = {}, Stamper stamper = {});
+                 Reader reader = {}, Stamper stamper = {}, std::string scope = "control",
+                 std::string what = "token");
 
   // Looks at the file if a second has passed since the last look, and takes a changed one.
   // Returns a line to log when something happened ("" otherwise).
   std::string Poll(AuthClock::time_point now);
   // Whether `token` is the current one, or the previous one within its grace period
   // (constant time in the content).
-  bool Accepts(const std::string& token, AuthClock::time_point now) const;
+  bool Accepts(std::string_view token, AuthClock::time_point now) const;
   const std::string& token() const { return token_; }
 
  private:
   std::string path_;
+  std::string scope_, what_;
   std::string token_;
   std::string previous_;  // accepted until previous_until_
   AuthClock::time_point previous_until_{};
@@ -162,7 +166,7 @@ class TokenFileWatch {
   AuthClock::time_point next_look_{};
 };
 
-// stat(2) of a path as a FileStamp.
+// stat(2) of a path as a FileStamp (the error: "PATH: reason").
 Result<FileStamp> StampFile(const std::string& path);
 
 }  // namespace moerun

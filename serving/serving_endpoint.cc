@@ -175,6 +175,12 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
   ep->timers_->timer_mem = ep->server_->NewHandlerMemory();
   ep->timers_->wake_mem = ep->server_->NewHandlerMemory();
   ep->timers_->heap.reserve(1024);
+  if (!options.key.empty() && !options.key_file.empty()) {
+    ep->key_watch_ = std::make_unique<TokenFileWatch>(
+        options.key_file, options.key, options.key_grace,
+        [](const std::string& path) { return ReadTokenFile(path).WithContext("serving key file"); },
+        TokenFileWatch::Stamper{}, "serving", "key");
+  }
   if (!options.key.empty())
     spdlog::info("{}: every request must carry the serving key", framed.name);
   ep->server_->StartAccepting();  // after this post, the I/O thread sees all of the above
@@ -253,8 +259,22 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
   p->received = Clock::now();
   p->body = std::move(body);
   RequestError err;
-  if (!ParseInferRequest(std::string_view(p->body.data(), p->body.size()), model_, &p->req, &err,
-                         opts_.key)) {
+  const std::string_view body_bytes(p->body.data(), p->body.size());
+  std::string_view key = opts_.key;
+  if (key_watch_) {  // the key file is looked at again (at most once a second)
+    if (const std::string line = key_watch_->Poll(p->received); !line.empty()) {
+      spdlog::warn("{}", line);
+    }
+    key = key_watch_->token();
+  }
+  bool parsed = ParseInferRequest(body_bytes, model_, &p->req, &err, key);
+  if (!parsed && err.code == moerun::v1::UNAUTHENTICATED && key_watch_ && !p->req.key.empty() &&
+      key_watch_->Accepts(p->req.key, p->received)) {
+    // The previous key within its grace period: the request is checked as any other.
+    const std::string_view sent = p->req.key;
+    parsed = ParseInferRequest(body_bytes, model_, &p->req, &err, sent);
+  }
+  if (!parsed) {
     if (err.code == moerun::v1::UNAUTHENTICATED) LogRefusedKey(*conn, p->req.key.empty());
     Refuse(*conn, err.id, err.code, err.message);
     return FreeSlot(p);

@@ -14,7 +14,11 @@
 // Serving key: when options.key is set, a request whose InferRequest.key is missing or wrong is
 // refused (UNAUTHENTICATED, with its id) before anything else is looked at; the refusals are
 // logged as the control endpoint logs wrong tokens: one line for the first of a quiet period,
-// then one summary per 10 s interval (serving/control_auth.h AuthFailureLog).
+// then one summary per 10 s interval (serving/control_auth.h AuthFailureLog). With
+// options.key_file the key file is looked at again (at most once a second, as requests come) and a
+// changed one is taken: its key is required from then on, the old one still accepted for
+// key_grace (serving/control_auth.h TokenFileWatch); a changed file that cannot be read, or that
+// others may read, keeps the current key (logged).
 //
 // BeginDrain: no new connections; new requests get UNAVAILABLE; those in flight finish.
 // Threads: the framed server's I/O thread runs everything but OnBatchDone (the router thread),
@@ -35,12 +39,16 @@
 
 namespace moerun {
 
+class TokenFileWatch;
+
 struct ServingOptions {
   FramedServerOptions framed;
   int max_inflight_per_connection = 64;
   std::chrono::milliseconds default_deadline{30000};
   std::chrono::milliseconds max_deadline{600000};
-  std::string key;  // non-empty: every request must carry it (InferRequest.key)
+  std::string key;                     // non-empty: every request must carry it (InferRequest.key)
+  std::string key_file;                // where `key` was read: re-read when it changes ("": never)
+  std::chrono::seconds key_grace{60};  // the old key accepted this long after a change
 };
 
 class ServingEndpoint {
@@ -85,6 +93,7 @@ class ServingEndpoint {
   std::vector<std::unique_ptr<Pending>> slots_;
   std::vector<Pending*> free_;
   std::unique_ptr<Timers> timers_;
+  std::unique_ptr<TokenFileWatch> key_watch_;  // with options.key_file (I/O thread)
   // Requests the router thread has finished, waiting for the I/O thread (under done_mu_).
   std::mutex done_mu_;
   Pending* done_head_ = nullptr;

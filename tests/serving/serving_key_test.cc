@@ -218,6 +218,58 @@ TEST(ServingKeyFileTest, ModeIsChecked) {
   std::remove(path.c_str());
 }
 
+// The key file re-read when it changes (ServingOptions::key_file), over real sockets: the new key
+// is required at once, the old one accepted for the grace period and then refused; a rewritten
+// file that others may read is refused and the current key stays.
+TEST(ServingKeyFileTest, ARotatedKeyTakesEffectAndTheOldOneHasAGracePeriod) {
+  TempDir dir;
+  const std::string path = dir.File("serving.key");
+  const auto write = [&](const std::string& key, mode_t mode) {
+    WriteFile(path + ".new", key + "\n");
+    ASSERT_EQ(::chmod((path + ".new").c_str(), mode), 0);
+    ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);  // as a Secret is replaced
+  };
+  write("old-key-1", 0600);
+  ServingOptions so;
+  so.key = "old-key-1";
+  so.key_file = path;
+  so.key_grace = std::chrono::seconds(2);
+  MiniRouter s(so);
+  auto c = ServeConnection::Connect(s.target());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const auto x = RandomRows(2, s.hidden(), 4);
+  uint64_t id = 0;
+  const auto call = [&](const std::string& key) {
+    InferRequest r = Request(++id, x, s.hidden());
+    r.set_key(key);
+    InferResponse resp;
+    EXPECT_TRUE((*c)->Call(r, &resp, Soon()).ok());
+    EXPECT_EQ(resp.id(), id);
+    return resp.code();
+  };
+  EXPECT_EQ(call("old-key-1"), v1::OK);
+  EXPECT_EQ(call("new-key-22"), v1::UNAUTHENTICATED);
+  write("new-key-22", 0600);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // looked at once a second
+  EXPECT_EQ(call("new-key-22"), v1::OK);                         // taken at once
+  const auto changed = std::chrono::steady_clock::now();
+  EXPECT_EQ(call("old-key-1"), v1::OK);  // within the grace period
+  EXPECT_EQ(call("wrong"), v1::UNAUTHENTICATED);
+  EXPECT_EQ(call(""), v1::UNAUTHENTICATED);
+  std::this_thread::sleep_until(changed + std::chrono::milliseconds(2100));
+  EXPECT_EQ(call("old-key-1"), v1::UNAUTHENTICATED);  // the grace period is over
+  EXPECT_EQ(call("new-key-22"), v1::OK);
+  // A rewrite that others may read: refused, the current key stays.
+  write("third-key-333", 0644);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  EXPECT_EQ(call("third-key-333"), v1::UNAUTHENTICATED);
+  EXPECT_EQ(call("new-key-22"), v1::OK);
+  // Fixed (mode 600): taken.
+  write("third-key-333", 0600);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  EXPECT_EQ(call("third-key-333"), v1::OK);
+}
+
 // The serving endpoint's refusal log: its own scope and credential in both kinds of line.
 TEST(ServingKeyLogTest, LinesNameServingAndTheKey) {
   AuthFailureLog log(std::chrono::seconds(10), 4096, "serving", "key");
