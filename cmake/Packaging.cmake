@@ -26,7 +26,7 @@ install(TARGETS moerun_client moerun_proto moerun_base moerun_flags EXPORT moeru
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${moerun_include_dir})
 install(FILES serving/serve_client.h serving/failover_client.h serving/infer_codec.h
-  serving/batcher.h serving/frame.h serving/buffer_pool.h serving/host_port.h
+  serving/batcher.h serving/frame.h serving/buffer_pool.h serving/host_port.h serving/tls_client.h
   DESTINATION ${moerun_include_dir}/serving)
 install(FILES base/aligned_buffer.h base/clock.h base/dtype.h base/function_ref.h base/status.h
   DESTINATION ${moerun_include_dir}/base)
