@@ -216,6 +216,9 @@ def test_plain_client_of_tls_server_fails_in_time(tls_server, certs):
         with pytest.raises(moerun.MoerunError):
             c.infer(x)
     assert time.monotonic() - t0 < 5.5
+    end = time.monotonic() + 5  # the server's thread notes it after closing
+    while not tls_server.handshakes and time.monotonic() < end:
+        time.sleep(0.01)
     assert isinstance(tls_server.handshakes[-1], (ssl.SSLError, OSError))
 
 
