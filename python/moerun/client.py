@@ -385,6 +385,7 @@ class _Conn:
         self.retiring = False  # no new requests: move to the next target once drained
         self.send_failed = False  # a send broke: read what the server said, then fail over
         self.broken: Optional[str] = None
+        self.write_wants_read = False  # TLS: the last write must read first (renegotiation)
 
     @property
     def partial(self) -> bool:
@@ -616,12 +617,14 @@ class Client(ClientOptions):
             try:
                 rest = _frame.send_some(conn.sock, parts)
             except BlockingIOError as e:
-                if isinstance(e, _frame.TlsWouldBlock) and not item[2]:
-                    # OpenSSL may have put some of it on the wire: it counts as sent.
-                    item[2] = True
-                    call.attempts += 1
-                    if call.attempts > 1:
-                        self.retried += 1
+                if isinstance(e, _frame.TlsWouldBlock):
+                    conn.write_wants_read = e.want_read
+                    if not item[2]:
+                        # OpenSSL may have put some of it on the wire: it counts as sent.
+                        item[2] = True
+                        call.attempts += 1
+                        if call.attempts > 1:
+                            self.retried += 1
                 return
             except OSError:
                 # The server closed: it may have said why first (FRAME_TOO_LARGE, too many
@@ -645,10 +648,12 @@ class Client(ClientOptions):
     def _pump(self, conn: _Conn, queue: deque, deadline: float) -> bool:
         """Waits (bounded by deadline) for answers or room to send; handles what comes.
         True when a call finished."""
-        r, w = _wait(conn.sock, True, bool(conn.out) and not conn.send_failed,
-                     deadline - time.monotonic())
+        r, w = _wait(conn.sock, True, bool(conn.out) and not conn.send_failed and
+                     not conn.write_wants_read, deadline - time.monotonic())
         done = False
         if r:
+            w = w or conn.write_wants_read  # what the write waited for has come
+            conn.write_wants_read = False
             for _ in range(_READ_SPIN):
                 buf = conn.reader.get_buffer()
                 try:

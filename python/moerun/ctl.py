@@ -234,10 +234,10 @@ class Control:
                 try:
                     parts = _frame.send_some(sock, parts)
                     continue
-                except BlockingIOError:
-                    pass
-                _, w = _wait(sock, False, True, deadline - time.monotonic())
-                if not w:
+                except BlockingIOError as e:  # TLS: a write may have to read first
+                    wants_read = getattr(e, "want_read", False)
+                r, w = _wait(sock, wants_read, not wants_read, deadline - time.monotonic())
+                if not (r or w):
                     raise DeadlineExceededError(f"{self.target}: request not sent within "
                                                 f"{self.timeout:g} s")
             while True:
