@@ -37,7 +37,8 @@ struct ServeFlags {
   std::string ready_file;
   std::string pid_file;
   std::string listen, control_listen, metrics_listen, token_file;
-  std::string serving_key_file;  // --serving-key-file: overrides serving.key_file
+  std::string serving_key_file;             // --serving-key-file: overrides serving.key_file
+  std::string tls_cert_file, tls_key_file;  // --tls-cert-file/--tls-key-file: serving.tls
   std::string join;  // router 0's control endpoint: take over a dead expert rank of that job
   int64_t expert_cache_mib = -1;  // -1: the config's
   std::string expert_cache_policy;
@@ -111,6 +112,8 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!f.metrics_listen.empty()) c.serving.metrics_listen = f.metrics_listen;
   if (!f.token_file.empty()) c.serving.token_file = f.token_file;
   if (!f.serving_key_file.empty()) c.serving.key_file = f.serving_key_file;
+  if (!f.tls_cert_file.empty()) c.serving.tls.cert_file = f.tls_cert_file;
+  if (!f.tls_key_file.empty()) c.serving.tls.key_file = f.tls_key_file;
   if (f.expert_cache_mib >= 0) c.expert_cache_mib = f.expert_cache_mib;
   if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
   if (!f.expert_cache_spill_dir.empty()) c.expert_cache_spill_dir = f.expert_cache_spill_dir;
@@ -129,6 +132,9 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!sc.key_file.empty()) {  // the same rules as the token file (mode 600, first line)
     MOERUN_ASSIGN_OR_RETURN(s.serving_key,
                             ReadTokenFile(sc.key_file).WithContext("serving key file"));
+  }
+  if (sc.tls.enabled()) {
+    MOERUN_ASSIGN_OR_RETURN(s.tls, TlsServerContext::Load(sc.tls));
   }
   s.ready_file = f.ready_file;
   return s;
@@ -260,6 +266,16 @@ int RunJoined(ServeSetup& setup, const ServeFlags& f) {
   JoinTarget target;
   target.control = f.join;
   target.token = setup.token;
+  if (setup.tls) {
+    // The job's TLS: the router is checked with serving.tls.ca_file (else the system's CAs);
+    // where it asks for client certificates, the joiner shows the job's own.
+    target.tls.enabled = true;
+    target.tls.ca_file = c.serving.tls_ca_file;
+    if (!c.serving.tls.client_ca_file.empty()) {
+      target.tls.cert_file = c.serving.tls.cert_file;
+      target.tls.key_file = c.serving.tls.key_file;
+    }
+  }
   target.num_experts = spec->num_experts;
   target.layers = options->layers;
   target.placement = c.placement;
@@ -389,6 +405,11 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--serving-key-file", flags->serving_key_file,
                   "Serving key file (chmod 600): every request must carry its key (overrides "
                   "serving.key_file)");
+  cmd->add_option("--tls-cert-file", flags->tls_cert_file,
+                  "TLS certificate chain (PEM) of the serving and control endpoints (overrides "
+                  "serving.tls.cert_file; needs --tls-key-file or serving.tls.key_file)");
+  cmd->add_option("--tls-key-file", flags->tls_key_file,
+                  "TLS private key (PEM, chmod 600) (overrides serving.tls.key_file)");
   cmd->add_option("--expert-cache-mib", flags->expert_cache_mib,
                   "Expert cache of each expert rank in MiB (0: every hosted expert resident; "
                   "overrides expert_cache_mib)")

@@ -256,7 +256,9 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
                                          "first_frame_timeout_ms",
                                          "idle_timeout_ms",
                                          "http_idle_timeout_ms",
-                                         "http_max_connections"}));
+                                         "http_max_connections",
+                                         "max_connections_per_address",
+                                         "tls"}));
     MOERUN_RETURN_IF_ERROR(sr.GetString("listen", &v.listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("control_listen", &v.control_listen));
     MOERUN_RETURN_IF_ERROR(sr.GetString("metrics_listen", &v.metrics_listen));
@@ -264,6 +266,24 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
     v.token_file = Resolve(v.token_file, base_dir);
     MOERUN_RETURN_IF_ERROR(sr.GetString("key_file", &v.key_file));
     v.key_file = Resolve(v.key_file, base_dir);
+    MOERUN_RETURN_IF_ERROR(
+        sr.Get<int>("max_connections_per_address", &v.max_connections_per_address, 0, 1 << 20));
+    if (const YAML::Node t = n["tls"]) {
+      Reader tr(t, source + ": \"serving.tls\"");
+      MOERUN_RETURN_IF_ERROR(tr.CheckKeys({"cert_file", "key_file", "client_ca_file", "ca_file"}));
+      MOERUN_RETURN_IF_ERROR(tr.GetString("cert_file", &v.tls.cert_file));
+      MOERUN_RETURN_IF_ERROR(tr.GetString("key_file", &v.tls.key_file));
+      MOERUN_RETURN_IF_ERROR(tr.GetString("client_ca_file", &v.tls.client_ca_file));
+      MOERUN_RETURN_IF_ERROR(tr.GetString("ca_file", &v.tls_ca_file));
+      v.tls.cert_file = Resolve(v.tls.cert_file, base_dir);
+      v.tls.key_file = Resolve(v.tls.key_file, base_dir);
+      v.tls.client_ca_file = Resolve(v.tls.client_ca_file, base_dir);
+      v.tls_ca_file = Resolve(v.tls_ca_file, base_dir);
+      if (v.tls.cert_file.empty() != v.tls.key_file.empty()) {
+        return Status::InvalidArgument(source +
+                                       ": \"serving.tls\" needs both cert_file and key_file");
+      }
+    }
     MOERUN_RETURN_IF_ERROR(
         sr.Get<int64_t>("max_frame_bytes", &v.max_frame_bytes, 64, int64_t{1} << 31));
     MOERUN_RETURN_IF_ERROR(sr.Get<int>("max_connections", &v.max_connections, 1, 1 << 20));

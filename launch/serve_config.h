@@ -9,6 +9,7 @@
 #include "base/status.h"
 #include "migration/placement_control.h"
 #include "serving/batcher.h"
+#include "serving/tls_context.h"
 
 namespace moerun {
 
@@ -34,6 +35,14 @@ struct ServingConfig {
   // long is closed; at most this many connections (serving/http_server.h).
   int64_t http_idle_timeout_ms = 10000;
   int http_max_connections = 512;
+  // Connections of the serving endpoint from one peer address (0: no cap of its own; a full
+  // endpoint makes room at the busiest address first either way).
+  int max_connections_per_address = 0;
+  // TLS on the serving and control endpoints (serving/tls_context.h); none without cert_file.
+  TlsServerFiles tls;
+  // The CA that the job's own clients (a joining rank to router 0's control endpoint) check the
+  // router's certificate with; empty: the system's store.
+  std::string tls_ca_file;
   int64_t probe_interval_ms = 1000;
   int64_t probe_deadline_ms = 2000;
   int64_t drain_timeout_s = 30;

@@ -17,10 +17,12 @@ namespace moerun {
 namespace {
 
 // One join request on a fresh connection: the answer, or why it could not be had.
-Status AskOnce(const std::string& control, const moerun::v1::ControlRequest& req,
-               std::chrono::milliseconds timeout, moerun::v1::ControlResponse* resp) {
+Status AskOnce(const std::string& control, const ClientTls& tls,
+               const moerun::v1::ControlRequest& req, std::chrono::milliseconds timeout,
+               moerun::v1::ControlResponse* resp) {
   ClientOptions co;
   co.connect_timeout = timeout;
+  co.tls = tls;
   MOERUN_ASSIGN_OR_RETURN(auto conn, ServeConnection::Connect(control, co));
   const Deadline deadline = DeadlineIn(timeout);
   MOERUN_RETURN_IF_ERROR(conn->Send(req, deadline));
@@ -46,7 +48,7 @@ Result<Joined> JoinJob(const JoinTarget& target) {
   std::string last_wait;
   while (true) {
     // Router 0 answers between batches once it has replaced its endpoint: seconds at most.
-    const Status s = AskOnce(target.control, req, std::chrono::seconds(30), &resp);
+    const Status s = AskOnce(target.control, target.tls, req, std::chrono::seconds(30), &resp);
     std::string wait;
     if (!s.ok()) {
       wait = "cannot reach router 0's control endpoint " + target.control + ": " + s.ToString();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "serving/tls_client.h"
 #include "transport/transport.h"
 
 namespace moerun {
@@ -19,6 +20,7 @@ namespace moerun {
 struct JoinTarget {
   std::string control;  // router 0's control endpoint HOST:PORT
   std::string token;    // the job's control token
+  ClientTls tls;        // with the job's TLS: how to reach router 0's control endpoint
   // The joiner's job as its config gives it, checked by router 0 (experts, layers) and here
   // (the dispatch header size its placement spec makes).
   int num_experts = 0;

@@ -64,6 +64,8 @@ ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
   so.framed.first_frame_timeout = std::chrono::milliseconds(sc.first_frame_timeout_ms);
   so.framed.idle_timeout = std::chrono::milliseconds(sc.idle_timeout_ms);
   so.framed.max_buffered_bytes = sc.max_buffered_bytes;
+  so.framed.max_connections_per_peer = sc.max_connections_per_address;
+  so.framed.tls = s.tls;
   so.max_inflight_per_connection = sc.max_inflight_per_connection;
   so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
   so.key = s.serving_key;
@@ -90,6 +92,7 @@ Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankS
   co.max_connections = 64;
   co.first_frame_timeout = std::chrono::milliseconds(s.config.serving.first_frame_timeout_ms);
   co.idle_timeout = std::chrono::milliseconds(s.config.serving.idle_timeout_ms);
+  co.tls = s.tls;
   ControlProvider provider;
   RankServices* services = &rs;
   provider.status = [services, pc] {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,9 +29,10 @@ namespace moerun {
 struct ServeSetup {
   ServeConfig config;
   HostPort listen, control_listen, metrics_listen;
-  std::string token;        // the control token; empty: no control endpoint
-  std::string serving_key;  // every InferRequest must carry it; empty: none
-  std::string ready_file;   // written once router 0 listens
+  std::string token;                      // the control token; empty: no control endpoint
+  std::string serving_key;                // every InferRequest must carry it; empty: none
+  std::shared_ptr<TlsServerContext> tls;  // TLS on the serving and control endpoints; null: none
+  std::string ready_file;                 // written once router 0 listens
   std::vector<int> layers;
   int64_t hidden = 0;
   std::string family;

@@ -31,17 +31,22 @@ bool KubeletSecret(const struct stat& st) {
 
 }  // namespace
 
-Result<std::string> ReadTokenFile(const std::string& path) {
+Status CheckPrivateFile(const std::string& path, const std::string& what) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
-    return Status::NotFound("token file " + path + ": " + std::strerror(errno));
+    return Status::NotFound(what + " " + path + ": " + std::strerror(errno));
   }
   if ((st.st_mode & 077) != 0 && !KubeletSecret(st)) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    return Status::InvalidArgument("token file " + path + " has mode " + mode +
+    return Status::InvalidArgument(what + " " + path + " has mode " + mode +
                                    ": its group or others may read or write it; chmod 600 it");
   }
+  return Status::Ok();
+}
+
+Result<std::string> ReadTokenFile(const std::string& path) {
+  MOERUN_RETURN_IF_ERROR(CheckPrivateFile(path, "token file"));
   std::ifstream in(path);
   std::string line;
   if (!in || !std::getline(in, line)) {

@@ -37,6 +37,10 @@ namespace moerun {
 // MOERUN_TOKEN_FILE with it too.
 Result<std::string> ReadTokenFile(const std::string& path);
 
+// The mode check of ReadTokenFile alone, for other secrets (a TLS private key): `what` names the
+// file in the error ("TLS key file").
+Status CheckPrivateFile(const std::string& path, const std::string& what);
+
 // Equal strings in time that depends only on their lengths.
 bool ConstantTimeEqual(std::string_view a, std::string_view b);
 

@@ -1,6 +1,7 @@
 #include "serving/framed_server.h"
 
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -10,6 +11,7 @@
 
 #include "base/log.h"
 #include "serving/frame.h"
+#include "serving/tls_context.h"
 
 namespace moerun {
 
@@ -90,7 +92,10 @@ struct FramedServer::Impl {
   std::unordered_map<std::string, Peer> peers;
 
   void Accept();
-  bool MakeRoom();  // closes one untrusted connection to admit a new one
+  // Closes one untrusted connection to admit a new one: of address `only` when given.
+  bool MakeRoom(const std::string* only = nullptr);
+  // The address with the most open connections ("" if none has more than one).
+  std::string BusiestPeer() const;
   std::chrono::steady_clock::time_point no_room_until{};
   std::shared_ptr<std::atomic<int64_t>> JoinPeer(const std::string& key) {
     Peer& p = peers[key];
@@ -119,13 +124,30 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
         timer_(srv->io),
         write_timer_(srv->io),
         id_(id),
-        peer_(std::move(peer)) {}
+        peer_(std::move(peer)) {
+    if (srv->opts.tls) {
+      tls_ = std::make_unique<asio::ssl::stream<tcp::socket&>>(socket_, srv->opts.tls->native());
+    }
+  }
 
   void Start() {
     peer_held_ = srv_->JoinPeer(peer_);
     boost::system::error_code ec;
     socket_.set_option(tcp::no_delay(true), ec);
-    ReadHeader();
+    if (!tls_) return ReadHeader();
+    // The handshake must end within the first frame's timeout (the timer closes it otherwise).
+    Expect(Wait::kFirstFrame);
+    auto self = shared_from_this();
+    tls_->async_handshake(asio::ssl::stream_base::server,
+                          WithMemory(&read_mem_, [this, self](const boost::system::error_code& e) {
+                            if (!open_) return;
+                            if (e) {
+                              spdlog::debug("{}: connection {} from {}: TLS handshake failed: {}",
+                                            srv_->opts.name, id_, peer_, e.message());
+                              return Close();
+                            }
+                            ReadHeader();
+                          }));
   }
   // For a connection refused at accept: counted under its peer until it closes.
   void JoinPeerOnly() { peer_held_ = srv_->JoinPeer(peer_); }
@@ -217,7 +239,9 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   // A read ended: false if the connection is done reading (closed by the peer, or closing).
   bool ReadOk(const boost::system::error_code& ec) {
     if (!open_ || closing_) return false;
-    if (ec == asio::error::eof && have_ == 0 && srv_->handlers.on_read_closed) {
+    // (Over TLS, a client that half-closes without close_notify reads as a truncated stream.)
+    const bool eof = ec == asio::error::eof || (tls_ && ec == asio::ssl::error::stream_truncated);
+    if (eof && have_ == 0 && srv_->handlers.on_read_closed) {
       // The client finished sending (half close): it may still read the answers in flight.
       Expect(Wait::kNone);
       reading_ = false;
@@ -242,15 +266,14 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
   void ReadHeaderMore() {
     auto self = shared_from_this();
-    socket_.async_read_some(
-        asio::buffer(header_ + have_, kFrameHeaderBytes - have_),
-        WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
-          if (!ReadOk(ec)) return;
-          if (have_ == 0 && n > 0) Expect(Wait::kFrame);
-          have_ += n;
-          if (have_ < kFrameHeaderBytes) return ReadHeaderMore();
-          OnHeader(GetFrameLength(header_));
-        }));
+    ReadSome(asio::buffer(header_ + have_, kFrameHeaderBytes - have_),
+             WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
+               if (!ReadOk(ec)) return;
+               if (have_ == 0 && n > 0) Expect(Wait::kFrame);
+               have_ += n;
+               if (have_ < kFrameHeaderBytes) return ReadHeaderMore();
+               OnHeader(GetFrameLength(header_));
+             }));
   }
 
   // Sets what the timer guards, from now. The timer is re-armed only when the new deadline is
@@ -323,6 +346,7 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
       body_ = srv_->buffers.Take(0);
       return FrameDone();
     }
+    if (tls_) return ReadFirstChunk();
     boost::system::error_code ec;
     if (socket_.available(ec) > 0 && !ec) return ReadBody();
     // No body byte yet: wait for one before taking a buffer.
@@ -334,6 +358,24 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
                        }));
   }
 
+  // Over TLS, bytes may already wait inside OpenSSL, which the socket cannot be asked about: the
+  // first chunk is read into scratch space, then a buffer fitting it is taken.
+  void ReadFirstChunk() {
+    auto self = shared_from_this();
+    ReadSome(asio::buffer(scratch_, std::min(want_, sizeof scratch_)),
+             WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
+               if (!ReadOk(ec)) return;
+               body_ = srv_->buffers.Take(std::min<size_t>(want_, std::max(kFirstChunk, 2 * n)));
+               std::memcpy(body_.data(), scratch_, n);
+               if (!body_lease_.TryGrow(static_cast<int64_t>(n), srv_->peer_limit)) {
+                 return OverBudget(n);
+               }
+               got_ = n;
+               if (got_ < want_) return ReadBody();
+               FrameDone();
+             }));
+  }
+
   void ReadBody() {
     if (got_ == body_.size()) {
       // The buffer is full: grow it, to at most twice what arrived (and the announced length).
@@ -343,17 +385,16 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
       body_ = std::move(bigger);
     }
     auto self = shared_from_this();
-    socket_.async_read_some(
-        asio::buffer(body_.data() + got_, body_.size() - got_),
-        WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
-          if (!ReadOk(ec)) return;
-          if (!body_lease_.TryGrow(static_cast<int64_t>(n), srv_->peer_limit)) {
-            return OverBudget(n);
-          }
-          got_ += n;
-          if (got_ < want_) return ReadBody();
-          FrameDone();
-        }));
+    ReadSome(asio::buffer(body_.data() + got_, body_.size() - got_),
+             WithMemory(&read_mem_, [this, self](const boost::system::error_code& ec, size_t n) {
+               if (!ReadOk(ec)) return;
+               if (!body_lease_.TryGrow(static_cast<int64_t>(n), srv_->peer_limit)) {
+                 return OverBudget(n);
+               }
+               got_ += n;
+               if (got_ < want_) return ReadBody();
+               FrameDone();
+             }));
   }
 
   void FrameDone() {
@@ -387,8 +428,8 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
     }
     auto self = shared_from_this();
     const size_t n = std::min<size_t>(left, sizeof scratch_);
-    asio::async_read(
-        socket_, asio::buffer(scratch_, n),
+    ReadSome(
+        asio::buffer(scratch_, n),
         WithMemory(&read_mem_, [this, self, left](const boost::system::error_code& ec, size_t got) {
           if (!ReadOk(ec)) return;
           Discard(left - static_cast<uint32_t>(got));
@@ -434,23 +475,38 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
                        srv_->opts.name, id_, srv_->opts.write_timeout.count());
           Close();
         }));
-    asio::async_write(
-        socket_, asio::buffer(Front().data(), Front().size),
-        WithMemory(&write_mem_, [this, self](const boost::system::error_code& ec, size_t) {
-          ++write_gen_;
-          write_timer_.cancel();
-          if (ec || !open_) return Close();
-          const bool was_blocked = WriteBlocked();
-          queued_ -= Front().size;
-          PopFront();
-          if (was_blocked && !WriteBlocked()) MaybeRead();
-          if (writes_count_ > 0) return WriteNext();
-          if (closing_) Close();
-        }));
+    auto done = WithMemory(&write_mem_, [this, self](const boost::system::error_code& ec, size_t) {
+      ++write_gen_;
+      write_timer_.cancel();
+      if (ec || !open_) return Close();
+      const bool was_blocked = WriteBlocked();
+      queued_ -= Front().size;
+      PopFront();
+      if (was_blocked && !WriteBlocked()) MaybeRead();
+      if (writes_count_ > 0) return WriteNext();
+      if (closing_) Close();
+    });
+    const auto buf = asio::buffer(Front().data(), Front().size);
+    if (tls_) {
+      asio::async_write(*tls_, buf, std::move(done));
+    } else {
+      asio::async_write(socket_, buf, std::move(done));
+    }
+  }
+
+  // One read of what has arrived, through TLS when the connection has it.
+  template <typename Buffer, typename Handler>
+  void ReadSome(const Buffer& buffer, Handler&& handler) {
+    if (tls_) {
+      tls_->async_read_some(buffer, std::forward<Handler>(handler));
+    } else {
+      socket_.async_read_some(buffer, std::forward<Handler>(handler));
+    }
   }
 
   FramedServer::Impl* srv_;
   tcp::socket socket_;
+  std::unique_ptr<asio::ssl::stream<tcp::socket&>> tls_;  // over socket_, with options.tls
   asio::steady_timer timer_, write_timer_;
   const uint64_t id_;
   const std::string peer_;  // the peer's address
@@ -476,18 +532,30 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
 
 }  // namespace
 
-bool FramedServer::Impl::MakeRoom() {
+std::string FramedServer::Impl::BusiestPeer() const {
+  const std::string* best = nullptr;
+  int most = 1;
+  for (const auto& [address, p] : peers) {
+    if (p.connections > most) {
+      most = p.connections;
+      best = &address;
+    }
+  }
+  return best ? *best : std::string();
+}
+
+bool FramedServer::Impl::MakeRoom(const std::string* only) {
   // After a scan that found nothing to close, refuse without scanning for a while: a flood of
   // connections against a cap of busy ones must not cost a scan of every connection each.
   const auto now = Clock::now();
-  if (now < no_room_until) return false;
+  if (only == nullptr && now < no_room_until) return false;
   // The oldest untrusted connection that has sent nothing yet; else the oldest untrusted one
   // that waits quietly between frames; else the oldest untrusted one that holds nothing for its
   // client (it may be sending a frame).
   for (int pass = 0; pass < 3; ++pass) {
     for (auto& [id, w] : conns) {
       auto c = w.lock();
-      if (!c || c->trusted()) continue;
+      if (!c || c->trusted() || (only != nullptr && c->peer_address() != *only)) continue;
       const bool pick = pass == 0   ? c->Waiting() && c->frames() == 0
                         : pass == 1 ? c->Waiting()
                                     : c->Quiet();
@@ -497,7 +565,7 @@ bool FramedServer::Impl::MakeRoom() {
       return true;
     }
   }
-  no_room_until = now + std::chrono::milliseconds(10);
+  if (only == nullptr) no_room_until = now + std::chrono::milliseconds(10);
   return false;
 }
 
@@ -521,14 +589,34 @@ void FramedServer::Impl::Accept() {
     const auto full = [this] {
       return open.load() >= opts.max_connections || open.load() - trusted_open >= untrusted_limit;
     };
-    if (full() && !(MakeRoom() && !full())) {
+    const auto peer_full = [this, &c] {
+      if (opts.max_connections_per_peer <= 0) return false;
+      const auto it = peers.find(c->peer_address());
+      return it != peers.end() && it->second.connections >= opts.max_connections_per_peer;
+    };
+    // Room is made first at the address that holds the most connections, so that a flood from
+    // one address pushes out its own connections before anyone else's.
+    const auto make_room = [this] {
+      const std::string busiest = BusiestPeer();
+      return (!busiest.empty() && MakeRoom(&busiest)) || MakeRoom();
+    };
+    std::string why;
+    if (peer_full() && !(MakeRoom(&c->peer_address()) && !peer_full())) {
+      why = "too many connections from " + c->peer_address() + " (" +
+            std::to_string(opts.max_connections_per_peer) + ")";
+    } else if (full() && !(make_room() && !full())) {
+      why = "too many connections (" + std::to_string(opts.max_connections) + ")";
+    }
+    if (!why.empty()) {
       ++open;  // Forget() takes it back when the refused connection closes
       conns.emplace(id, c);
       c->JoinPeerOnly();
-      c->Send(handlers.error_frame(
-          ErrorCode::OVERLOADED,
-          "too many connections (" + std::to_string(opts.max_connections) + ")", 0));
-      c->CloseAfterWrites();
+      if (opts.tls) {
+        c->Close();  // no TLS session yet to say why in
+      } else {
+        c->Send(handlers.error_frame(ErrorCode::OVERLOADED, why, 0));
+        c->CloseAfterWrites();
+      }
     } else {
       conns.emplace(id, c);
       const int n = ++open;
@@ -589,7 +677,8 @@ Result<std::unique_ptr<FramedServer>> FramedServer::Start(const FramedServerOpti
       }
     }
   });
-  spdlog::info("{} listening on {}:{}", options.name, options.listen.host, s->port_);
+  spdlog::info("{} listening on {}:{}{}", options.name, options.listen.host, s->port_,
+               options.tls ? " with " + options.tls->description() : std::string());
   return s;
 }
 

@@ -20,15 +20,21 @@
 // request's id where readable, and close: a client that trickles bytes cannot hold a connection).
 //
 // Capacity: at most max_connections, and at most max_untrusted_connections that the handler has
-// not marked trusted (FramedConnection::MarkTrusted, e.g. once authenticated). A new connection
-// past either cap closes, to make room, the oldest untrusted connection that has sent nothing yet,
-// else the oldest untrusted one that waits quietly between frames (nothing held, nothing to
+// not marked trusted (FramedConnection::MarkTrusted, e.g. once authenticated), and at most
+// max_connections_per_peer from one peer address. A new connection past a cap closes, to make
+// room, one untrusted connection (of the same address for the per-address cap; else of the
+// address that holds the most connections, then of any address): the oldest that has sent nothing
+// yet, else the oldest untrusted one that waits quietly between frames (nothing held, nothing to
 // write), else the oldest untrusted one that holds nothing; only when there is none is the new
 // connection refused (OVERLOADED and close). So a flood of
 // silent or unauthenticated connections pushes out its own kind, never trusted ones, and a new
 // client always gets in. A client that does not read its answers stops being read once 16 MiB
 // (or one maximal frame) of answers wait for it, and is closed when a write makes no progress
 // for write_timeout. Stop lets queued answers go out (up to 2 s).
+//
+// TLS: with options.tls, every connection is TLS (1.2 or newer) and carries the same frames inside
+// it. The handshake must complete within first_frame_timeout; a connection refused at accept is
+// closed without a word (no TLS session to say it in).
 //
 // Threads: everything runs on one I/O thread. Handlers run on it and must not block; work for
 // other threads is handed off, and its results come back posted to io().
@@ -54,6 +60,8 @@ class io_context;
 
 namespace moerun {
 
+class TlsServerContext;
+
 struct FramedServerOptions {
   HostPort listen;
   std::string name = "server";  // for logs
@@ -74,6 +82,10 @@ struct FramedServerOptions {
   int64_t max_buffered_bytes_per_peer = 0;
   // Connections not marked trusted (0: max_connections).
   int max_untrusted_connections = 0;
+  // Connections from one peer address (0: no cap of its own).
+  int max_connections_per_peer = 0;
+  // TLS on every connection (serving/tls_context.h); null: plain TCP.
+  std::shared_ptr<TlsServerContext> tls;
   // Listen, but accept connections only once StartAccepting is called (a handler that must set
   // itself up after Start, knowing the I/O context, sees no frame before it is ready).
   bool defer_accept = false;

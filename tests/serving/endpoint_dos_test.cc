@@ -338,6 +338,77 @@ TEST(EndpointDosTest, SilentConnectionsDoNotFillTheCap) {
   EXPECT_GE(ok_fresh, 27) << why;
 }
 
+// A full endpoint makes room at the address holding the most connections: one silent
+// connection of 127.0.0.1 (the oldest), then silent ones of 127.0.0.2 fill the cap; a new client
+// of 127.0.0.1 pushes out one of 127.0.0.2's, not 127.0.0.1's older one.
+TEST(EndpointDosTest, AFullEndpointMakesRoomAtTheBusiestAddress) {
+  ASSERT_TRUE(RaiseFdLimit(1024));
+  ServingOptions so;
+  so.framed.max_connections = 8;
+  so.framed.first_frame_timeout = seconds(60);
+  Server s(so);
+  Fds own, flood;
+  own.fds.push_back(RawConnect(s.port()));
+  ASSERT_GE(own.fds[0], 0);
+  for (int i = 0; i < 7; ++i) {
+    flood.fds.push_back(RawConnectFrom(s.port(), "127.0.0.2"));
+    ASSERT_GE(flood.fds.back(), 0);
+  }
+  std::string why;
+  ASSERT_TRUE(s.VerifiedFresh(1, &why)) << why;
+  // One of the flood's connections (its oldest) was closed; 127.0.0.1's is still open.
+  EXPECT_TRUE(ClosedBy(flood.fds[0], Clock::now() + seconds(20)));
+  EXPECT_TRUE(OpenNow(own.fds[0]));
+}
+
+// max_connections_per_peer: an address at its cap pushes out its own oldest waiting connection
+// for a new one, and is refused (OVERLOADED naming the address) when none of its connections can
+// go; other addresses are not affected.
+TEST(EndpointDosTest, OneAddressIsHeldToItsOwnCap) {
+  ASSERT_TRUE(RaiseFdLimit(1024));
+  ServingOptions so;
+  so.framed.max_connections = 64;
+  so.framed.max_connections_per_peer = 4;
+  so.framed.first_frame_timeout = seconds(60);
+  Server s(so, milliseconds(1500));
+  Fds flood;
+  for (int i = 0; i < 4; ++i) {
+    flood.fds.push_back(RawConnectFrom(s.port(), "127.0.0.3"));
+    ASSERT_GE(flood.fds.back(), 0);
+  }
+  // A fifth from the same address: the oldest of its four goes.
+  flood.fds.push_back(RawConnectFrom(s.port(), "127.0.0.3"));
+  ASSERT_GE(flood.fds.back(), 0);
+  EXPECT_TRUE(ClosedBy(flood.fds[0], Clock::now() + seconds(20)));
+  // Four connections of 127.0.0.1 that each wait for an answer (the batcher is slow: none may
+  // be closed) fill its cap; a fifth is refused with a reason, and 127.0.0.3 is unaffected.
+  std::vector<std::unique_ptr<ServeConnection>> busy;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    auto c = ServeConnection::Connect(s.target());
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->SendRequest(s.Request(id), Soon()).ok());
+    busy.push_back(std::move(*c));
+  }
+  std::this_thread::sleep_for(milliseconds(300));  // the server holds the four requests
+  auto refused = ServeConnection::Connect(s.target());
+  ASSERT_TRUE(refused.ok());
+  InferResponse r;
+  const Status st = (*refused)->Receive(&r, Soon());
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(r.code(), v1::OVERLOADED);
+  EXPECT_NE(r.message().find("too many connections from 127.0.0.1"), std::string::npos)
+      << r.message();
+  const int other = RawConnectFrom(s.port(), "127.0.0.4");
+  ASSERT_GE(other, 0);
+  EXPECT_TRUE(OpenNow(other));
+  ::close(other);
+  for (auto& c : busy) {  // each is answered
+    InferResponse a;
+    ASSERT_TRUE(c->Receive(&a, Soon()).ok());
+    EXPECT_EQ(a.code(), v1::OK) << a.message();
+  }
+}
+
 // HTTP: 512 keep-alive connections (the cap), then as many that send nothing, then as many
 // that send half a header: /health keeps answering on new connections.
 TEST(EndpointDosTest, KeepAliveAndSilentHttpConnectionsDoNotBlockHealth) {

@@ -101,6 +101,36 @@ TEST(ServeConfigTest, HttpEndpointKeys) {
   }
 }
 
+TEST(ServeConfigTest, TlsAndPerAddressKeys) {
+  auto d = ParseServeConfig("model: m\n", "c.yaml", "");
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->serving.tls.enabled());
+  EXPECT_EQ(d->serving.max_connections_per_address, 0);
+  // Relative paths are the config file's folder's.
+  auto c = ParseServeConfig(
+      "model: m\nserving:\n  max_connections_per_address: 32\n  tls: {cert_file: s.crt, "
+      "key_file: /k/s.key, client_ca_file: ca.crt, ca_file: ca.crt}\n",
+      "/etc/moerun/c.yaml", "/etc/moerun");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(c->serving.tls.enabled());
+  EXPECT_EQ(c->serving.tls.cert_file, "/etc/moerun/s.crt");
+  EXPECT_EQ(c->serving.tls.key_file, "/k/s.key");
+  EXPECT_EQ(c->serving.tls.client_ca_file, "/etc/moerun/ca.crt");
+  EXPECT_EQ(c->serving.tls_ca_file, "/etc/moerun/ca.crt");
+  EXPECT_EQ(c->serving.max_connections_per_address, 32);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"{tls: {cert_file: a.crt}}", "needs both cert_file and key_file"},
+      {"{tls: {key_file: a.key}}", "needs both cert_file and key_file"},
+      {"{tls: {cert: a.crt}}", "unknown key \"cert\""},
+      {"{max_connections_per_address: -1}", "\"max_connections_per_address\" must be in"},
+  };
+  for (const auto& [serving, want] : bad) {
+    auto e = ParseServeConfig("model: m\nserving: " + serving + "\n", "c.yaml", "");
+    ASSERT_FALSE(e.ok()) << serving;
+    EXPECT_NE(e.status().message().find(want), std::string::npos) << e.status().message();
+  }
+}
+
 TEST(ServeConfigTest, RebalanceKeys) {
   auto d = ParseServeConfig("model: m\n", "c.yaml", "");
   ASSERT_TRUE(d.ok());
