@@ -4,8 +4,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "base/log.h"
 
@@ -104,6 +106,276 @@ Status ParseFiles(const YAML::Node& root, const std::string& source, const std::
   return Status::Ok();
 }
 
+// --- the config's keys, by table: one entry per key says how it is read; a section's known keys
+// are its table's names, so the list in an "unknown key" error is always the table's.
+
+template <typename S>
+struct Key {
+  const char* name;
+  std::function<Status(const Reader& r, S* s)> read;
+};
+
+template <typename S, typename T>
+Key<S> Number(const char* name, T S::*member, T lo, T hi) {
+  return {name, [=](const Reader& r, S* s) { return r.Get<T>(name, &(s->*member), lo, hi); }};
+}
+
+template <typename S>
+Key<S> Text(const char* name, std::string S::*member) {
+  return {name, [=](const Reader& r, S* s) { return r.GetString(name, &(s->*member)); }};
+}
+
+// A path, relative to the config file's folder unless absolute.
+template <typename S>
+Key<S> Path(const char* name, std::string S::*member, const std::string& base) {
+  return {name, [=](const Reader& r, S* s) {
+            MOERUN_RETURN_IF_ERROR(r.GetString(name, &(s->*member)));
+            s->*member = Resolve(s->*member, base);
+            return Status::Ok();
+          }};
+}
+
+// A nested mapping read by its own table.
+template <typename S, typename N>
+Key<S> Section(const char* name, const std::string& source,
+               std::function<std::vector<Key<N>>()> table, N* (*field)(S*)) {
+  return {name, [=](const Reader& r, S* s) -> Status {
+            const YAML::Node n = r.node()[name];
+            if (!n) return Status::Ok();
+            return ReadTable(Reader(n, source + ": \"" + name + "\""), table(), field(s));
+          }};
+}
+
+template <typename S>
+Status ReadTable(const Reader& r, const std::vector<Key<S>>& keys, S* s) {
+  std::set<std::string> names;
+  for (const Key<S>& k : keys) names.insert(k.name);
+  MOERUN_RETURN_IF_ERROR(r.CheckKeys(names));
+  for (const Key<S>& k : keys) MOERUN_RETURN_IF_ERROR(k.read(r, s));
+  return Status::Ok();
+}
+
+Status OneOf(const Reader& r, const char* key, const std::string& v,
+             std::initializer_list<const char*> allowed, const std::string& what) {
+  for (const char* a : allowed) {
+    if (v == a) return Status::Ok();
+  }
+  return Status::InvalidArgument(r.Where(key) + " must be " + what);
+}
+
+// expert_cache_pinned: a list of expert numbers.
+Status ReadPinned(const Reader& r, ServeConfig* c) {
+  const YAML::Node pin = r.node()["expert_cache_pinned"];
+  if (!pin) return Status::Ok();
+  bool ok = pin.IsSequence();
+  for (size_t i = 0; ok && i < pin.size(); ++i) {
+    try {
+      const int v = pin[i].as<int>();
+      ok = v >= 0;
+      c->expert_cache_pinned.push_back(v);
+    } catch (const YAML::Exception&) {
+      ok = false;
+    }
+  }
+  if (ok) return Status::Ok();
+  return Status::InvalidArgument(r.Where("expert_cache_pinned") +
+                                 " must be a list of expert numbers");
+}
+
+// preset: NAME, or {name, seed, experts, dtype, gate_skew}.
+Status ReadPreset(const Reader& r, const std::string& source, ServeConfig* c) {
+  const YAML::Node p = r.node()["preset"];
+  if (!p) return Status::Ok();
+  if (p.IsScalar()) {
+    c->preset = p.as<std::string>();
+    return Status::Ok();
+  }
+  return ReadTable(Reader(p, source + ": \"preset\""),
+                   std::vector<Key<ServeConfig>>{
+                       Text("name", &ServeConfig::preset),
+                       Number("seed", &ServeConfig::seed, uint64_t{0}, UINT64_MAX),
+                       Number("experts", &ServeConfig::experts, 0, 65536),
+                       Text("dtype", &ServeConfig::dtype),
+                       Number("gate_skew", &ServeConfig::gate_skew, 0.0, 8.0),
+                   },
+                   c);
+}
+
+// layers: [n, ...] or "all".
+Status ReadLayers(const Reader& r, ServeConfig* c) {
+  const YAML::Node l = r.node()["layers"];
+  if (!l) return Status::Ok();
+  if (l.IsScalar() && l.as<std::string>() == "all") {
+    c->layers = {-1};
+    return Status::Ok();
+  }
+  if (!l.IsSequence()) {
+    return Status::InvalidArgument(r.Where("layers") + " must be a list of layers or \"all\"");
+  }
+  for (const auto& e : l) {
+    try {
+      const int v = e.as<int>();
+      if (v < 0) return Status::InvalidArgument(r.Where("layers") + " must not be negative");
+      c->layers.push_back(v);
+    } catch (const YAML::Exception&) {
+      return Status::InvalidArgument(r.Where("layers") + " must be a list of layer numbers");
+    }
+  }
+  return Status::Ok();
+}
+
+std::vector<Key<BatcherOptions>> BatchingKeys() {
+  using B = BatcherOptions;
+  return {
+      Number("max_batch_tokens", &B::max_batch_tokens, int64_t{1}, int64_t{1} << 24),
+      Number("max_wait_us", &B::max_wait_us, int64_t{0}, int64_t{60000000}),
+      Number("max_queue_tokens", &B::max_queue_tokens, int64_t{1}, int64_t{1} << 30),
+      Number("max_queue_requests", &B::max_queue_requests, 1, 1 << 20),
+  };
+}
+
+// serving.tls: {cert_file, key_file, client_ca_file, ca_file}.
+Key<ServingConfig> TlsKey(const std::string& source, const std::string& base) {
+  return {"tls", [=](const Reader& r, ServingConfig* v) -> Status {
+            const YAML::Node t = r.node()["tls"];
+            if (!t) return Status::Ok();
+            MOERUN_RETURN_IF_ERROR(
+                ReadTable(Reader(t, source + ": \"serving.tls\""),
+                          std::vector<Key<ServingConfig>>{
+                              {"cert_file",
+                               [&](const Reader& tr, ServingConfig* s) {
+                                 return tr.GetString("cert_file", &s->tls.cert_file);
+                               }},
+                              {"key_file",
+                               [&](const Reader& tr, ServingConfig* s) {
+                                 return tr.GetString("key_file", &s->tls.key_file);
+                               }},
+                              {"client_ca_file",
+                               [&](const Reader& tr, ServingConfig* s) {
+                                 return tr.GetString("client_ca_file", &s->tls.client_ca_file);
+                               }},
+                              Text("ca_file", &ServingConfig::tls_ca_file),
+                          },
+                          v));
+            for (std::string* f :
+                 {&v->tls.cert_file, &v->tls.key_file, &v->tls.client_ca_file, &v->tls_ca_file}) {
+              *f = Resolve(*f, base);
+            }
+            if (v->tls.cert_file.empty() != v->tls.key_file.empty()) {
+              return Status::InvalidArgument(source +
+                                             ": \"serving.tls\" needs both cert_file and key_file");
+            }
+            return Status::Ok();
+          }};
+}
+
+std::vector<Key<ServingConfig>> ServingKeys(const std::string& source, const std::string& base) {
+  using V = ServingConfig;
+  const int64_t hour_ms = 3600000, day_ms = 86400000, day_s = 86400;
+  return {
+      Text("listen", &V::listen),
+      Text("control_listen", &V::control_listen),
+      Text("metrics_listen", &V::metrics_listen),
+      Path("token_file", &V::token_file, base),
+      Path("key_file", &V::key_file, base),
+      Number("max_connections_per_address", &V::max_connections_per_address, 0, 1 << 20),
+      TlsKey(source, base),
+      Number("max_frame_bytes", &V::max_frame_bytes, int64_t{64}, int64_t{1} << 31),
+      Number("max_connections", &V::max_connections, 1, 1 << 20),
+      Number("max_inflight_per_connection", &V::max_inflight_per_connection, 1, 1 << 16),
+      Number("max_buffered_bytes", &V::max_buffered_bytes, int64_t{1} << 20, int64_t{1} << 40),
+      Number("max_request_tokens", &V::max_request_tokens, int64_t{1}, int64_t{1} << 24),
+      Number("default_deadline_ms", &V::default_deadline_ms, int64_t{1}, day_ms),
+      Number("frame_timeout_ms", &V::frame_timeout_ms, int64_t{1}, hour_ms),
+      Number("first_frame_timeout_ms", &V::first_frame_timeout_ms, int64_t{1}, hour_ms),
+      Number("idle_timeout_ms", &V::idle_timeout_ms, int64_t{1}, day_ms),
+      Number("http_idle_timeout_ms", &V::http_idle_timeout_ms, int64_t{1}, day_ms),
+      Number("http_max_connections", &V::http_max_connections, 1, 1 << 16),
+      Number("probe_interval_ms", &V::probe_interval_ms, int64_t{1}, hour_ms),
+      Number("probe_deadline_ms", &V::probe_deadline_ms, int64_t{1}, hour_ms),
+      Number("drain_timeout_s", &V::drain_timeout_s, int64_t{0}, day_s),
+      Number("load_window_s", &V::load_window_s, int64_t{1}, day_s),
+  };
+}
+
+std::vector<Key<RebalanceConfig>> RebalanceKeys() {
+  using V = RebalanceConfig;
+  return {
+      Number("throttle_mib_s", &V::throttle_mib_s, 0.0, 1e9),
+      Number("auto", &V::automatic, false, true),
+      Number("interval_s", &V::interval_s, int64_t{1}, int64_t{86400} * 30),
+      Number("min_gain", &V::min_gain, 0.0, 1.0),
+      Number("redundant", &V::redundant, 0, 65536),
+      {"policy",
+       [](const Reader& r, V* v) {
+         MOERUN_RETURN_IF_ERROR(r.GetString("policy", &v->policy));
+         return OneOf(r, "policy", v->policy, {"default", "eplb-hierarchical", "eplb-global"},
+                      "default, eplb-hierarchical or eplb-global");
+       }},
+      Number("min_assignments", &V::min_assignments, int64_t{0}, int64_t{1} << 40),
+  };
+}
+
+// The top level. "model" is resolved and "files" read once both model and preset are known.
+std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::string& base) {
+  using C = ServeConfig;
+  return {
+      Text("model", &C::model),
+      {"preset", [=](const Reader& r, C* c) { return ReadPreset(r, source, c); }},
+      {"layers", ReadLayers},
+      {"transport",
+       [](const Reader& r, C* c) {
+         MOERUN_RETURN_IF_ERROR(r.GetString("transport", &c->transport));
+         if (c->transport.empty()) return Status::Ok();
+         return OneOf(r, "transport", c->transport, {"mpi", "ucx", "nccl", "inproc"},
+                      "mpi, ucx, nccl or inproc");
+       }},
+      Number("ranks", &C::ranks, 1, 256),
+      Number("routers", &C::routers, 1, 256),
+      {"placement",
+       [=](const Reader& r, C* c) {
+         MOERUN_RETURN_IF_ERROR(r.GetString("placement", &c->placement));
+         if (c->placement != "linear" && c->placement != "round_robin") {
+           c->placement = Resolve(c->placement, base);
+         }
+         return Status::Ok();
+       }},
+      Number("microbatch_tokens", &C::microbatch_tokens, int64_t{0}, int64_t{1} << 24),
+      Number("deadline_ms", &C::deadline_ms, int64_t{1}, int64_t{86400000}),
+      Number("startup_timeout_s", &C::startup_timeout_s, int64_t{1}, int64_t{86400}),
+      Number("threads", &C::threads, 0, 1024),
+      Text("isa", &C::isa),
+      {"log_level",
+       [](const Reader& r, C* c) {
+         MOERUN_RETURN_IF_ERROR(r.GetString("log_level", &c->log_level));
+         return CheckLogLevel(c->log_level, "log_level");
+       }},
+      Section<C, BatcherOptions>("batching", source, BatchingKeys,
+                                 [](C* c) { return &c->batching; }),
+      Section<C, ServingConfig>(
+          "serving", source, [=] { return ServingKeys(source, base); },
+          [](C* c) { return &c->serving; }),
+      Section<C, RebalanceConfig>("rebalance", source, RebalanceKeys,
+                                  [](C* c) { return &c->rebalance; }),
+      Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
+      {"expert_cache_policy",
+       [](const Reader& r, C* c) {
+         MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_policy", &c->expert_cache_policy));
+         if (c->expert_cache_policy == "lfu" || c->expert_cache_policy == "lru") {
+           return Status::Ok();
+         }
+         return Status::InvalidArgument(r.Where("expert_cache_policy") +
+                                        " must be lfu or lru, not '" + c->expert_cache_policy +
+                                        "'");
+       }},
+      Number("expert_cache_loaders", &C::expert_cache_loaders, 1, 64),
+      {"expert_cache_pinned", ReadPinned},
+      Path("expert_cache_spill_dir", &C::expert_cache_spill_dir, base),
+      Number("expert_cache_load_mib_s", &C::expert_cache_load_mib_s, 0.0, 1e9),
+      {"files", [](const Reader&, C*) { return Status::Ok(); }},  // after model: below
+  };
+}
+
 }  // namespace
 
 Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string& source,
@@ -116,216 +388,12 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
                                    std::to_string(e.mark.line + 1) + ")");
   }
   ServeConfig c;
-  Reader r(root, source);
-  MOERUN_RETURN_IF_ERROR(r.CheckKeys({"model",
-                                      "preset",
-                                      "layers",
-                                      "transport",
-                                      "ranks",
-                                      "routers",
-                                      "placement",
-                                      "microbatch_tokens",
-                                      "deadline_ms",
-                                      "startup_timeout_s",
-                                      "threads",
-                                      "isa",
-                                      "batching",
-                                      "serving",
-                                      "rebalance",
-                                      "log_level",
-                                      "expert_cache_mib",
-                                      "expert_cache_policy",
-                                      "expert_cache_loaders",
-                                      "expert_cache_pinned",
-                                      "expert_cache_spill_dir",
-                                      "expert_cache_load_mib_s",
-                                      "files"}));
-  MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_spill_dir", &c.expert_cache_spill_dir));
-  c.expert_cache_spill_dir = Resolve(c.expert_cache_spill_dir, base_dir);
-  MOERUN_RETURN_IF_ERROR(
-      r.Get<int64_t>("expert_cache_mib", &c.expert_cache_mib, 0, int64_t{1} << 30));
-  MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_policy", &c.expert_cache_policy));
-  if (c.expert_cache_policy != "lfu" && c.expert_cache_policy != "lru") {
-    return Status::InvalidArgument(r.Where("expert_cache_policy") + " must be lfu or lru, not '" +
-                                   c.expert_cache_policy + "'");
-  }
-  MOERUN_RETURN_IF_ERROR(r.Get<int>("expert_cache_loaders", &c.expert_cache_loaders, 1, 64));
-  MOERUN_RETURN_IF_ERROR(
-      r.Get<double>("expert_cache_load_mib_s", &c.expert_cache_load_mib_s, 0.0, 1e9));
-  if (const YAML::Node pin = root["expert_cache_pinned"]) {
-    bool ok = pin.IsSequence();
-    for (size_t i = 0; ok && i < pin.size(); ++i) {
-      try {
-        const int v = pin[i].as<int>();
-        ok = v >= 0;
-        c.expert_cache_pinned.push_back(v);
-      } catch (const YAML::Exception&) {
-        ok = false;
-      }
-    }
-    if (!ok) {
-      return Status::InvalidArgument(r.Where("expert_cache_pinned") +
-                                     " must be a list of expert numbers");
-    }
-  }
-  MOERUN_RETURN_IF_ERROR(r.GetString("model", &c.model));
-  if (const YAML::Node p = root["preset"]) {
-    Reader pr(p, source + ": \"preset\"");
-    if (p.IsScalar()) {
-      c.preset = p.as<std::string>();
-    } else {
-      MOERUN_RETURN_IF_ERROR(pr.CheckKeys({"name", "seed", "experts", "dtype", "gate_skew"}));
-      MOERUN_RETURN_IF_ERROR(pr.GetString("name", &c.preset));
-      MOERUN_RETURN_IF_ERROR(pr.Get<uint64_t>("seed", &c.seed, 0, UINT64_MAX));
-      MOERUN_RETURN_IF_ERROR(pr.Get<int>("experts", &c.experts, 0, 65536));
-      MOERUN_RETURN_IF_ERROR(pr.GetString("dtype", &c.dtype));
-      MOERUN_RETURN_IF_ERROR(pr.Get<double>("gate_skew", &c.gate_skew, 0.0, 8.0));
-    }
-  }
+  MOERUN_RETURN_IF_ERROR(ReadTable(Reader(root, source), TopKeys(source, base_dir), &c));
   if (c.model.empty() == c.preset.empty()) {
     return Status::InvalidArgument(source + ": give exactly one of \"model\" and \"preset\"");
   }
   c.model = Resolve(c.model, base_dir);
   MOERUN_RETURN_IF_ERROR(ParseFiles(root, source, base_dir, &c));
-  if (const YAML::Node l = root["layers"]) {
-    if (l.IsScalar() && l.as<std::string>() == "all") {
-      c.layers = {-1};
-    } else if (l.IsSequence()) {
-      for (const auto& e : l) {
-        try {
-          const int v = e.as<int>();
-          if (v < 0) return Status::InvalidArgument(r.Where("layers") + " must not be negative");
-          c.layers.push_back(v);
-        } catch (const YAML::Exception&) {
-          return Status::InvalidArgument(r.Where("layers") + " must be a list of layer numbers");
-        }
-      }
-    } else {
-      return Status::InvalidArgument(r.Where("layers") + " must be a list of layers or \"all\"");
-    }
-  }
-  MOERUN_RETURN_IF_ERROR(r.GetString("transport", &c.transport));
-  if (!c.transport.empty() && c.transport != "mpi" && c.transport != "ucx" &&
-      c.transport != "nccl" && c.transport != "inproc") {
-    return Status::InvalidArgument(r.Where("transport") + " must be mpi, ucx, nccl or inproc");
-  }
-  MOERUN_RETURN_IF_ERROR(r.Get<int>("ranks", &c.ranks, 1, 256));
-  MOERUN_RETURN_IF_ERROR(r.Get<int>("routers", &c.routers, 1, 256));
-  MOERUN_RETURN_IF_ERROR(r.GetString("placement", &c.placement));
-  if (c.placement != "linear" && c.placement != "round_robin") {
-    c.placement = Resolve(c.placement, base_dir);
-  }
-  MOERUN_RETURN_IF_ERROR(r.Get<int64_t>("microbatch_tokens", &c.microbatch_tokens, 0, 1 << 24));
-  MOERUN_RETURN_IF_ERROR(r.Get<int64_t>("deadline_ms", &c.deadline_ms, 1, 86400000));
-  MOERUN_RETURN_IF_ERROR(r.Get<int64_t>("startup_timeout_s", &c.startup_timeout_s, 1, 86400));
-  MOERUN_RETURN_IF_ERROR(r.Get<int>("threads", &c.threads, 0, 1024));
-  MOERUN_RETURN_IF_ERROR(r.GetString("isa", &c.isa));
-  MOERUN_RETURN_IF_ERROR(r.GetString("log_level", &c.log_level));
-  MOERUN_RETURN_IF_ERROR(CheckLogLevel(c.log_level, "log_level"));
-  if (const YAML::Node b = root["batching"]) {
-    Reader br(b, source + ": \"batching\"");
-    MOERUN_RETURN_IF_ERROR(br.CheckKeys(
-        {"max_batch_tokens", "max_wait_us", "max_queue_tokens", "max_queue_requests"}));
-    MOERUN_RETURN_IF_ERROR(
-        br.Get<int64_t>("max_batch_tokens", &c.batching.max_batch_tokens, 1, 1 << 24));
-    MOERUN_RETURN_IF_ERROR(br.Get<int64_t>("max_wait_us", &c.batching.max_wait_us, 0, 60000000));
-    MOERUN_RETURN_IF_ERROR(
-        br.Get<int64_t>("max_queue_tokens", &c.batching.max_queue_tokens, 1, int64_t{1} << 30));
-    MOERUN_RETURN_IF_ERROR(
-        br.Get<int>("max_queue_requests", &c.batching.max_queue_requests, 1, 1 << 20));
-  }
-  if (const YAML::Node n = root["serving"]) {
-    Reader sr(n, source + ": \"serving\"");
-    ServingConfig& v = c.serving;
-    MOERUN_RETURN_IF_ERROR(sr.CheckKeys({"listen",
-                                         "control_listen",
-                                         "metrics_listen",
-                                         "token_file",
-                                         "key_file",
-                                         "max_frame_bytes",
-                                         "max_connections",
-                                         "max_inflight_per_connection",
-                                         "max_buffered_bytes",
-                                         "max_request_tokens",
-                                         "default_deadline_ms",
-                                         "frame_timeout_ms",
-                                         "probe_interval_ms",
-                                         "probe_deadline_ms",
-                                         "drain_timeout_s",
-                                         "load_window_s",
-                                         "first_frame_timeout_ms",
-                                         "idle_timeout_ms",
-                                         "http_idle_timeout_ms",
-                                         "http_max_connections",
-                                         "max_connections_per_address",
-                                         "tls"}));
-    MOERUN_RETURN_IF_ERROR(sr.GetString("listen", &v.listen));
-    MOERUN_RETURN_IF_ERROR(sr.GetString("control_listen", &v.control_listen));
-    MOERUN_RETURN_IF_ERROR(sr.GetString("metrics_listen", &v.metrics_listen));
-    MOERUN_RETURN_IF_ERROR(sr.GetString("token_file", &v.token_file));
-    v.token_file = Resolve(v.token_file, base_dir);
-    MOERUN_RETURN_IF_ERROR(sr.GetString("key_file", &v.key_file));
-    v.key_file = Resolve(v.key_file, base_dir);
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int>("max_connections_per_address", &v.max_connections_per_address, 0, 1 << 20));
-    if (const YAML::Node t = n["tls"]) {
-      Reader tr(t, source + ": \"serving.tls\"");
-      MOERUN_RETURN_IF_ERROR(tr.CheckKeys({"cert_file", "key_file", "client_ca_file", "ca_file"}));
-      MOERUN_RETURN_IF_ERROR(tr.GetString("cert_file", &v.tls.cert_file));
-      MOERUN_RETURN_IF_ERROR(tr.GetString("key_file", &v.tls.key_file));
-      MOERUN_RETURN_IF_ERROR(tr.GetString("client_ca_file", &v.tls.client_ca_file));
-      MOERUN_RETURN_IF_ERROR(tr.GetString("ca_file", &v.tls_ca_file));
-      v.tls.cert_file = Resolve(v.tls.cert_file, base_dir);
-      v.tls.key_file = Resolve(v.tls.key_file, base_dir);
-      v.tls.client_ca_file = Resolve(v.tls.client_ca_file, base_dir);
-      v.tls_ca_file = Resolve(v.tls_ca_file, base_dir);
-      if (v.tls.cert_file.empty() != v.tls.key_file.empty()) {
-        return Status::InvalidArgument(source +
-                                       ": \"serving.tls\" needs both cert_file and key_file");
-      }
-    }
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int64_t>("max_frame_bytes", &v.max_frame_bytes, 64, int64_t{1} << 31));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int>("max_connections", &v.max_connections, 1, 1 << 20));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int>("max_inflight_per_connection", &v.max_inflight_per_connection, 1, 1 << 16));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int64_t>("max_buffered_bytes", &v.max_buffered_bytes, 1 << 20, int64_t{1} << 40));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int64_t>("max_request_tokens", &v.max_request_tokens, 1, int64_t{1} << 24));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int64_t>("default_deadline_ms", &v.default_deadline_ms, 1, 86400000));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("frame_timeout_ms", &v.frame_timeout_ms, 1, 3600000));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int64_t>("first_frame_timeout_ms", &v.first_frame_timeout_ms, 1, 3600000));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("idle_timeout_ms", &v.idle_timeout_ms, 1, 86400000));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int64_t>("http_idle_timeout_ms", &v.http_idle_timeout_ms, 1, 86400000));
-    MOERUN_RETURN_IF_ERROR(
-        sr.Get<int>("http_max_connections", &v.http_max_connections, 1, 1 << 16));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_interval_ms", &v.probe_interval_ms, 1, 3600000));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("probe_deadline_ms", &v.probe_deadline_ms, 1, 3600000));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("drain_timeout_s", &v.drain_timeout_s, 0, 86400));
-    MOERUN_RETURN_IF_ERROR(sr.Get<int64_t>("load_window_s", &v.load_window_s, 1, 86400));
-  }
-  if (const YAML::Node n = root["rebalance"]) {
-    Reader rr(n, source + ": \"rebalance\"");
-    RebalanceConfig& v = c.rebalance;
-    MOERUN_RETURN_IF_ERROR(rr.CheckKeys({"throttle_mib_s", "auto", "interval_s", "min_gain",
-                                         "redundant", "policy", "min_assignments"}));
-    MOERUN_RETURN_IF_ERROR(rr.Get<double>("throttle_mib_s", &v.throttle_mib_s, 0.0, 1e9));
-    MOERUN_RETURN_IF_ERROR(rr.Get<bool>("auto", &v.automatic, false, true));
-    MOERUN_RETURN_IF_ERROR(rr.Get<int64_t>("interval_s", &v.interval_s, 1, 86400 * 30));
-    MOERUN_RETURN_IF_ERROR(rr.Get<double>("min_gain", &v.min_gain, 0.0, 1.0));
-    MOERUN_RETURN_IF_ERROR(rr.Get<int>("redundant", &v.redundant, 0, 65536));
-    MOERUN_RETURN_IF_ERROR(rr.GetString("policy", &v.policy));
-    if (v.policy != "default" && v.policy != "eplb-hierarchical" && v.policy != "eplb-global") {
-      return Status::InvalidArgument(rr.Where("policy") +
-                                     " must be default, eplb-hierarchical or eplb-global");
-    }
-    MOERUN_RETURN_IF_ERROR(
-        rr.Get<int64_t>("min_assignments", &v.min_assignments, 0, int64_t{1} << 40));
-  }
   return c;
 }
 
