@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <utility>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace moerun {
 
 PooledBuffer::PooledBuffer(BufferPool* pool, std::unique_ptr<Block> block, size_t size)
@@ -37,7 +41,14 @@ void PooledBuffer::Release() {
   size_ = 0;
 }
 
-BufferPool::BufferPool(size_t max_pooled_bytes) : max_pooled_bytes_(max_pooled_bytes) {
+void TrimFreeMemory() {
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
+}
+
+BufferPool::BufferPool(size_t max_pooled_bytes, size_t trim_after_bytes)
+    : max_pooled_bytes_(max_pooled_bytes), trim_after_bytes_(trim_after_bytes) {
   idle_.reserve(256);
 }
 
@@ -77,15 +88,39 @@ PooledBuffer BufferPool::Take(size_t size) {
 }
 
 void BufferPool::Give(std::unique_ptr<PooledBuffer::Block> block) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (idle_bytes_ + block->capacity > max_pooled_bytes_) return;  // freed (outside the pool)
-  idle_bytes_ += block->capacity;
-  idle_.push_back(std::move(block));
+  bool trim = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (idle_bytes_ + block->capacity <= max_pooled_bytes_) {
+      idle_bytes_ += block->capacity;
+      idle_.push_back(std::move(block));
+      return;
+    }
+    // Beyond the pool: freed (below, outside the lock); a burst of them is given back.
+    freed_since_trim_ += block->capacity;
+    if (freed_since_trim_ >= trim_after_bytes_) {
+      freed_since_trim_ = 0;
+      ++trims_;
+      trim = true;
+    }
+  }
+  block.reset();
+  if (trim) TrimFreeMemory();
 }
 
 size_t BufferPool::allocations() const {
   std::lock_guard<std::mutex> lock(mu_);
   return allocations_;
+}
+
+size_t BufferPool::trims() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return trims_;
+}
+
+size_t BufferPool::idle_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return idle_bytes_;
 }
 
 }  // namespace moerun

@@ -1,8 +1,12 @@
 // Byte buffers for frames, reused instead of allocated per request: a frame's body is read into
 // one, and an answer is written into one after its frame header. A buffer keeps its capacity when
 // it goes back to its pool, so at steady state (frames no larger than before) no buffer is
-// allocated. The pool keeps at most `max_pooled_bytes` of idle buffers; a buffer returned beyond
-// that is freed.
+// allocated. The pool keeps at most `max_pooled_bytes` of idle buffers (16 MiB by default); a
+// buffer returned beyond that is freed, and once such frees add up to `trim_after_bytes` the
+// allocator is asked to give its free memory back to the system (TrimFreeMemory), so that a burst
+// (a client pipelining 64 MiB of answers it never reads, thousands of connections at once) does
+// not leave the process that much larger once it is over. A 256 MiB pool kept ~80 MiB resident
+// after such a burst (tests/serving/endpoint_floods.sh measures it).
 //
 // Thread-safety: a BufferPool may be used from any thread (one mutex, held for a push or a pop);
 // a PooledBuffer belongs to one thread at a time and goes back to its pool when destroyed. The
@@ -48,26 +52,38 @@ class PooledBuffer {
   size_t size_ = 0;
 };
 
+// Returns the allocator's free memory to the system (glibc: malloc_trim(0), which also releases
+// free pages inside the heap, not only at its top); a no-op elsewhere. Costs a walk of the free
+// lists: call it after a burst of frees, not per request. Thread-safe.
+void TrimFreeMemory();
+
 class BufferPool {
  public:
-  explicit BufferPool(size_t max_pooled_bytes = size_t{256} << 20);
+  explicit BufferPool(size_t max_pooled_bytes = size_t{16} << 20,
+                      size_t trim_after_bytes = size_t{8} << 20);
   ~BufferPool();
 
   // A buffer of `size` bytes (contents undefined); allocates only when no idle buffer is large
   // enough.
   PooledBuffer Take(size_t size);
-  // Buffers allocated so far (idle and in use), for tests.
+  // Buffers allocated so far (idle and in use), and TrimFreeMemory calls, for tests.
   size_t allocations() const;
+  size_t trims() const;
+  // Bytes of the idle buffers kept.
+  size_t idle_bytes() const;
 
  private:
   friend class PooledBuffer;
   void Give(std::unique_ptr<PooledBuffer::Block> block);
 
   const size_t max_pooled_bytes_;
+  const size_t trim_after_bytes_;
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<PooledBuffer::Block>> idle_;  // under mu_
   size_t idle_bytes_ = 0;                                   // under mu_
   size_t allocations_ = 0;                                  // under mu_
+  size_t freed_since_trim_ = 0;                             // under mu_
+  size_t trims_ = 0;                                        // under mu_
 };
 
 }  // namespace moerun

@@ -80,6 +80,7 @@ class ServingEndpoint {
   void OnDeadlines();    // the timer fired: answer what is past its deadline
   void TakeFinished();   // I/O thread: the requests the router thread handed back
   void LogRefusedKey(FramedConnection& conn, bool missing);  // I/O thread
+  void OnConnections(int n);                                 // I/O thread
   void ArmKeyLogTimer();
   static void OnBatchDone(void* ctx, const Status& status, const BatchInfo& info);
 
@@ -94,6 +95,7 @@ class ServingEndpoint {
   std::vector<Pending*> free_;
   std::unique_ptr<Timers> timers_;
   std::unique_ptr<TokenFileWatch> key_watch_;  // with options.key_file (I/O thread)
+  int conn_peak_ = 0;  // the most connections open since memory was last trimmed (I/O thread)
   // Requests the router thread has finished, waiting for the I/O thread (under done_mu_).
   std::mutex done_mu_;
   Pending* done_head_ = nullptr;

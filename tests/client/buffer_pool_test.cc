@@ -56,6 +56,38 @@ TEST(BufferPoolTest, IdleBuffersBeyondTheLimitAreFreed) {
   EXPECT_EQ(pool.allocations(), made + 1);
 }
 
+// Frees beyond the pool add up; every trim_after_bytes of them the allocator's free memory is
+// given back (counted), and the pool still keeps what fits.
+TEST(BufferPoolTest, FreesBeyondThePoolTrimTheAllocator) {
+  BufferPool pool(8 << 10, 16 << 10);  // 8 KiB kept, a trim per 16 KiB freed beyond it
+  {
+    std::vector<PooledBuffer> burst;
+    for (int i = 0; i < 9; ++i) burst.push_back(pool.Take(4 << 10));
+  }  // 2 kept (8 KiB), 7 freed (28 KiB): one trim, 12 KiB towards the next
+  EXPECT_EQ(pool.idle_bytes(), size_t{8} << 10);
+  EXPECT_EQ(pool.trims(), 1u);
+  {
+    std::vector<PooledBuffer> burst;
+    for (int i = 0; i < 3; ++i) burst.push_back(pool.Take(4 << 10));
+  }  // 2 back in the pool, 1 freed: 16 KiB since the last trim
+  EXPECT_EQ(pool.trims(), 2u);
+  // Within the pool nothing is freed, nothing trimmed.
+  for (int i = 0; i < 100; ++i) PooledBuffer b = pool.Take(4 << 10);
+  EXPECT_EQ(pool.trims(), 2u);
+  TrimFreeMemory();  // callable alone
+}
+
+// The default pool keeps 16 MiB of idle buffers, not more.
+TEST(BufferPoolTest, TheDefaultPoolKeepsAtMost16MiB) {
+  BufferPool pool;
+  {
+    std::vector<PooledBuffer> burst;
+    for (int i = 0; i < 64; ++i) burst.push_back(pool.Take(1 << 20));
+  }
+  EXPECT_EQ(pool.idle_bytes(), size_t{16} << 20);
+  EXPECT_GE(pool.trims(), 1u);  // 48 MiB freed beyond it
+}
+
 TEST(BufferPoolTest, ManyThreadsTakeAndGive) {
   BufferPool pool;
   std::vector<std::thread> threads;
