@@ -19,6 +19,27 @@ std::string RealPath(const std::string& path) {
   return buf;
 }
 
+// Where `path` leads when realpath cannot say (its last link dangles, or a part is missing): each
+// link of the last component followed by hand (at most 40), the existing part of every step
+// resolved; "" when that fails.
+std::string WhereItLeads(const std::string& path) {
+  fs::path p(path);
+  for (int links = 0; links <= 40; ++links) {
+    std::error_code ec;
+    const fs::path parent = fs::weakly_canonical(p.parent_path(), ec);
+    if (ec) return {};
+    p = parent / p.filename();
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) {
+      const fs::path whole = fs::weakly_canonical(p, ec);
+      return ec ? std::string() : whole.string();
+    }
+    const fs::path target = fs::read_symlink(p, ec);
+    if (ec) return {};
+    p = target.is_absolute() ? target : parent / target;
+  }
+  return {};
+}
+
 std::string JoinDirs(const std::vector<std::string>& dirs) {
   std::string out;
   for (const std::string& d : dirs) out += (out.empty() ? "" : ", ") + d;
@@ -67,6 +88,14 @@ Result<std::string> ResolveAllowedFile(const std::string& path,
   if (!within) return Status::InvalidArgument(outside);
   const std::string resolved = RealPath(path);
   if (resolved.empty()) {
+    // Missing: still outside when a link on its way leads outside, with the same answer as when
+    // the file there exists (the answer tells nothing of what lies outside).
+    const std::string leads = WhereItLeads(path);
+    bool leads_within = false;
+    for (const std::string& r : resolved_dirs)
+      leads_within = leads_within || (!leads.empty() && PathWithin(leads, r));
+    if (!leads_within)
+      return Status::InvalidArgument(outside + ": a link in it leads outside them");
     return Status::NotFound(what + " " + path + ": no such file, or it cannot be resolved");
   }
   bool resolved_within = false;

@@ -108,6 +108,35 @@ TEST_F(FileAllowTest, ASymlinkOutIsRefused) {
   EXPECT_EQ(*r, fs::canonical(allowed_ / "w.safetensors").string());
 }
 
+// A link out of the folder gets the same answer whether what it names outside exists or not;
+// a dangling link that stays inside is a missing file.
+TEST_F(FileAllowTest, ADanglingSymlinkOutIsRefusedAsAPresentOne) {
+  fs::create_symlink(other_ / "secret", allowed_ / "present.safetensors");
+  fs::create_symlink(other_ / "absent", allowed_ / "dangling.safetensors");
+  fs::create_symlink("../../other/absent", allowed_ / "sub" / "relative.safetensors");
+  fs::create_symlink(allowed_ / "dangling.safetensors", allowed_ / "chain.safetensors");
+  const auto tail = [](const fs::path& p, const Status& s) {
+    std::string m = s.message();
+    return m.replace(m.find(p.string()), p.string().size(), "PATH");
+  };
+  const fs::path present = allowed_ / "present.safetensors";
+  const std::string want = tail(present, Resolve(present).status());
+  for (const fs::path& p :
+       {allowed_ / "dangling.safetensors", allowed_ / "sub" / "relative.safetensors",
+        allowed_ / "chain.safetensors"}) {
+    SCOPED_TRACE(p.string());
+    Result<std::string> r = Resolve(p);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(tail(p, r.status()), want);
+  }
+  fs::create_symlink(allowed_ / "absent", allowed_ / "inside.safetensors");
+  Result<std::string> r = Resolve(allowed_ / "inside.safetensors");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("no such file"), std::string::npos);
+}
+
 TEST_F(FileAllowTest, AnAllowedDirectoryThatIsASymlink) {
   // The config names a link to the real folder; paths through either name are inside.
   fs::create_directory_symlink(allowed_, root_ / "models-link");
