@@ -4,7 +4,16 @@
 #   silent   up to 4200 serving connections that send nothing (the cap is 4096)
 #   http     600 keep-alive HTTP connections that got one /metrics answer each (the cap is 512)
 #   control  silent and wrong-token control connections from 127.0.0.2, 200 open at a time
-import socket, struct, sys, time
+#   brute    control-token brute force: 48 connections from 127.0.0.3..6 sending requests with
+#            wrong tokens as fast as answers come, reconnecting; counts the tries whose token was
+#            checked ("wrong token") and those refused unchecked during a cool-down
+#   trickle  300 serving connections that each send a valid frame 1 byte per second
+#   pipeline one serving connection that pipelines 64-token requests as fast as the server reads
+#            them and never reads an answer
+# brute and pipeline print one more line, "result: {json}", for the table's checks column.
+import json, os, random, socket, struct, sys, time
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+from raw_frames import fields, infer_request, read_exact, varint
 kind, port, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 end = time.time() + secs
 socks = []
@@ -70,4 +79,131 @@ elif kind == "control":   # silent and wrong-token connections from 127.0.0.2, r
         if len(socks) > 200: socks.pop(0).close()
         i += 1
         time.sleep(0.002)
+elif kind == "brute":     # wrong tokens as fast as the server answers, from 4 other addresses
+    import selectors
+    sel = selectors.DefaultSelector()
+    addrs = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+    tries = checked = cooled = closed = 0
+    per_second = {}
+    def frame():
+        tok = b"guess-%08x" % random.getrandbits(32)
+        body = b"\x0a" + varint(len(tok)) + tok + b"\x12\x00"  # token, then an empty status
+        return struct.pack(">I", len(body)) + body
+    def start(src):
+        global opened, tries
+        try:
+            s = conn(src)
+        except OSError:
+            return
+        s.setblocking(False)
+        opened += 1
+        try:
+            s.send(frame()); tries += 1
+        except OSError:
+            s.close(); return
+        sel.register(s, selectors.EVENT_READ, [src, b""])
+    for i in range(48):
+        start(addrs[i % len(addrs)])
+    t0 = time.time()
+    while time.time() < end:
+        for key, _ in sel.select(timeout=0.2):
+            s, st = key.fileobj, key.data
+            try:
+                d = s.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                d = b""
+            if not d:
+                sel.unregister(s); s.close(); closed += 1
+                start(st[0]); continue
+            st[1] += d
+            while len(st[1]) >= 4 and len(st[1]) >= 4 + struct.unpack(">I", st[1][:4])[0]:
+                n = struct.unpack(">I", st[1][:4])[0]
+                msg = fields(st[1][4:4 + n]).get(2, b"")
+                st[1] = st[1][4 + n:]
+                if msg == b"wrong token":
+                    checked += 1
+                    sec = int(time.time() - t0)
+                    per_second[sec] = per_second.get(sec, 0) + 1
+                else:
+                    cooled += 1
+                try:
+                    s.send(frame()); tries += 1
+                except OSError:
+                    pass
+    print("result: " + json.dumps({"tries": tries, "checked": checked, "cooled": cooled,
+                                   "closed": closed, "addresses": len(addrs), "secs": secs,
+                                   "max_checked_per_s": max(per_second.values(), default=0)}),
+          file=sys.stderr)
+elif kind == "files":     # expert updates naming files outside the allowed folder, in rounds
+    # FLOOD_TOKEN: the control token; FLOOD_FILES: the paths to ask for, one a line. Every answer
+    # must be a refusal; the checks of what it says are the caller's (the first round's answers).
+    token = os.environ["FLOOD_TOKEN"].encode()
+    paths = [p for p in os.environ["FLOOD_FILES"].split("\n") if p]
+    def control(s, command):
+        body = b"\x0a" + varint(len(token)) + token + command
+        s.sendall(struct.pack(">I", len(body)) + body)
+        n = struct.unpack(">I", read_exact(s, 4))[0]
+        return fields(read_exact(s, n))
+    answers, rounds, accepted = [], 0, 0
+    while time.time() < end:
+        s = conn(); opened += 1
+        s.settimeout(10)
+        for p in paths:
+            f = p.encode()
+            update = b"\x08\x00\x10\x00\x1a" + varint(len(f)) + f  # layer 0, expert 0, file
+            r = control(s, b"\x42" + varint(len(update)) + update)
+            if r.get(1, 0) == 0: accepted += 1
+            if rounds == 0:
+                answers.append({"path": p, "code": r.get(1, 0),
+                                "message": r.get(2, b"").decode("utf-8", "replace")})
+        s.close()
+        rounds += 1
+        time.sleep(0.2)
+    # What the expert updates' status says afterwards (an update that started and failed).
+    s = conn(); s.settimeout(10)
+    action = b"\x0a\x06status" + b"\x18" + varint(2**64 - 1)  # every expert (-1)
+    r = control(s, b"\x4a" + varint(len(action)) + action)
+    s.close()
+    print("result: " + json.dumps({"rounds": rounds, "accepted": accepted, "answers": answers,
+                                   "status": r.get(2, b"").decode("utf-8", "replace"),
+                                   "status_raw": r.get(8, b"").hex()}), file=sys.stderr)
+elif kind == "trickle":   # every second, one more byte of a valid frame on each connection
+    frame = infer_request(1, [1, 64], 1, bytes(256))
+    closed = 0
+    while time.time() < end:
+        keep = []
+        for s, at in socks:
+            try:
+                s.send(frame[at:at + 1])
+                keep.append((s, at + 1))
+            except OSError:
+                s.close(); closed += 1
+        socks = keep
+        while len(socks) < 300 and time.time() < end:
+            try: socks.append((conn(), 0)); opened += 1
+            except OSError: break
+        time.sleep(1)
+    print("result: " + json.dumps({"closed_by_server": closed}), file=sys.stderr)
+elif kind == "pipeline":  # requests of 64 tokens (16 KiB each), never an answer read
+    import select
+    frame = infer_request(1, [64, 64], 1, struct.pack("<f", 0.5) * (64 * 64))
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    s.connect(("127.0.0.1", port))
+    s.setblocking(False)
+    opened = 1
+    sent_bytes = 0
+    while time.time() < end:
+        if not select.select([], [s], [], 0.2)[1]:
+            continue  # the server stopped reading: it holds what it owes, and no more
+        try:
+            sent_bytes += s.send(frame[sent_bytes % len(frame):])
+        except BlockingIOError:
+            continue
+        except OSError:
+            break
+    print("result: " + json.dumps({"requests_sent": sent_bytes // len(frame),
+                                   "mib_sent": round(sent_bytes / 2**20, 1)}), file=sys.stderr)
 print(f"{kind}: opened {opened}", file=sys.stderr)
