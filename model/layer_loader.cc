@@ -134,6 +134,164 @@ Status LoadRouter(const TensorSource& src, const ModelSpec& spec, const std::str
   return Status::Ok();
 }
 
+// The options LoadLayer refuses whatever the checkpoint holds.
+Status CheckLoadOptions(const ModelSpec& spec, const LoadOptions& opts) {
+  if (!opts.load_expert.empty() &&
+      opts.load_expert.size() != static_cast<size_t>(spec.num_experts)) {
+    return Status::InvalidArgument("expert mask size does not match the expert count");
+  }
+  if (opts.hold_as && !IsPackableType(*opts.hold_as)) {
+    return Status::InvalidArgument(std::string("cannot hold expert weights as ") +
+                                   DTypeName(*opts.hold_as) +
+                                   " (F32, BF16, F16, FP8, MXFP4 can be)");
+  }
+  return Status::Ok();
+}
+
+// A family's tensor names under "model.layers.<n>.": the router, and the per-expert matrices
+// <expert_prefix><e><g|u|d> (empty for the stacked families, gpt-oss and Step-3.5, which hold one
+// tensor per projection for all experts).
+struct FamilyNames {
+  std::string gate;
+  std::string expert_prefix;
+  std::string g, u, d;
+};
+
+FamilyNames NamesOf(Family family) {
+  FamilyNames n;
+  switch (family) {
+    case Family::kMixtral:
+      n.gate = "block_sparse_moe.gate.weight";
+      n.expert_prefix = "block_sparse_moe.experts.";
+      n.g = ".w1.weight", n.u = ".w3.weight", n.d = ".w2.weight";
+      break;
+    case Family::kQwen2Moe:
+    case Family::kQwen3Moe:
+    case Family::kDeepseekV3:
+      n.gate = "mlp.gate.weight";
+      n.expert_prefix = "mlp.experts.";
+      n.g = ".gate_proj.weight", n.u = ".up_proj.weight", n.d = ".down_proj.weight";
+      break;
+    case Family::kGptOss:
+      n.gate = "mlp.router.weight";
+      break;
+    case Family::kStep3p5:
+      n.gate = "moe.gate.weight";
+      break;
+  }
+  return n;
+}
+
+// gpt-oss's expert biases: one tensor per projection for all experts (empty for other families).
+struct StackedBiases {
+  TensorRef gate_up;  // [experts][2 * inter], gate and up interleaved by column
+  TensorRef down;     // [experts][hidden]
+};
+
+// Expert e's biases, in F32.
+ExpertSource GptOssBiases(const StackedBiases& b, int e, int64_t h, int64_t inter) {
+  ExpertSource es;
+  for (int64_t j = 0; j < inter; ++j) {
+    const int64_t o = static_cast<int64_t>(e) * 2 * inter + 2 * j;
+    es.bias_gate.push_back(LoadAsF32(b.gate_up.data, b.gate_up.info->dtype, o));
+    es.bias_up.push_back(LoadAsF32(b.gate_up.data, b.gate_up.info->dtype, o + 1));
+  }
+  for (int64_t j = 0; j < h; ++j) {
+    es.bias_down.push_back(
+        LoadAsF32(b.down.data, b.down.info->dtype, static_cast<int64_t>(e) * h + j));
+  }
+  return es;
+}
+
+// Routed expert e, in the family's layout: stacked (gpt-oss with its biases, Step-3.5) or one
+// tensor per expert and matrix.
+Result<ExpertWeights> LoadRoutedExpert(const TensorSource& src, const ModelSpec& spec,
+                                       const FamilyNames& names, const StackedBiases& biases, int e,
+                                       const CpuKernels& kernels, const LoadOptions& opts) {
+  const int64_t h = spec.hidden;
+  const int64_t inter = spec.expert_inter;
+  const int experts = spec.num_experts;
+  if (spec.family == Family::kGptOss) {
+    MOERUN_ASSIGN_OR_RETURN(MatrixSource g, src.GptOss(0, experts, e, h, inter));
+    MOERUN_ASSIGN_OR_RETURN(MatrixSource u, src.GptOss(1, experts, e, h, inter));
+    MOERUN_ASSIGN_OR_RETURN(MatrixSource d, src.GptOss(2, experts, e, h, inter));
+    return PackMatrices(kernels, opts.hold_as, h, inter, g, u, d, GptOssBiases(biases, e, h, inter),
+                        opts.threads);
+  }
+  if (spec.family == Family::kStep3p5) {
+    MOERUN_ASSIGN_OR_RETURN(MatrixSource g,
+                            src.Matrix("moe.gate_proj.weight", inter, h, experts, e));
+    MOERUN_ASSIGN_OR_RETURN(MatrixSource u, src.Matrix("moe.up_proj.weight", inter, h, experts, e));
+    MOERUN_ASSIGN_OR_RETURN(MatrixSource d,
+                            src.Matrix("moe.down_proj.weight", h, inter, experts, e));
+    return PackMatrices(kernels, opts.hold_as, h, inter, g, u, d, {}, opts.threads);
+  }
+  return LoadSeparateExpert(src, names.expert_prefix + std::to_string(e), names.g.c_str(),
+                            names.u.c_str(), names.d.c_str(), h, inter, kernels, opts.hold_as,
+                            opts.threads);
+}
+
+// The routed experts the mask asks for, into w->experts, calling opts.progress after each.
+Status LoadRoutedExperts(const TensorSource& src, const ModelSpec& spec, const FamilyNames& names,
+                         const CpuKernels& kernels, const LoadOptions& opts, MoeLayerWeights* w) {
+  const int experts = spec.num_experts;
+  int todo = 0;
+  for (int e = 0; e < experts; ++e) todo += opts.load_expert.empty() || opts.load_expert[e];
+  int done = 0;
+  size_t bytes = 0;
+  StackedBiases biases;
+  if (spec.family == Family::kGptOss) {
+    MOERUN_ASSIGN_OR_RETURN(
+        biases.gate_up, src.Get("mlp.experts.gate_up_proj_bias", {experts, 2 * spec.expert_inter}));
+    MOERUN_ASSIGN_OR_RETURN(biases.down,
+                            src.Get("mlp.experts.down_proj_bias", {experts, spec.hidden}));
+  }
+  for (int e = 0; e < experts; ++e) {
+    if (!opts.load_expert.empty() && !opts.load_expert[e]) continue;
+    MOERUN_ASSIGN_OR_RETURN(ExpertWeights ew,
+                            LoadRoutedExpert(src, spec, names, biases, e, kernels, opts));
+    bytes += ew.bytes();
+    w->experts[static_cast<size_t>(e)] = std::move(ew);
+    ++done;
+    if (opts.progress) opts.progress(done, todo, bytes);
+  }
+  return Status::Ok();
+}
+
+// The shared expert of the families that have one (spec.shared_inter > 0).
+Result<ExpertWeights> LoadSharedExpert(const TensorSource& src, const ModelSpec& spec,
+                                       const CpuKernels& kernels, const LoadOptions& opts) {
+  std::string base;
+  switch (spec.family) {
+    case Family::kQwen2Moe:
+      base = "mlp.shared_expert";
+      break;
+    case Family::kDeepseekV3:
+      base = "mlp.shared_experts";
+      break;
+    case Family::kStep3p5:
+      base = "share_expert";
+      break;
+    default:
+      return Status::Internal("shared expert in a family without one");
+  }
+  return LoadSeparateExpert(src, base, ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight",
+                            spec.hidden, spec.shared_inter, kernels, opts.hold_as, opts.threads);
+}
+
+// The type the layer's experts are held in: hold_as, else that of the first loaded expert.
+DType HeldType(const MoeLayerWeights& w, const ModelSpec& spec, const LoadOptions& opts) {
+  if (opts.hold_as) return *opts.hold_as;
+  for (const auto& e : w.experts) {
+    if (!e.w13.empty()) return e.w13.dtype();
+  }
+  // A router that loads no routed expert still names their format (its logs, its replies).
+  if (w.shared) return w.shared->w13.dtype();
+  if (spec.quant.method == QuantMethod::kFp8) return DType::kF8E4M3;
+  if (spec.quant.method == QuantMethod::kMxfp4) return DType::kF4;
+  return DType::kF32;
+}
+
 }  // namespace
 
 Result<int> ResolveMoeLayer(const ModelSpec& spec, int layer) {
@@ -159,144 +317,23 @@ Result<MoeLayerWeights> LoadLayer(const Checkpoint& ckpt, const ModelSpec& spec,
                                   const CpuKernels& kernels, const LoadOptions& opts) {
   MOERUN_RETURN_IF_ERROR(spec.Validate());
   MOERUN_ASSIGN_OR_RETURN(const int layer, ResolveMoeLayer(spec, opts.layer));
-  const int64_t h = spec.hidden;
-  const int64_t inter = spec.expert_inter;
-  const int experts = spec.num_experts;
-  if (!opts.load_expert.empty() && opts.load_expert.size() != static_cast<size_t>(experts)) {
-    return Status::InvalidArgument("expert mask size does not match the expert count");
-  }
-  if (opts.hold_as && !IsPackableType(*opts.hold_as)) {
-    return Status::InvalidArgument(std::string("cannot hold expert weights as ") +
-                                   DTypeName(*opts.hold_as) +
-                                   " (F32, BF16, F16, FP8, MXFP4 can be)");
-  }
-  const std::string L = "model.layers." + std::to_string(layer) + ".";
-  TensorSource src(ckpt, L, spec.quant);
+  MOERUN_RETURN_IF_ERROR(CheckLoadOptions(spec, opts));
+  TensorSource src(ckpt, "model.layers." + std::to_string(layer) + ".", spec.quant);
+  const FamilyNames names = NamesOf(spec.family);
 
   MoeLayerWeights w;
   w.spec = spec;
   w.layer = layer;
-  w.experts.resize(static_cast<size_t>(experts));
-
-  // Router.
-  std::string gate_name, expert_prefix, g_name, u_name, d_name;
-  switch (spec.family) {
-    case Family::kMixtral:
-      gate_name = "block_sparse_moe.gate.weight";
-      expert_prefix = "block_sparse_moe.experts.";
-      g_name = ".w1.weight", u_name = ".w3.weight", d_name = ".w2.weight";
-      break;
-    case Family::kQwen2Moe:
-    case Family::kQwen3Moe:
-    case Family::kDeepseekV3:
-      gate_name = "mlp.gate.weight";
-      expert_prefix = "mlp.experts.";
-      g_name = ".gate_proj.weight", u_name = ".up_proj.weight", d_name = ".down_proj.weight";
-      break;
-    case Family::kGptOss:
-      gate_name = "mlp.router.weight";
-      break;
-    case Family::kStep3p5:
-      gate_name = "moe.gate.weight";
-      break;
-  }
+  w.experts.resize(static_cast<size_t>(spec.num_experts));
   if (!opts.experts_only) {
-    MOERUN_RETURN_IF_ERROR(LoadRouter(src, spec, gate_name, kernels, &w));
+    MOERUN_RETURN_IF_ERROR(LoadRouter(src, spec, names.gate, kernels, &w));
   }
-
-  // Routed experts.
-  int todo = 0;
-  for (int e = 0; e < experts; ++e) todo += opts.load_expert.empty() || opts.load_expert[e];
-  int done = 0;
-  size_t bytes = 0;
-  // Stacked families: one tensor per projection for all experts.
-  TensorRef gate_up_bias, down_bias;
-  if (spec.family == Family::kGptOss) {
-    MOERUN_ASSIGN_OR_RETURN(gate_up_bias,
-                            src.Get("mlp.experts.gate_up_proj_bias", {experts, 2 * inter}));
-    MOERUN_ASSIGN_OR_RETURN(down_bias, src.Get("mlp.experts.down_proj_bias", {experts, h}));
-  }
-  for (int e = 0; e < experts; ++e) {
-    if (!opts.load_expert.empty() && !opts.load_expert[e]) continue;
-    ExpertWeights ew;
-    if (spec.family == Family::kGptOss) {
-      MOERUN_ASSIGN_OR_RETURN(MatrixSource g, src.GptOss(0, experts, e, h, inter));
-      MOERUN_ASSIGN_OR_RETURN(MatrixSource u, src.GptOss(1, experts, e, h, inter));
-      MOERUN_ASSIGN_OR_RETURN(MatrixSource d, src.GptOss(2, experts, e, h, inter));
-      ExpertSource es;
-      for (int64_t j = 0; j < inter; ++j) {
-        const int64_t o = static_cast<int64_t>(e) * 2 * inter + 2 * j;
-        es.bias_gate.push_back(LoadAsF32(gate_up_bias.data, gate_up_bias.info->dtype, o));
-        es.bias_up.push_back(LoadAsF32(gate_up_bias.data, gate_up_bias.info->dtype, o + 1));
-      }
-      for (int64_t j = 0; j < h; ++j) {
-        es.bias_down.push_back(
-            LoadAsF32(down_bias.data, down_bias.info->dtype, static_cast<int64_t>(e) * h + j));
-      }
-      MOERUN_ASSIGN_OR_RETURN(
-          ew, PackMatrices(kernels, opts.hold_as, h, inter, g, u, d, std::move(es), opts.threads));
-    } else if (spec.family == Family::kStep3p5) {
-      MOERUN_ASSIGN_OR_RETURN(MatrixSource g,
-                              src.Matrix("moe.gate_proj.weight", inter, h, experts, e));
-      MOERUN_ASSIGN_OR_RETURN(MatrixSource u,
-                              src.Matrix("moe.up_proj.weight", inter, h, experts, e));
-      MOERUN_ASSIGN_OR_RETURN(MatrixSource d,
-                              src.Matrix("moe.down_proj.weight", h, inter, experts, e));
-      MOERUN_ASSIGN_OR_RETURN(
-          ew, PackMatrices(kernels, opts.hold_as, h, inter, g, u, d, {}, opts.threads));
-    } else {
-      MOERUN_ASSIGN_OR_RETURN(
-          ew,
-          LoadSeparateExpert(src, expert_prefix + std::to_string(e), g_name.c_str(), u_name.c_str(),
-                             d_name.c_str(), h, inter, kernels, opts.hold_as, opts.threads));
-    }
-    bytes += ew.bytes();
-    w.experts[static_cast<size_t>(e)] = std::move(ew);
-    ++done;
-    if (opts.progress) opts.progress(done, todo, bytes);
-  }
-
-  // Shared expert.
+  MOERUN_RETURN_IF_ERROR(LoadRoutedExperts(src, spec, names, kernels, opts, &w));
   if (spec.shared_inter > 0 && !opts.experts_only) {
-    std::string base;
-    const char* g = ".gate_proj.weight";
-    const char* u = ".up_proj.weight";
-    const char* d = ".down_proj.weight";
-    switch (spec.family) {
-      case Family::kQwen2Moe:
-        base = "mlp.shared_expert";
-        break;
-      case Family::kDeepseekV3:
-        base = "mlp.shared_experts";
-        break;
-      case Family::kStep3p5:
-        base = "share_expert";
-        break;
-      default:
-        return Status::Internal("shared expert in a family without one");
-    }
-    MOERUN_ASSIGN_OR_RETURN(ExpertWeights sw,
-                            LoadSeparateExpert(src, base, g, u, d, h, spec.shared_inter, kernels,
-                                               opts.hold_as, opts.threads));
+    MOERUN_ASSIGN_OR_RETURN(ExpertWeights sw, LoadSharedExpert(src, spec, kernels, opts));
     w.shared = std::move(sw);
   }
-  w.dtype = DType::kF32;
-  if (opts.hold_as) {
-    w.dtype = *opts.hold_as;
-  } else {
-    bool any = false;
-    for (const auto& e : w.experts) {
-      if (!e.w13.empty()) {
-        w.dtype = e.w13.dtype();
-        any = true;
-        break;
-      }
-    }
-    // A router that loads no routed expert still names their format (its logs, its replies).
-    if (!any && w.shared) w.dtype = w.shared->w13.dtype();
-    if (!any && !w.shared && spec.quant.method == QuantMethod::kFp8) w.dtype = DType::kF8E4M3;
-    if (!any && !w.shared && spec.quant.method == QuantMethod::kMxfp4) w.dtype = DType::kF4;
-  }
+  w.dtype = HeldType(w, spec, opts);
   return w;
 }
 

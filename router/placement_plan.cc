@@ -44,23 +44,23 @@ double PlacementBalancedness(const std::vector<double>& load, const LayerPlaceme
   return MeanOverMaxD(kept);
 }
 
-Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
-                            const Placement& current, int64_t expert_bytes,
-                            const PlanOptions& options) {
-  const int experts = current.num_experts();
-  const int routers = current.num_routers();
-  // The expert ranks planned for, in order: planned rank i is live[i].
+namespace {
+
+// The expert ranks planned for, in order (planned rank i is live[i]): all but the excluded.
+std::vector<int> LiveExpertRanks(const Placement& current, const std::vector<int>& exclude) {
   std::vector<int> live;
-  for (int r = routers; r < current.num_ranks(); ++r) {
-    if (std::find(options.exclude.begin(), options.exclude.end(), r) == options.exclude.end()) {
-      live.push_back(r);
-    }
+  for (int r = current.num_routers(); r < current.num_ranks(); ++r) {
+    if (std::find(exclude.begin(), exclude.end(), r) == exclude.end()) live.push_back(r);
   }
-  const int ranks = static_cast<int>(live.size());
-  const std::string left_out =
-      options.exclude.empty()
-          ? std::string()
-          : fmt::format(" (rank(s) {} left out: dead)", fmt::join(options.exclude, ","));
+  return live;
+}
+
+// The planner's input for the loads over `ranks` live expert ranks, or InvalidArgument for options
+// or loads the placement cannot take (`left_out` names the excluded ranks in the messages).
+Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& loads,
+                                     const Placement& current, const PlanOptions& options,
+                                     int ranks, const std::string& left_out) {
+  const int experts = current.num_experts();
   if (loads.empty()) return Status::InvalidArgument("plan: no layer to plan");
   if (ranks < 1)
     return Status::InvalidArgument("plan: the placement has no expert rank" + left_out);
@@ -69,8 +69,8 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                                    std::to_string(64 * experts));
   }
   const int slots = experts + options.redundant;
-  MOERUN_RETURN_IF_ERROR(CheckCacheExperts(options.cache_experts, current.num_ranks() - routers,
-                                           "plan: cache_experts"));
+  MOERUN_RETURN_IF_ERROR(CheckCacheExperts(
+      options.cache_experts, current.num_ranks() - current.num_routers(), "plan: cache_experts"));
   if (slots % ranks != 0) {
     const int up = (ranks - slots % ranks) % ranks;
     return Status::InvalidArgument(fmt::format(
@@ -100,14 +100,125 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
         "plan: no load measured yet (send traffic first, or give "
         "--loads FILE)");
   }
-  MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan, PlanPlacement(in, options.policy));
-  // The caches of the planned ranks (planned rank i is live[i]); with any, keep hot experts
-  // resident where that does not raise the max rank load.
-  std::vector<int> cache(static_cast<size_t>(ranks), 0);
+  return in;
+}
+
+// The expert-cache size of each planned rank (planned rank i is live[i]; 0: no cache).
+std::vector<int> LiveCaches(const std::vector<int>& live, int routers,
+                            const std::vector<int>& cache_experts) {
+  std::vector<int> cache(live.size(), 0);
   for (size_t k = 0; k < cache.size(); ++k) {
     const size_t index = static_cast<size_t>(live[k] - routers);
-    if (index < options.cache_experts.size()) cache[k] = options.cache_experts[index];
+    if (index < cache_experts.size()) cache[k] = cache_experts[index];
   }
+  return cache;
+}
+
+// Copies to load: (rank, expert) pairs of the plan that the rank does not hold now.
+int CopiesToLoad(const LayerPlacement& cur, const LayerMaps& maps, const std::vector<int>& live,
+                 int per_rank) {
+  int copies = 0;
+  const int ranks = static_cast<int>(live.size());
+  for (int rank = 0; rank < ranks; ++rank) {
+    std::set<int> have;
+    for (int s : cur.rank_slots[static_cast<size_t>(live[static_cast<size_t>(rank)])]) {
+      have.insert(cur.slots[static_cast<size_t>(s)].expert);
+    }
+    std::set<int> want;
+    for (int s = rank * per_rank; s < (rank + 1) * per_rank; ++s) {
+      want.insert(maps.phy2log[static_cast<size_t>(s)]);
+    }
+    for (int e : want) copies += have.count(e) ? 0 : 1;
+  }
+  return copies;
+}
+
+// The load of each live rank under the current placement and under the plan, each expert's load
+// split evenly over its replicas.
+std::vector<double> RankLoadBefore(const std::vector<double>& l, const LayerPlacement& cur,
+                                   const std::vector<int>& live) {
+  std::vector<double> load(live.size(), 0.0);
+  for (const Slot& s : cur.slots) {
+    const auto e = static_cast<size_t>(s.expert);
+    const auto at = std::find(live.begin(), live.end(), s.rank);
+    if (e >= l.size() || at == live.end()) continue;
+    load[static_cast<size_t>(at - live.begin())] +=
+        l[e] / static_cast<double>(cur.replicas[e].size());
+  }
+  return load;
+}
+
+std::vector<double> RankLoadAfter(const std::vector<double>& l, const LayerMaps& maps,
+                                  size_t live_ranks, int per_rank) {
+  std::vector<double> load(live_ranks, 0.0);
+  for (size_t s = 0; s < maps.phy2log.size(); ++s) {
+    const auto e = static_cast<size_t>(maps.phy2log[s]);
+    if (e < l.size() && s / static_cast<size_t>(per_rank) < live_ranks) {
+      load[s / static_cast<size_t>(per_rank)] += l[e] / static_cast<double>(maps.logcnt[e]);
+    }
+  }
+  return load;
+}
+
+// What the reports of all layers share.
+struct ReportContext {
+  const std::vector<int>& live;   // planned rank i is live[i]
+  const std::vector<int>& cache;  // per planned rank: its expert-cache size
+  int per_rank;                   // slots per rank
+  int routers;
+  int64_t expert_bytes;
+  const PlanOptions& options;
+};
+
+// One layer's report: the current placement `cur` against the plan `maps` on the loads `l`.
+LayerPlanReport ReportLayer(int layer, const std::vector<double>& l, const LayerPlacement& cur,
+                            const LayerMaps& maps, const ReportContext& ctx) {
+  const std::vector<int>& live = ctx.live;
+  const int ranks = static_cast<int>(live.size());
+  const int routers = ctx.routers;
+  const PlanOptions& options = ctx.options;
+  LayerPlanReport r;
+  r.layer = layer;
+  for (double v : l) r.load += static_cast<uint64_t>(std::llround(v));
+  r.balancedness_before = PlacementBalancedness(l, cur, routers, options.exclude);
+  r.balancedness_after = PredictedBalancedness(l, maps, ranks);
+  r.hit_rate_before = PlacementHitRate(l, cur, routers, options.cache_experts, options.exclude);
+  r.hit_rate_after = PredictedHitRate(l, maps, ranks, ctx.cache);
+  r.experts_to_load = CopiesToLoad(cur, maps, live, ctx.per_rank);
+  r.bytes_to_move = static_cast<int64_t>(r.experts_to_load) * ctx.expert_bytes;
+  r.ranks = live;
+  r.rank_load_before = RankLoadBefore(l, cur, live);
+  r.rank_load_after = RankLoadAfter(l, maps, live.size(), ctx.per_rank);
+  return r;
+}
+
+// A layer's entry of the placement table: its slots as [rank, expert] pairs in real rank numbers.
+std::string SlotsJson(const LayerPlacement& lp, const std::vector<int>& live, int routers) {
+  std::string json;
+  for (const Slot& s : lp.slots) {
+    const int rank = live[static_cast<size_t>(s.rank - routers)];
+    json += fmt::format("{}[{},{}]", json.empty() ? "" : ",", rank, s.expert);
+  }
+  return json;
+}
+
+}  // namespace
+
+Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
+                            const Placement& current, int64_t expert_bytes,
+                            const PlanOptions& options) {
+  const int routers = current.num_routers();
+  const std::vector<int> live = LiveExpertRanks(current, options.exclude);
+  const int ranks = static_cast<int>(live.size());
+  const std::string left_out =
+      options.exclude.empty()
+          ? std::string()
+          : fmt::format(" (rank(s) {} left out: dead)", fmt::join(options.exclude, ","));
+  MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
+                          PlannerInputFor(loads, current, options, ranks, left_out));
+  MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan, PlanPlacement(in, options.policy));
+  // With expert caches, keep hot experts resident where that does not raise the max rank load.
+  const std::vector<int> cache = LiveCaches(live, routers, options.cache_experts);
   if (AnyCache(cache)) {
     for (size_t k = 0; k < plan.size(); ++k) {
       plan[k] = ImproveForCache(in.load[k], plan[k], ranks, cache);
@@ -116,51 +227,13 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
 
   PlanReport report;
   report.policy = PlannerPolicyName(options.policy);
-  report.slots_per_rank = slots / ranks;
+  report.slots_per_rank = in.num_slots / ranks;
+  const ReportContext ctx{live, cache, report.slots_per_rank, routers, expert_bytes, options};
   std::string layers_json;
   size_t i = 0;
   for (const auto& [layer, l] : loads) {
     const LayerMaps& maps = plan[i++];
-    const LayerPlacement& cur = *current.Layer(layer);
-    LayerPlanReport r;
-    r.layer = layer;
-    for (double v : l) r.load += static_cast<uint64_t>(std::llround(v));
-    r.balancedness_before = PlacementBalancedness(l, cur, routers, options.exclude);
-    r.balancedness_after = PredictedBalancedness(l, maps, ranks);
-    r.hit_rate_before = PlacementHitRate(l, cur, routers, options.cache_experts, options.exclude);
-    r.hit_rate_after = PredictedHitRate(l, maps, ranks, cache);
-    // Copies to load: (rank, expert) pairs of the plan that the rank does not hold now.
-    const int per_rank = slots / ranks;
-    for (int rank = 0; rank < ranks; ++rank) {
-      std::set<int> have;
-      for (int s : cur.rank_slots[static_cast<size_t>(live[static_cast<size_t>(rank)])]) {
-        have.insert(cur.slots[static_cast<size_t>(s)].expert);
-      }
-      std::set<int> want;
-      for (int s = rank * per_rank; s < (rank + 1) * per_rank; ++s) {
-        want.insert(maps.phy2log[static_cast<size_t>(s)]);
-      }
-      for (int e : want) r.experts_to_load += have.count(e) ? 0 : 1;
-    }
-    r.bytes_to_move = static_cast<int64_t>(r.experts_to_load) * expert_bytes;
-    r.ranks = live;
-    r.rank_load_before.assign(live.size(), 0.0);
-    for (const Slot& s : cur.slots) {
-      const auto e = static_cast<size_t>(s.expert);
-      const auto at = std::find(live.begin(), live.end(), s.rank);
-      if (e >= l.size() || at == live.end()) continue;
-      r.rank_load_before[static_cast<size_t>(at - live.begin())] +=
-          l[e] / static_cast<double>(cur.replicas[e].size());
-    }
-    r.rank_load_after.assign(live.size(), 0.0);
-    for (size_t s = 0; s < maps.phy2log.size(); ++s) {
-      const auto e = static_cast<size_t>(maps.phy2log[s]);
-      if (e < l.size() && s / static_cast<size_t>(per_rank) < live.size()) {
-        r.rank_load_after[s / static_cast<size_t>(per_rank)] +=
-            l[e] / static_cast<double>(maps.logcnt[e]);
-      }
-    }
-    report.layers.push_back(r);
+    report.layers.push_back(ReportLayer(layer, l, *current.Layer(layer), maps, ctx));
     Result<LayerPlacement> lp = ToLayerPlacement(maps, ranks, routers);
     if (!lp.ok()) {
       report.note = fmt::format(
@@ -169,19 +242,14 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
           layer, lp.status().message());
       continue;
     }
-    std::string slots_json;
-    for (const Slot& s : lp->slots) {
-      const int rank = live[static_cast<size_t>(s.rank - routers)];
-      slots_json += fmt::format("{}[{},{}]", slots_json.empty() ? "" : ",", rank, s.expert);
-    }
-    layers_json +=
-        fmt::format("{}\"{}\": [{}]", layers_json.empty() ? "" : ", ", layer, slots_json);
+    layers_json += fmt::format("{}\"{}\": [{}]", layers_json.empty() ? "" : ", ", layer,
+                               SlotsJson(*lp, live, routers));
   }
   if (report.note.empty()) {
     report.placement_json = fmt::format(
         "{{\"format\": \"moerun-placement-v1\", \"version\": {}, \"num_experts\": {}, "
         "\"num_ranks\": {}, \"num_routers\": {}, \"layers\": {{{}}}}}",
-        current.version() + 1, experts, current.num_ranks(), routers, layers_json);
+        current.version() + 1, current.num_experts(), current.num_ranks(), routers, layers_json);
     MOERUN_RETURN_IF_ERROR(Placement::FromJson(report.placement_json, "plan").status());
   }
   return report;

@@ -99,13 +99,9 @@ void GroupedFfn::BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm
   }
 }
 
-void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_t ldx,
-                     const int32_t* row_token, float* y, int64_t ldy) {
+int64_t GroupedFfn::LayOutPacks(std::span<const ExpertGroup> groups) {
   const int mr = kernels_.mr;
-  const int nr = kernels_.nr;
   const size_t ng = groups.size();
-
-  // Layout of the packed inputs of both GEMMs: per group, its m-blocks of [k][mr].
   apack_off_.assign(ng + 1, 0);
   hpack_off_.assign(ng + 1, 0);
   mblock_base_.assign(ng + 1, 0);
@@ -117,14 +113,13 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
     hpack_off_[g + 1] = hpack_off_[g] + mblocks * inter * mr;
     mblock_base_[g + 1] = mblock_base_[g] + mblocks;
   }
-  if (mblock_base_[ng] == 0) return;
-  apack_.Reserve(static_cast<size_t>(apack_off_[ng]) * sizeof(float));
-  hpack_.Reserve(static_cast<size_t>(hpack_off_[ng]) * sizeof(float));
-  float* apack = apack_.as<float>();
-  float* hpack = hpack_.as<float>();
+  return mblock_base_[ng];
+}
 
-  // 1. Gather each group's rows into [k][mr] tiles.
-  pool_->ParallelFor(mblock_base_[ng], [&](int64_t t, int) {
+void GroupedFfn::GatherRows(std::span<const ExpertGroup> groups, const float* x, int64_t ldx,
+                            const int32_t* row_token, float* apack) {
+  const int mr = kernels_.mr;
+  pool_->ParallelFor(mblock_base_.back(), [&](int64_t t, int) {
     const size_t g = static_cast<size_t>(
         std::upper_bound(mblock_base_.begin(), mblock_base_.end(), t) - mblock_base_.begin() - 1);
     const ExpertGroup& grp = groups[g];
@@ -138,87 +133,111 @@ void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_
       for (int64_t k = 0; k < hidden; ++k) dst[k * mr + i] = src[k];
     }
   });
+}
+
+void GroupedFfn::GateUpTask(const Task& t, std::span<const ExpertGroup> groups, const float* apack,
+                            float* hpack, int worker) {
+  const int mr = kernels_.mr;
+  const int nr = kernels_.nr;
+  const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
+  const ExpertWeights& w = *grp.weights;
+  const int64_t hidden = w.hidden;
+  const int64_t ldc = 2 * static_cast<int64_t>(t.panels) * nr;
+  AlignedBuffer& scratch = scratch_[static_cast<size_t>(worker)];
+  scratch.Reserve(static_cast<size_t>(kMBlocksPerTask) * mr * ldc * sizeof(float));
+  float* c = scratch.as<float>();
+  const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
+  float* dq = DecodeBuffer(w.w13, t.mblocks, worker);
+  if (StreamsOneBlock(t.mblocks, grp.rows - int64_t{t.mblock0} * mr, hidden)) {
+    const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - t.mblock0 * mr));
+    kernels_.tile_panels(rows, 2 * t.panels, hidden, a + t.mblock0 * hidden * mr,
+                         w.w13.panel(2 * t.panel0), w.w13.panel_bytes(), w.w13.dtype(), c, ldc,
+                         false);
+  } else {
+    ForEachTile(
+        hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
+        [&](int64_t k0, int64_t klen, int p) {
+          if (dq) kernels_.decode(klen, w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(), dq);
+        },
+        [&](int64_t k0, int64_t klen, int p, int mb) {
+          const int64_t gmb = t.mblock0 + mb;
+          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+          RunTile(w.w13, dq, rows, klen, a + (gmb * hidden + k0) * mr, 2 * t.panel0 + p, k0,
+                  c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc);
+        });
+  }
+  float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
+  const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
+  for (int mb = 0; mb < t.mblocks; ++mb) {
+    const int64_t gmb = t.mblock0 + mb;
+    const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+    kernels_.activate(grp.act, rows, t.panels, nr, c + static_cast<int64_t>(mb) * mr * ldc, ldc,
+                      w.bias_gate.empty() ? nullptr : w.bias_gate.data(),
+                      w.bias_up.empty() ? nullptr : w.bias_up.data(), j0, w.inter,
+                      h + gmb * w.inter * mr, mr);
+  }
+}
+
+void GroupedFfn::DownTask(const Task& t, std::span<const ExpertGroup> groups, const float* hpack,
+                          float* y, int64_t ldy, int worker) {
+  const int mr = kernels_.mr;
+  const int nr = kernels_.nr;
+  const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
+  const ExpertWeights& w = *grp.weights;
+  const int64_t inter = w.inter;
+  const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
+  float* ybase = y + grp.first_row * ldy;
+  float* dq = DecodeBuffer(w.w2, t.mblocks, worker);
+  if (StreamsOneBlock(t.mblocks, grp.rows - int64_t{t.mblock0} * mr, inter)) {
+    const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
+    const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - r0));
+    kernels_.tile_panels(rows, t.panels, inter, a + r0 * inter, w.w2.panel(t.panel0),
+                         w.w2.panel_bytes(), w.w2.dtype(), ybase + r0 * ldy + t.panel0 * nr, ldy,
+                         false);
+  } else {
+    ForEachTile(
+        inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
+        [&](int64_t k0, int64_t klen, int p) {
+          if (dq) kernels_.decode(klen, w.w2.PanelAt(t.panel0 + p, k0), w.w2.dtype(), dq);
+        },
+        [&](int64_t k0, int64_t klen, int p, int mb) {
+          const int64_t panel = t.panel0 + p;
+          const int64_t gmb = t.mblock0 + mb;
+          const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
+          RunTile(w.w2, dq, rows, klen, a + (gmb * inter + k0) * mr, panel, k0,
+                  ybase + gmb * mr * ldy + panel * nr, ldy);
+        });
+  }
+  if (!w.bias_down.empty()) {
+    const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
+    const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
+    const int rows = static_cast<int>(std::min<int64_t>(grp.rows - r0, t.mblocks * mr));
+    kernels_.add_bias(rows, static_cast<int64_t>(t.panels) * nr, w.bias_down.data() + col0,
+                      ybase + r0 * ldy + col0, ldy);
+  }
+}
+
+void GroupedFfn::Run(std::span<const ExpertGroup> groups, const float* x, int64_t ldx,
+                     const int32_t* row_token, float* y, int64_t ldy) {
+  if (LayOutPacks(groups) == 0) return;
+  apack_.Reserve(static_cast<size_t>(apack_off_.back()) * sizeof(float));
+  hpack_.Reserve(static_cast<size_t>(hpack_off_.back()) * sizeof(float));
+  float* apack = apack_.as<float>();
+  float* hpack = hpack_.as<float>();
+
+  // 1. Gather each group's rows into [k][mr] tiles.
+  GatherRows(groups, x, ldx, row_token, apack);
 
   // 2. Gate and up projections with the activation, written as GEMM2's packed input.
   BuildTasks(groups, /*first_gemm=*/true);
   pool_->ParallelFor(static_cast<int64_t>(tasks_.size()), [&](int64_t ti, int worker) {
-    const Task& t = tasks_[static_cast<size_t>(ti)];
-    const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
-    const ExpertWeights& w = *grp.weights;
-    const int64_t hidden = w.hidden;
-    const int64_t ldc = 2 * static_cast<int64_t>(t.panels) * nr;
-    AlignedBuffer& scratch = scratch_[static_cast<size_t>(worker)];
-    scratch.Reserve(static_cast<size_t>(kMBlocksPerTask) * mr * ldc * sizeof(float));
-    float* c = scratch.as<float>();
-    const float* a = apack + apack_off_[static_cast<size_t>(t.group)];
-    float* dq = DecodeBuffer(w.w13, t.mblocks, worker);
-    if (StreamsOneBlock(t.mblocks, grp.rows - int64_t{t.mblock0} * mr, hidden)) {
-      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - t.mblock0 * mr));
-      kernels_.tile_panels(rows, 2 * t.panels, hidden, a + t.mblock0 * hidden * mr,
-                           w.w13.panel(2 * t.panel0), w.w13.panel_bytes(), w.w13.dtype(), c, ldc,
-                           false);
-    } else {
-      ForEachTile(
-          hidden, KcFor(kernels_, w.w13.dtype()), 2 * t.panels, t.mblocks,
-          [&](int64_t k0, int64_t klen, int p) {
-            if (dq) kernels_.decode(klen, w.w13.PanelAt(2 * t.panel0 + p, k0), w.w13.dtype(), dq);
-          },
-          [&](int64_t k0, int64_t klen, int p, int mb) {
-            const int64_t gmb = t.mblock0 + mb;
-            const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-            RunTile(w.w13, dq, rows, klen, a + (gmb * hidden + k0) * mr, 2 * t.panel0 + p, k0,
-                    c + static_cast<int64_t>(mb) * mr * ldc + p * nr, ldc);
-          });
-    }
-    float* h = hpack + hpack_off_[static_cast<size_t>(t.group)];
-    const int64_t j0 = static_cast<int64_t>(t.panel0) * nr;
-    for (int mb = 0; mb < t.mblocks; ++mb) {
-      const int64_t gmb = t.mblock0 + mb;
-      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-      kernels_.activate(grp.act, rows, t.panels, nr, c + static_cast<int64_t>(mb) * mr * ldc, ldc,
-                        w.bias_gate.empty() ? nullptr : w.bias_gate.data(),
-                        w.bias_up.empty() ? nullptr : w.bias_up.data(), j0, w.inter,
-                        h + gmb * w.inter * mr, mr);
-    }
+    GateUpTask(tasks_[static_cast<size_t>(ti)], groups, apack, hpack, worker);
   });
 
   // 3. Down projection straight into y.
   BuildTasks(groups, /*first_gemm=*/false);
   pool_->ParallelFor(static_cast<int64_t>(tasks_.size()), [&](int64_t ti, int worker) {
-    const Task& t = tasks_[static_cast<size_t>(ti)];
-    const ExpertGroup& grp = groups[static_cast<size_t>(t.group)];
-    const ExpertWeights& w = *grp.weights;
-    const int64_t inter = w.inter;
-    const float* a = hpack + hpack_off_[static_cast<size_t>(t.group)];
-    float* ybase = y + grp.first_row * ldy;
-    float* dq = DecodeBuffer(w.w2, t.mblocks, worker);
-    if (StreamsOneBlock(t.mblocks, grp.rows - int64_t{t.mblock0} * mr, inter)) {
-      const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
-      const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - r0));
-      kernels_.tile_panels(rows, t.panels, inter, a + r0 * inter, w.w2.panel(t.panel0),
-                           w.w2.panel_bytes(), w.w2.dtype(), ybase + r0 * ldy + t.panel0 * nr, ldy,
-                           false);
-    } else {
-      ForEachTile(
-          inter, KcFor(kernels_, w.w2.dtype()), t.panels, t.mblocks,
-          [&](int64_t k0, int64_t klen, int p) {
-            if (dq) kernels_.decode(klen, w.w2.PanelAt(t.panel0 + p, k0), w.w2.dtype(), dq);
-          },
-          [&](int64_t k0, int64_t klen, int p, int mb) {
-            const int64_t panel = t.panel0 + p;
-            const int64_t gmb = t.mblock0 + mb;
-            const int rows = static_cast<int>(std::min<int64_t>(mr, grp.rows - gmb * mr));
-            RunTile(w.w2, dq, rows, klen, a + (gmb * inter + k0) * mr, panel, k0,
-                    ybase + gmb * mr * ldy + panel * nr, ldy);
-          });
-    }
-    if (!w.bias_down.empty()) {
-      const int64_t col0 = static_cast<int64_t>(t.panel0) * nr;
-      const int64_t r0 = static_cast<int64_t>(t.mblock0) * mr;
-      const int rows = static_cast<int>(std::min<int64_t>(grp.rows - r0, t.mblocks * mr));
-      kernels_.add_bias(rows, static_cast<int64_t>(t.panels) * nr, w.bias_down.data() + col0,
-                        ybase + r0 * ldy + col0, ldy);
-    }
+    DownTask(tasks_[static_cast<size_t>(ti)], groups, hpack, y, ldy, worker);
   });
 }
 

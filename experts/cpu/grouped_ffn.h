@@ -47,13 +47,27 @@ class GroupedFfn {
     int32_t mblock0, mblocks;  // m-blocks of the group
     int32_t panel0, panels;    // output panels (GEMM1: panel pairs)
   };
+  // The packed inputs' layout (apack_off_, hpack_off_, mblock_base_: per group, its m blocks of
+  // [k][mr]); returns the m blocks of all groups.
+  int64_t LayOutPacks(std::span<const ExpertGroup> groups);
+  // Phase 1: every group's rows of x, gathered into apack as [k][mr] tiles.
+  void GatherRows(std::span<const ExpertGroup> groups, const float* x, int64_t ldx,
+                  const int32_t* row_token, float* apack);
+  // Phase 2, one task: gate and up projections with the activation, into hpack (GEMM2's input).
+  void GateUpTask(const Task& t, std::span<const ExpertGroup> groups, const float* apack,
+                  float* hpack, int worker);
+  // Phase 3, one task: the down projection (and its bias) straight into y.
+  void DownTask(const Task& t, std::span<const ExpertGroup> groups, const float* hpack, float* y,
+                int64_t ldy, int worker);
   void BuildTasks(std::span<const ExpertGroup> groups, bool first_gemm);
   // Visits every (k block, panel, m block) tile of a task; prepare(k0, klen, p) runs before the
   // m blocks of each (k block, panel).
   template <typename Prep, typename Fn>
   void ForEachTile(int64_t k, int64_t kc, int panels, int mblocks, Prep&& prepare, Fn&& fn) const;
-  // The worker's buffer for decoded panel blocks, or null where tiles decode codes themselves.
+  // Whether a task of `mblocks` m blocks (`rows` rows from its first) streams all its panels
+  // through one tile_panels call.
   bool StreamsOneBlock(int mblocks, int64_t rows, int64_t k) const;
+  // The worker's buffer for decoded panel blocks, or null where tiles decode codes themselves.
   float* DecodeBuffer(const PackedMatrix& m, int mblocks, int worker);
   void RunTile(const PackedMatrix& m, const float* dq, int rows, int64_t klen, const float* a,
                int64_t panel, int64_t k0, float* c, int64_t ldc) const;
