@@ -12,13 +12,11 @@
 
 #include "base/exit_code.h"
 #include "base/log.h"
+#include "bench/baselines/baselines.h"
 #include "ep/protocol.h"
 #include "launch/layer_flags.h"
 #include "router/dispatch_plan.h"
-#include "transport/mpi/alltoallv_baseline.h"
-#include "transport/mpi/mpi_transport.h"
-#include "transport/ucx/raw_put_baseline.h"
-#include "transport/ucx/ucx_transport.h"
+#include "transport/registry.h"
 
 namespace moerun::bench {
 namespace {
@@ -301,7 +299,7 @@ int RunTransportBench(const TransportBenchFlags& f) {
     recv[0] = rows[static_cast<size_t>(job.rank())] * row_bytes;
   }
   {
-    auto baseline = AlltoallvBaseline::Create(send, recv);
+    auto baseline = CreateBaseline("mpi_alltoallv", nullptr, send, recv);
     if (!baseline.ok()) return FailWith(baseline.status());
     Transport* const t = job.mpi_transport();
     OurRoundTrip round(t, plan, rows, f.hidden, header_bytes);
@@ -310,21 +308,21 @@ int RunTransportBench(const TransportBenchFlags& f) {
     // bootstrap, so that the ucx transport's counters see our rounds alone) and the raw loop.
     std::unique_ptr<Transport> plain_mpi;
     std::unique_ptr<OurRoundTrip> mpi_round;
-    std::unique_ptr<RawPutBaseline> raw_put;
+    std::unique_ptr<RoundTripBaseline> raw_put;
     size_t put_min = 0;
     if (ucx) {
-      auto m = CreateMpiTransport();
+      auto m = CreateTransport("mpi");
       if (!m.ok()) return FailWith(m.status());
       plain_mpi = std::move(*m);
       mpi_round =
           std::make_unique<OurRoundTrip>(plain_mpi.get(), plan, rows, f.hidden, header_bytes);
       if (Status s = mpi_round->Register(); !s.ok()) return FailWith(s);
-      auto rp = RawPutBaseline::Create(plain_mpi.get(), send, recv);
+      auto rp = CreateBaseline("ucx_raw_put", plain_mpi.get(), send, recv);
       if (!rp.ok()) return FailWith(rp.status());
       raw_put = std::move(*rp);
-      auto opts = UcxOptionsFromEnvironment();
-      if (!opts.ok()) return FailWith(opts.status());
-      put_min = opts->put_min;
+      auto pm = UcxPutMinFromEnvironment();
+      if (!pm.ok()) return FailWith(pm.status());
+      put_min = *pm;
     }
     std::vector<double> ours_ms, raw_ms, raw_ucx_ms, mpi_ms;
     ZeroCopyTally before;
@@ -338,7 +336,9 @@ int RunTransportBench(const TransportBenchFlags& f) {
         if (!rp.ok()) return FailWith(rp.status());
         p = *rp;
       }
-      const double r = (*baseline)->RoundTripMs();
+      auto a2a = (*baseline)->RoundTripMs();
+      if (!a2a.ok()) return FailWith(a2a.status());
+      const double r = *a2a;
       if (ucx) {
         auto mr = mpi_round->Run();
         if (!mr.ok()) return FailWith(mr.status());

@@ -10,9 +10,8 @@
 #include "ep/protocol.h"
 #include "launch/local_device.h"
 #include "layer/cuda/cuda_device.h"
-#include "transport/mpi/mpi_transport.h"
-#include "transport/nccl/nccl_transport.h"
-#include "transport/ucx/ucx_transport.h"
+#include "transport/launcher_env.h"
+#include "transport/registry.h"
 
 namespace moerun {
 
@@ -38,10 +37,8 @@ namespace {
 // --transport nccl, before anything starts: a build with NCCL, a GPU, ranks from an MPI launcher
 // and no more local ranks than visible GPUs. Each failure is one line (InvalidArgument, exit 2).
 Status CheckNcclLaunch() {
-  if (!NcclTransportBuilt()) {
-    return Status::InvalidArgument(
-        "--transport nccl: this build of moerun has no NCCL support (configure with the CUDA "
-        "toolkit and NCCL, MOERUN_WITH_CUDA=ON and MOERUN_WITH_NCCL=ON)");
+  if (Result<const TransportBackend*> nccl = RequireTransport("nccl"); !nccl.ok()) {
+    return Status::InvalidArgument("--transport nccl: " + nccl.status().message());
   }
   const CudaProbe probe = ProbeCuda();
   if (probe.devices.empty()) {
@@ -66,6 +63,11 @@ Status ValidateLaunchFlags(const LaunchFlags& flags) {
     return Status::InvalidArgument("--transport must be mpi, ucx, nccl or inproc, not '" + t + "'");
   }
   if (t == "nccl") MOERUN_RETURN_IF_ERROR(CheckNcclLaunch());
+  if (t == "mpi" || t == "ucx") {
+    if (Result<const TransportBackend*> b = RequireTransport(t); !b.ok()) {
+      return Status::InvalidArgument("--transport " + t + ": " + b.status().message());
+    }
+  }
   if (flags.routers < 1) return Status::InvalidArgument("--routers must be at least 1");
   const bool inproc = t == "inproc" || (t.empty() && !LaunchedByMpiLauncher());
   if (inproc && (flags.ranks < 1 || flags.ranks > 256)) {
@@ -100,10 +102,11 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
           "--transport ucx needs ranks started by mpirun or srun (its endpoints are exchanged "
           "over MPI at start-up)");
     }
-    MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateMpiTransport());
+    MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateTransport("mpi"));
     if (j->transport_ == "ucx") {
-      MOERUN_ASSIGN_OR_RETURN(const UcxOptions opts, UcxOptionsFromEnvironment());
-      MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateUcxTransport(std::move(j->mpi_), opts));
+      TransportRequest ucx;
+      ucx.bootstrap = std::move(j->mpi_);
+      MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateTransport("ucx", std::move(ucx)));
     }
     if (j->transport_ == "nccl") {
       // ValidateLaunchFlags checked the GPUs; the rows and results go over NCCL, the rest over
@@ -111,12 +114,13 @@ Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
       const LocalDeviceChoice gpu =
           ChooseLocalDevice(ProcessEnvironment(), static_cast<int>(ProbeCuda().devices.size()));
       MOERUN_RETURN_IF_ERROR(CheckOneGpuPerRank(gpu));
-      NcclTransportOptions opts;
-      opts.device = gpu.device;
-      opts.bulk_tags = {kTagRows, kTagResult};
-      opts.deadline = DeadlineIn(std::chrono::seconds(flags.startup_timeout_s));
+      TransportRequest nccl;
+      nccl.bootstrap = std::move(j->mpi_);
+      nccl.device = gpu.device;
+      nccl.bulk_tags = {kTagRows, kTagResult};
+      nccl.deadline = DeadlineIn(std::chrono::seconds(flags.startup_timeout_s));
       spdlog::debug("nccl: {}", gpu.Describe());
-      MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateNcclTransport(std::move(j->mpi_), std::move(opts)));
+      MOERUN_ASSIGN_OR_RETURN(j->mpi_, CreateTransport("nccl", std::move(nccl)));
     }
     j->rank_ = j->mpi_->rank();
     j->size_ = j->mpi_->size();

@@ -11,7 +11,7 @@
 #include "moerun/v1/control.pb.h"
 #include "router/placement.h"
 #include "serving/serve_client.h"
-#include "transport/ucx/ucx_transport.h"
+#include "transport/registry.h"
 
 namespace moerun {
 namespace {
@@ -32,8 +32,9 @@ Status AskOnce(const std::string& control, const ClientTls& tls,
 }  // namespace
 
 Result<Joined> JoinJob(const JoinTarget& target) {
-  MOERUN_ASSIGN_OR_RETURN(const UcxOptions opts, UcxOptionsFromEnvironment());
-  MOERUN_ASSIGN_OR_RETURN(std::unique_ptr<UcxJoiner> joiner, CreateUcxJoiner(opts));
+  // The joiner takes over a rank of a ucx job (only ucx can replace a peer).
+  MOERUN_ASSIGN_OR_RETURN(const TransportBackend* ucx, RequireTransport("ucx"));
+  MOERUN_ASSIGN_OR_RETURN(std::unique_ptr<TransportJoiner> joiner, ucx->create_joiner());
   moerun::v1::ControlRequest req;
   req.set_token(target.token);
   moerun::v1::JoinRequest* j = req.mutable_join();

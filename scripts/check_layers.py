@@ -31,8 +31,9 @@ VENDORS = [
     (re.compile(r"^(cuda|cuda_runtime|cuda_bf16|cuda_fp16|mma|cublas|curand)[\w.]*\.h$|^cuda/"),
      ("experts/cuda", "router/cuda", "layer/cuda", "transport/nccl", "transport/ucx")),
     (re.compile(r"^nccl\.h$"), ("transport/nccl",)),
-    (re.compile(r"^(ucp|uct|ucs)/"), ("transport/ucx",)),
-    (re.compile(r"^mpi\.h$"), ("transport/mpi",)),
+    # (bench/baselines: moebench's own raw-UCX and raw-MPI baselines, in moebench's library only.)
+    (re.compile(r"^(ucp|uct|ucs)/"), ("transport/ucx", "bench/baselines")),
+    (re.compile(r"^mpi\.h$"), ("transport/mpi", "bench/baselines")),
 ]
 # Libraries that are not folders of ours (flags, object libraries, vendor wrappers).
 NOT_FOLDERS = {"moerun_flags", "moerun_isa_kernels", "moerun_openblas"}

@@ -1,10 +1,11 @@
 #include <cuda_runtime.h>
 
-#include "layer/cuda/cuda_device.h"
+#include "layer/cuda/cuda_backend.h"
 
 namespace moerun {
 
-CudaProbe ProbeCuda() {
+// ProbeCuda (cuda_device.h) in builds with CUDA (cuda_backend.cc forwards it here).
+CudaProbe cuda_backend::Probe() {
   CudaProbe p;
   p.built = true;
   int count = 0;

@@ -12,6 +12,7 @@
 
 #include "base/log.h"
 #include "experts/cuda/ffn_kernels.h"
+#include "layer/cuda/cuda_backend.h"
 #include "layer/cuda/cuda_layer.h"
 #include "layer/cuda/device_plan.h"
 #include "layer/cuda/device_weights.h"
@@ -825,16 +826,15 @@ Result<cuda_plan::RankMemoryPlan> WholeLayerPlan(const MoeLayerWeights& w, int l
 
 }  // namespace
 
-const char* CudaMathName(CudaMath m) { return m == CudaMath::kExact ? "exact" : "tensor-core"; }
-
-Result<std::shared_ptr<CudaRankContext>> CudaRankContext::Create(
+// The CUDA backend's entry points (cuda_backend.h); cuda_backend.cc forwards the public ones here.
+Result<std::shared_ptr<CudaRankContext>> cuda_backend::CreateContext(
     const CudaLayerOptions& opts, const cuda_plan::RankMemoryPlan& plan) {
   MOERUN_ASSIGN_OR_RETURN(auto ctx, MakeContext(opts, plan));
   spdlog::info("cuda: {}", ctx->Describe());
   return std::shared_ptr<CudaRankContext>(std::move(ctx));
 }
 
-Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights& w,
+Result<std::unique_ptr<CudaMoeLayer>> cuda_backend::Upload(const MoeLayerWeights& w,
                                                            const CudaLayerOptions& opts) {
   MOERUN_ASSIGN_OR_RETURN(const WeightFormat format, ChooseFormat(w.dtype, opts));
   int loaded = 0;
@@ -861,8 +861,8 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights
   return std::unique_ptr<CudaMoeLayer>(std::move(layer));
 }
 
-Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights& w,
-                                                           std::shared_ptr<CudaRankContext> ctx) {
+Result<std::unique_ptr<CudaMoeLayer>> cuda_backend::UploadTo(const MoeLayerWeights& w,
+                                                             std::shared_ptr<CudaRankContext> ctx) {
   auto impl = std::dynamic_pointer_cast<ContextImpl>(ctx);
   if (impl == nullptr || impl->plan().role != cuda_plan::DeviceRole::kExpertRank) {
     return Status::InvalidArgument("CUDA layer: Upload into a context needs an expert rank's");
@@ -880,7 +880,7 @@ Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::Upload(const MoeLayerWeights
   return std::unique_ptr<CudaMoeLayer>(std::move(layer));
 }
 
-Result<std::unique_ptr<CudaMoeLayer>> CudaMoeLayer::FromPreset(const ModelSpec& spec,
+Result<std::unique_ptr<CudaMoeLayer>> cuda_backend::FromPreset(const ModelSpec& spec,
                                                                const PresetOptions& preset,
                                                                const CudaLayerOptions& opts) {
   MOERUN_ASSIGN_OR_RETURN(const WeightFormat format, ChooseFormat(preset.dtype, opts));

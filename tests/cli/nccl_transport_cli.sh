@@ -34,7 +34,11 @@ expect_one_line() {
 FORWARD=(forward --preset qwen3-30b-a3b --input "$WORK/x.safetensors" --output "$WORK/y.safetensors")
 # (The input does not exist: the refusal must come before any file is read.)
 WHY=("--transport nccl")
-[[ $HAVE_GPU -eq 0 ]] && WHY+=("no usable GPU")
+if ! "$MOERUN" --version | grep -q ' nccl=1 '; then
+  WHY+=("no 'nccl' transport")  # a build without NCCL says so, by name, before looking for a GPU
+elif [[ $HAVE_GPU -eq 0 ]]; then
+  WHY+=("no usable GPU")
+fi
 
 env -u OMPI_COMM_WORLD_RANK -u PMIX_RANK "$MOERUN" "${FORWARD[@]}" --transport nccl \
   >"$WORK/out" 2>&1

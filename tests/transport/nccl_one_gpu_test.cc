@@ -16,7 +16,7 @@
 
 #include "layer/cuda/cuda_device.h"
 #include "transport/inproc.h"
-#include "transport/nccl/nccl_transport.h"
+#include "transport/registry.h"
 #include "transport/transport_harness.h"
 
 namespace moerun {
@@ -30,20 +30,21 @@ using testing::PayloadIs;
 constexpr int kTagBulk = 7, kTagOther = 8;
 
 // The number of visible GPUs, or skips the test saying why there is none.
-#define MOERUN_NCCL_GPUS_OR_SKIP(var)                                                     \
-  if (!NcclTransportBuilt()) GTEST_SKIP() << "this build has no NCCL (MOERUN_WITH_NCCL)"; \
-  const CudaProbe probe_ = ProbeCuda();                                                   \
-  if (probe_.devices.empty()) GTEST_SKIP() << "no usable GPU: " << probe_.error;          \
+#define MOERUN_NCCL_GPUS_OR_SKIP(var)                                                      \
+  if (!FindTransport("nccl")) GTEST_SKIP() << RequireTransport("nccl").status().message(); \
+  const CudaProbe probe_ = ProbeCuda();                                                    \
+  if (probe_.devices.empty()) GTEST_SKIP() << "no usable GPU: " << probe_.error;           \
   const int var = static_cast<int>(probe_.devices.size())
 
 Result<std::unique_ptr<Transport>> NcclOver(
     std::unique_ptr<Transport> boot, int device,
     std::chrono::seconds deadline = std::chrono::seconds(60)) {
-  NcclTransportOptions o;
-  o.device = device;
-  o.bulk_tags = {kTagBulk};
-  o.deadline = DeadlineIn(deadline);
-  return CreateNcclTransport(std::move(boot), std::move(o));
+  TransportRequest r;
+  r.bootstrap = std::move(boot);
+  r.device = device;
+  r.bulk_tags = {kTagBulk};
+  r.deadline = DeadlineIn(deadline);
+  return CreateTransport("nccl", std::move(r));
 }
 
 TEST(NcclTransportGpuTest, OneRankSendsToItselfOverNccl) {

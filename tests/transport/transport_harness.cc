@@ -7,9 +7,8 @@
 
 #include "launch/local_device.h"
 #include "layer/cuda/cuda_device.h"
-#include "transport/mpi/mpi_transport.h"
-#include "transport/nccl/nccl_transport.h"
-#include "transport/ucx/ucx_transport.h"
+#include "transport/launcher_env.h"
+#include "transport/registry.h"
 
 namespace moerun::testing {
 namespace {
@@ -115,14 +114,13 @@ Transport* Ucx() {
   MpiState& m = Mpi();
   if (!m.ucx_tried && m.transport) {
     m.ucx_tried = true;
-    Result<std::unique_ptr<Transport>> boot = CreateMpiTransport();
-    Result<UcxOptions> opts = UcxOptionsFromEnvironment();
+    Result<std::unique_ptr<Transport>> boot = CreateTransport("mpi");
     if (!boot.ok()) {
       m.ucx_error = boot.status();
-    } else if (!opts.ok()) {
-      m.ucx_error = opts.status();
     } else {
-      Result<std::unique_ptr<Transport>> t = CreateUcxTransport(std::move(boot).value(), *opts);
+      TransportRequest r;
+      r.bootstrap = std::move(boot).value();
+      Result<std::unique_ptr<Transport>> t = CreateTransport("ucx", std::move(r));
       if (t.ok()) {
         m.ucx = std::move(t).value();
       } else {
@@ -136,7 +134,7 @@ Transport* Ucx() {
 // Why the nccl backend cannot run on this machine: no NCCL in the build, no GPU, fewer visible GPUs
 // than ranks on this host. Empty when it can.
 std::string NcclSkipReason() {
-  if (!NcclTransportBuilt()) return "this build has no NCCL (MOERUN_WITH_NCCL)";
+  if (FindTransport("nccl") == nullptr) return RequireTransport("nccl").status().message();
   const CudaProbe probe = ProbeCuda();
   if (probe.devices.empty()) {
     return "no usable GPU (" + (probe.built ? probe.error : std::string("no CUDA in this build")) +
@@ -162,15 +160,16 @@ Transport* Nccl() {
     const CudaProbe probe = ProbeCuda();
     const LocalDeviceChoice gpu =
         ChooseLocalDevice(ProcessEnvironment(), static_cast<int>(probe.devices.size()));
-    Result<std::unique_ptr<Transport>> boot = CreateMpiTransport();
+    Result<std::unique_ptr<Transport>> boot = CreateTransport("mpi");
     if (!boot.ok()) {
       m.nccl_error = boot.status();
     } else {
-      NcclTransportOptions opts;
-      opts.device = gpu.device;
-      opts.bulk_tags = NcclSuiteTags();
-      opts.deadline = DeadlineIn(std::chrono::seconds(120));
-      Result<std::unique_ptr<Transport>> t = CreateNcclTransport(std::move(boot).value(), opts);
+      TransportRequest r;
+      r.bootstrap = std::move(boot).value();
+      r.device = gpu.device;
+      r.bulk_tags = NcclSuiteTags();
+      r.deadline = DeadlineIn(std::chrono::seconds(120));
+      Result<std::unique_ptr<Transport>> t = CreateTransport("nccl", std::move(r));
       if (t.ok()) {
         m.nccl = std::move(t).value();
       } else {
@@ -190,12 +189,11 @@ std::string SkipReason(const Backend& backend) {
   if (!m.launched) return "not started by an MPI launcher (run it under mpirun -np N, N >= 2)";
   if (!m.transport) {
     // A build without MPI cannot run these; a build with MPI that fails to start them fails.
-    return m.error.code() == StatusCode::kUnsupported ? m.error.ToString() : "";
+    return FindTransport("mpi") == nullptr ? m.error.ToString() : "";
   }
   if (m.transport->size() < 2) return "the MPI world has a single rank (use mpirun -np N, N >= 2)";
-  if (backend.name == "ucx" && Ucx() == nullptr &&
-      Mpi().ucx_error.code() == StatusCode::kUnsupported) {
-    return Mpi().ucx_error.ToString();
+  if (backend.name == "ucx" && FindTransport("ucx") == nullptr) {
+    return RequireTransport("ucx").status().ToString();
   }
   if (backend.name == "nccl") {
     if (!Mpi().nccl_tried && Mpi().nccl_skip.empty()) Mpi().nccl_skip = NcclSkipReason();
@@ -324,7 +322,7 @@ int main(int argc, char** argv) {
   using moerun::testing::Mpi;
   Mpi().launched = moerun::LaunchedByMpiLauncher();
   if (Mpi().launched) {
-    moerun::Result<std::unique_ptr<moerun::Transport>> t = moerun::CreateMpiTransport();
+    moerun::Result<std::unique_ptr<moerun::Transport>> t = moerun::CreateTransport("mpi");
     if (t.ok()) {
       Mpi().transport = std::move(t).value();
     } else {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "transport/inproc.h"
-#include "transport/mpi/mpi_transport.h"
+#include "transport/registry.h"
 #include "transport/transport.h"
 #include "transport/transport_harness.h"
 #include "transport/ucx/ucx_transport.h"
@@ -385,7 +385,7 @@ TEST_F(UcxReplacePeerMpi, JoinerTakesOverRankOne) {
     MOERUN_ASSERT_OK_AND_ASSIGN(const UcxOptions opts, UcxOptionsFromEnvironment());
     const std::vector<size_t> sizes = Sizes(opts);
     const size_t put_bytes = std::max(opts.put_min, size_t{64}) + 5;
-    MOERUN_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Transport> boot, CreateMpiTransport());
+    MOERUN_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Transport> boot, CreateTransport("mpi"));
     MOERUN_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Transport> ucx,
                                 CreateUcxTransport(std::move(boot), opts));
     for (int p = 0; p < n; ++p) EXPECT_FALSE(ucx->peer_address(p).empty()) << "rank " << p;

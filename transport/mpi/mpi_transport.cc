@@ -283,13 +283,6 @@ class MpiTransport : public Transport {
 
 }  // namespace
 
-bool LaunchedByMpiLauncher() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
-    if (std::getenv(v) != nullptr) return true;
-  }
-  return false;
-}
-
 Result<std::unique_ptr<Transport>> CreateMpiTransport() {
   int initialized = 0;
   MPI_Initialized(&initialized);

@@ -49,8 +49,6 @@ struct NcclExchange::Impl {
 NcclExchange::NcclExchange(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NcclExchange::~NcclExchange() = default;
 
-bool NcclExchange::built() { return true; }
-
 std::string NcclExchange::LibraryVersion() { return NcclVersionString(); }
 
 int NcclExchange::rank() const { return impl_->rank; }

@@ -1,6 +1,6 @@
 // NcclExchange: one all-to-all-v of device (GPU) buffers over NCCL point-to-point, the GPU data
-// path of expert parallelism. No NCCL or CUDA type appears here (pimpl); builds without NCCL get
-// a stub whose Create returns kUnsupported.
+// path of expert parallelism. No NCCL or CUDA type appears here (pimpl). Built only with NCCL
+// (MOERUN_WITH_NCCL).
 //
 // Setup (Create, collective over every rank of `bootstrap`): rank 0 makes the NCCL unique id and
 // sends it to all over the bootstrap transport (mpi in a real job, inproc in tests; it is used
@@ -44,9 +44,7 @@ class NcclExchange {
   // (launch/local_device.h chooses it).
   static Result<std::unique_ptr<NcclExchange>> Create(Transport& bootstrap, int device,
                                                       Deadline deadline);
-  // Whether this build has NCCL (false: Create returns kUnsupported).
-  static bool built();
-  // The NCCL library's version ("2.28.9"), or "" without NCCL.
+  // The NCCL library's version ("2.28.9").
   static std::string LibraryVersion();
 
   ~NcclExchange();

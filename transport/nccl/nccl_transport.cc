@@ -860,8 +860,6 @@ void NcclTransport::UnregisterMemory(void* p) {
 
 }  // namespace
 
-bool NcclTransportBuilt() { return true; }
-
 Result<std::unique_ptr<Transport>> CreateNcclTransport(std::unique_ptr<Transport> bootstrap,
                                                        NcclTransportOptions options) {
   if (bootstrap == nullptr) return Status::InvalidArgument("nccl: no bootstrap transport");

@@ -1,7 +1,7 @@
 // The nccl transport: the bulk messages of expert parallelism (a microbatch's rows, an expert
 // rank's results) over NCCL point-to-point, one GPU per rank; everything else over a bootstrap
-// host transport (mpi), which it owns. No NCCL or CUDA type appears here; builds without NCCL get
-// a stub whose Create returns kUnsupported.
+// host transport (mpi), which it owns. No NCCL or CUDA type appears here. Built only with NCCL
+// (MOERUN_WITH_NCCL); the runtime makes it through transport/registry.h ("nccl").
 //
 // Paths (nccl_bulk.h, PathOf): messages whose tag is one of `bulk_tags` between two different
 // ranks go over NCCL; all others (headers, pongs, control, the barrier's and the other reserved
@@ -71,11 +71,8 @@ struct NcclTransportOptions {
 // Collective over every rank of `bootstrap`: exchanges the NCCL unique id over it, opens a
 // non-blocking communicator under a watchdog (nccl_exchange.h: a rank that cannot prepare its
 // GPU makes all fail naming it; at the deadline the communicator is aborted) and splits the
-// second one from it. kUnsupported in builds without NCCL; kInvalidArgument for bad options.
+// second one from it. kInvalidArgument for bad options.
 Result<std::unique_ptr<Transport>> CreateNcclTransport(std::unique_ptr<Transport> bootstrap,
                                                        NcclTransportOptions options);
-
-// Whether this build has the nccl transport.
-bool NcclTransportBuilt();
 
 }  // namespace moerun

@@ -84,8 +84,8 @@ Result<UcxOptions> UcxOptionsFromEnvironment();
 // ucp_context_query reports): with it, device buffers can be registered with UCX directly;
 // without it (Debian's UCX, and the GPU machine's as far as known) they must be staged through
 // pinned host memory. Makes and ends a UCX context of its own (a few milliseconds); the transport
-// checks its own context the same way and logs UcxCudaMemoryNote once (rank 0). kUnsupported in
-// builds without UCX. Thread-safe.
+// checks its own context the same way and logs UcxCudaMemoryNote once (rank 0). Thread-safe.
+// (Built only with UCX; the runtime makes the transport through transport/registry.h.)
 Result<bool> UcxSupportsCudaMemory();
 // The log line for the answer: "ucx: CUDA memory: registered directly" or why not.
 const char* UcxCudaMemoryNote(bool supported);

@@ -1,4 +1,4 @@
-#include "transport/ucx/raw_put_baseline.h"
+#include "bench/baselines/ucx_raw_put.h"
 
 #include <sched.h>
 #include <ucp/api/ucp.h>

@@ -1,4 +1,4 @@
-#include "transport/mpi/alltoallv_baseline.h"
+#include "bench/baselines/mpi_alltoallv.h"
 
 #include <mpi.h>
 
@@ -37,7 +37,7 @@ Result<std::unique_ptr<AlltoallvBaseline>> AlltoallvBaseline::Create(
   return b;
 }
 
-double AlltoallvBaseline::RoundTripMs() {
+Result<double> AlltoallvBaseline::RoundTripMs() {
   MPI_Barrier(MPI_COMM_WORLD);
   const double t0 = MPI_Wtime();
   MPI_Alltoallv(sbuf_.data(), sc_.data(), sd_.data(), MPI_BYTE, rbuf_.data(), rc_.data(),
