@@ -25,10 +25,8 @@
 // Placements that put experts on a dead rank are refused.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -41,82 +39,28 @@
 #include "ep/peer_health.h"
 #include "ep/protocol.h"
 #include "ep/router_layer.h"
+#include "migration/control_link.h"
+#include "migration/control_types.h"
+#include "migration/drain_relay.h"
+#include "migration/expert_updates.h"
+#include "migration/migration_runner.h"
+#include "migration/rank_membership.h"
 #include "router/placement.h"
 #include "transport/transport.h"
 
 namespace moerun {
 
-struct RouterControlReply;
-
-struct MigrationLayerView {
-  int layer = 0;
-  std::string state;  // pending | loading | switching | done | unchanged | failed
-  int experts_to_load = 0, experts_to_free = 0;
-  int64_t bytes_to_move = 0, bytes_loaded = 0;
-  int64_t bytes_freed = 0;  // by the expert ranks once every router released the old copies
-  double seconds = 0;
-};
-
-struct MigrationView {
-  uint64_t id = 0;
-  std::string state = "none";  // none | running | done | failed
-  uint64_t from_version = 0, to_version = 0;
-  std::vector<MigrationLayerView> layers;
-  int64_t bytes_to_move = 0, bytes_loaded = 0, bytes_freed = 0;
-  double elapsed_s = 0;
-  std::string error, note, trigger;
-  double throttle_bytes_s = 0;
-};
-
-struct ExpertUpdateView {
-  int layer = 0, expert = 0;
-  std::string file;
-  double canary = 0;  // share, 0..1
-  std::string state;  // loading | canary | promoted | rolled back | failed
-  std::vector<int> ranks;
-  uint64_t rows = 0, canary_rows = 0;
-  std::string error;
-};
-
-// How the expert updates ended so far (router 0): each update counts once, when it is promoted,
-// rolled back, or fails (loading, promoting or rolling back).
-struct ExpertUpdateResults {
-  uint64_t promoted = 0, rolled_back = 0, failed = 0;
-};
-
-// What router 0 grants a process that joins the job (moerun serve --join).
-struct JoinGrant {
-  int rank = -1;  // the dead expert rank it takes over
-  int ranks = 0, routers = 0;
-  // By rank: the transport address of every router (the others left empty: the joiner talks to
-  // routers only).
-  std::vector<std::vector<uint8_t>> addresses;
-  uint64_t placement_version = 0;
-  size_t header_bytes = 0;  // the job's dispatch headers (the joiner checks its own)
-};
-struct JoinAsk {
-  std::vector<uint8_t> address;  // the joiner's transport address
-  std::string who;               // host and pid, for the log
-  // What the joiner computed from its own config, checked against the job's.
-  std::vector<int> layers;
-  int num_experts = 0;
-  // Called once on router 0's thread with the grant or why not.
-  std::function<void(Result<JoinGrant>)> done;
-};
-
-struct MigrationOptions {
-  double throttle_bytes_s = 0;  // per expert rank; 0: unlimited
-  int64_t expert_bytes = 0;     // one expert's weights (for the bytes to move)
-  std::string trigger = "moectl";
-  std::string note;
-};
-
-class RouterControl {
+// The dispatcher: owns the control messages (posted receives, sends in order, answers matched to
+// their operations, silent ranks' operations failed) and the layer switches, and hands the rest
+// to its parts, each in its own file: MigrationRunner (migrations), ExpertUpdates (canary, promote,
+// rollback), RankMembership (deaths, recovery, joins) and DrainRelay. The parts reach it through
+// ControlLink only, all under its one lock.
+class RouterControl : private ControlLink {
  public:
   RouterControl(Transport* transport, std::shared_ptr<const Placement> placement,
                 std::map<int, RouterLayer*> layers, size_t header_bytes,
                 std::chrono::milliseconds deadline);
-  ~RouterControl();  // withdraws its posted receives
+  ~RouterControl() override;  // refuses queued joins, withdraws its posted receives
 
   // Router thread, between batches and when idle: moves messages and migrations on.
   Status Poll();
@@ -125,9 +69,9 @@ class RouterControl {
     on_switch_ = std::move(f);
   }
   // The router's view of the expert ranks (deaths); before the first Poll.
-  void set_health(PeerHealth* health) { health_ = health; }
+  void set_health(PeerHealth* health) { membership_.set_health(health); }
   // One expert's bytes, for what a recovery's migration reports it moves.
-  void set_expert_bytes(int64_t bytes) { recovery_expert_bytes_ = bytes; }
+  void set_expert_bytes(int64_t bytes) { membership_.set_expert_bytes(bytes); }
 
   // Router 0, any thread.
   // Starts moving to `target` (checked against the job first); an error if it does not fit, or
@@ -153,75 +97,45 @@ class RouterControl {
   // drain too (in order after what it was sent before), so that one signal stops the job.
   Status DrainOthers();
   // Any thread: router 0 asked this router to drain (seen by a Poll).
-  bool drain_requested() const { return drain_requested_.load(); }
+  bool drain_requested() const { return drain_.requested(); }
   // Any thread: the ranks known dead, and the expert copies recoveries re-placed so far.
   std::vector<int> dead_ranks() const;
   uint64_t experts_replaced() const;
 
  private:
-  using ReplyFn = std::function<void(int rank, const struct RouterControlReply&)>;
-  struct LayerStep {
-    MigrationLayerView view;
-    std::map<int, std::vector<int>> add, remove;  // per expert rank
-    std::map<int, int64_t> loaded;                // bytes per rank so far
-    int awaiting = 0;
-    std::string error;
-    std::chrono::steady_clock::time_point started;
-  };
-  struct Migration {
-    MigrationView view;
-    std::shared_ptr<const Placement> target;
-    std::vector<LayerStep> steps;
-    size_t current = 0;
-    std::chrono::steady_clock::time_point started;
-  };
-  struct UpdateState {
-    ExpertUpdateView view;
-    int awaiting = 0;            // answers to update / promote / rollback
-    int querying = 0;            // answers to the last query
-    std::string pending_action;  // promote | rollback while their answers come
-    std::map<int, std::pair<uint64_t, uint64_t>> counts;  // per rank: rows, canary rows
-    std::chrono::steady_clock::time_point last_query;
-  };
+  // ControlLink, for the parts (under mu_).
+  const std::shared_ptr<const Placement>& placement_in_use() const override { return placement_; }
+  bool Gone(int rank) const override;  // dead here or to the transport
+  Status SendToExpert(int rank, const std::string& op_json_without_id, ReplyFn on_reply) override;
+  Status SendToRouter(int rank, const std::string& body) override;
+  Result<int> Switch(int layer, std::shared_ptr<const Placement> next, bool tell_routers,
+                     ReplyFn done) override;
+  void CancelReceive(int rank) override;
 
-  // Sends an operation to an expert rank (in order with its microbatches) or a router.
-  Status SendToExpert(int rank, const std::string& op_json_without_id, ReplyFn on_reply);
-  Status SendToRouter(int rank, const std::string& body);
+  static std::vector<int> LayerNumbers(const std::map<int, RouterLayer*>& layers);
   Status PollReceives();
   Status OnMessage(int from, const std::string& body);  // HandleMessage, malformed JSON caught
   Status HandleMessage(int from, const std::string& body);
-  // Switches this router's layer, releases the copies it no longer uses and, on router 0 with
-  // tell_routers, tells the other routers; `done` gets every answer; returns how many to expect.
-  Result<int> Switch(int layer, std::shared_ptr<const Placement> next, bool tell_routers,
-                     ReplyFn done);
-  Status StepMigration();
-  Status StartLayer(LayerStep& step);
-  Status StepUpdates();
-  void Fail(const std::string& why);  // the migration (under mu_)
-  Result<MigrationView> ApplyLocked(const Placement& target, const MigrationOptions& options);
-  // Router thread: takes in the deaths PeerHealth saw; on router 0 starts the recovery.
-  Status Recover();
-  bool Gone(int rank) const;  // dead (under mu_)
-  // Router thread: answers the queued joins (router 0).
-  void StepJoins();
-  Result<JoinGrant> Grant(const JoinAsk& ask);
-  // Any router: `rank` is a new process at `address` from now on (the transport's endpoint
-  // replaced, PeerHealth reviving it).
-  Status TakeBack(int rank, const std::vector<uint8_t>& address);
+  // Router 0 told this router to switch `layer` to `placement_json`: switches it and answers
+  // message `id` once this router's releases are answered.
+  Status HandleSwitch(uint64_t id, int layer, const std::string& placement_json);
+  // Hands an expert rank's or a router's answer to the operation awaiting it.
+  void HandleReply(int from, uint64_t id, const ControlReply& r);
+  // Fails the operations whose rank is dead or silent past the deadline.
+  void ExpireSilent();
+  // Checks that no migration or expert update runs, then starts one (under mu_).
+  Result<MigrationView> StartMigration(const Placement& target, const MigrationOptions& options);
 
   Transport* t_;
-  PeerHealth* health_ = nullptr;
-  std::map<int, RouterLayer*> layers_;
-  std::vector<int> served_;  // the layer numbers of layers_
-  size_t header_bytes_;
   std::chrono::milliseconds deadline_;
   std::function<void(std::shared_ptr<const Placement>)> on_switch_;
+  std::map<int, RouterLayer*> layers_;
 
   // Router thread only.
   std::vector<EpControlHeader> in_headers_;
   std::vector<Request> in_reqs_;
   OwnedSends outgoing_;
-  std::atomic<bool> drain_requested_{false};
+  size_t header_bytes_;
   // Operations awaiting answers: a rank silent for longer than the deadline (load progress comes
   // every second) fails its operation.
   struct PendingOp {
@@ -230,30 +144,14 @@ class RouterControl {
     std::chrono::steady_clock::time_point last;
   };
   std::map<uint64_t, PendingOp> pending_;
-  void ExpireSilent();
   uint32_t next_id_ = 1;
 
-  mutable std::mutex mu_;  // everything below
+  mutable std::mutex mu_;  // everything below (the parts' state included)
   std::shared_ptr<const Placement> placement_;
-  std::unique_ptr<Migration> migration_;  // running or last
-  std::deque<std::unique_ptr<Migration>> queued_;
-  uint64_t migrations_ = 0;
-  std::map<std::pair<int, int>, UpdateState> updates_;
-  std::deque<std::pair<std::string, std::pair<int, int>>> actions_;  // (action, (layer, expert))
-  std::deque<JoinAsk> joins_;
-  std::map<std::pair<int, int>, std::string> promoted_;  // weights that replaced the checkpoint's
-  std::vector<bool> dead_;                               // by rank
-  uint64_t dead_generation_ = 0;                         // PeerHealth's, when dead_ was taken
-  uint64_t recovered_generation_ = 0;                    // the deaths the last recovery covered
-  uint64_t recovery_blocked_ = 0;  // the generation whose recovery had to wait (logged)
-  uint64_t experts_replaced_ = 0;  // by recovery migrations that are done
-  ExpertUpdateResults update_results_;
-  // The recovery migration in progress (0: none), the copies it re-places, and when a failed one
-  // is tried again.
-  uint64_t recovery_id_ = 0;
-  int recovery_replaced_ = 0;
-  std::chrono::steady_clock::time_point recovery_retry_at_{};
-  int64_t recovery_expert_bytes_ = 0;
+  MigrationRunner migrations_;
+  ExpertUpdates updates_;
+  RankMembership membership_;
+  DrainRelay drain_;  // its flag: any thread
 };
 
 }  // namespace moerun
