@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -129,7 +130,208 @@ Status Positive(const Config& c, const char* what, int64_t v) {
   return Status::Ok();
 }
 
-Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
+// --- each family's keys: its table row names the keys of the expert count, top-k and expert
+// width (the first present of each list is read; with none, the last is reported missing), and
+// a function reads the rest (the gate and which layers are MoE).
+
+void AllLayers(ModelSpec* s) {
+  s->moe_layers.clear();
+  for (int i = 0; i < s->num_layers; ++i) s->moe_layers.push_back(i);
+}
+
+int Clamped(int64_t v) { return static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20)); }
+
+Status MixtralRest(const Config&, ModelSpec* s) {
+  s->gate.kind = GateKind::kSoftmaxTopK;
+  s->gate.renormalize = true;
+  AllLayers(s);
+  return Status::Ok();
+}
+
+Status QwenRest(const Config& c, ModelSpec* s, bool shared_expert) {
+  s->gate.kind = GateKind::kSoftmaxTopK;
+  MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_topk_prob", false, &s->gate.renormalize));
+  int64_t step = 1;
+  MOERUN_RETURN_IF_ERROR(c.IntOr("decoder_sparse_step", 1, &step));
+  MOERUN_RETURN_IF_ERROR(Positive(c, "decoder_sparse_step", step));
+  std::vector<int64_t> mlp_only;
+  MOERUN_RETURN_IF_ERROR(c.IntList("mlp_only_layers", &mlp_only));
+  for (int i = 0; i < s->num_layers; ++i) {
+    const bool dense = std::find(mlp_only.begin(), mlp_only.end(), i) != mlp_only.end();
+    if (!dense && s->num_experts > 0 && (i + 1) % step == 0) s->moe_layers.push_back(i);
+  }
+  if (shared_expert) {
+    MOERUN_RETURN_IF_ERROR(c.IntOr("shared_expert_intermediate_size", 0, &s->shared_inter));
+    s->shared_gated = s->shared_inter > 0;
+  }
+  return Status::Ok();
+}
+
+Status DeepseekRest(const Config& c, ModelSpec* s) {
+  GateSpec& g = s->gate;
+  std::string scoring, method;
+  MOERUN_RETURN_IF_ERROR(c.StringOr("scoring_func", "sigmoid", &scoring));
+  MOERUN_RETURN_IF_ERROR(c.StringOr("topk_method", "noaux_tc", &method));
+  if (scoring != "sigmoid" || method != "noaux_tc") {
+    return Status::Unsupported("scoring_func \"" + scoring + "\" with topk_method \"" + method +
+                               "\" (DeepSeek-V2 style) is not supported; " +
+                               "DeepSeek-V3 uses sigmoid with noaux_tc");
+  }
+  g.kind = GateKind::kSigmoidTopK;
+  g.selection_bias = true;
+  g.renorm_eps = 1e-20f;
+  MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_topk_prob", true, &g.renormalize));
+  double scale = 1.0;
+  MOERUN_RETURN_IF_ERROR(c.FloatOr("routed_scaling_factor", 1.0, &scale));
+  g.scale = static_cast<float>(scale);
+  int64_t v = 0;
+  MOERUN_RETURN_IF_ERROR(c.IntOr("n_group", 1, &v));
+  g.n_group = Clamped(v);
+  MOERUN_RETURN_IF_ERROR(c.IntOr("topk_group", g.n_group, &v));
+  g.topk_group = Clamped(v);
+  int64_t first_dense = 0, freq = 1, shared = 0;
+  MOERUN_RETURN_IF_ERROR(c.IntOr("first_k_dense_replace", 0, &first_dense));
+  MOERUN_RETURN_IF_ERROR(c.IntOr("moe_layer_freq", 1, &freq));
+  MOERUN_RETURN_IF_ERROR(Positive(c, "moe_layer_freq", freq));
+  for (int i = 0; i < s->num_layers; ++i) {
+    if (i >= first_dense && i % freq == 0) s->moe_layers.push_back(i);
+  }
+  MOERUN_RETURN_IF_ERROR(c.IntOr("n_shared_experts", 0, &shared));
+  if (shared < 0) return c.Invalid("n_shared_experts must not be negative");
+  s->shared_inter = shared * s->expert_inter;
+  return Status::Ok();
+}
+
+Status GptOssRest(const Config& c, ModelSpec* s) {
+  s->gate.kind = GateKind::kTopKSoftmax;
+  s->router_bias = true;
+  s->expert_bias = true;
+  s->act = ActKind::kGptOss;
+  double limit = 7.0, alpha = 1.702;
+  MOERUN_RETURN_IF_ERROR(c.FloatOr("swiglu_limit", 7.0, &limit));
+  MOERUN_RETURN_IF_ERROR(c.FloatOr("swiglu_alpha", 1.702, &alpha));
+  s->swiglu_limit = static_cast<float>(limit);
+  s->swiglu_alpha = static_cast<float>(alpha);
+  AllLayers(s);
+  return Status::Ok();
+}
+
+// The router of the authors' Step3p5MoEMLP (docs/reference-semantics.md, section 6.1):
+//   use_moe_router_bias: sigmoid; choose by sigmoid + router_bias; weights are the sigmoid
+//     scores over (their sum + 1e-20). moe_router_activation is not read on this branch.
+//   else "sigmoid": sigmoid over all experts, divided by its sum, top-k, over their sum
+//     (no epsilon); the first division cancels, so: sigmoid, top-k, over the sum.
+//   else ("softmax"): softmax, top-k, not renormalised.
+//   Then on every branch x moe_router_scaling_factor. norm_expert_weight is not read: the
+//   code passes renormalize=True to both routing functions, and its softmax branch never
+//   renormalises. need_fp32_gate false: the router linear runs in the model's dtype.
+// Defaults: the Step3p5Config that has them (vLLM's; the HF-hub class has none, so the
+// modeling code fails on a missing key): router bias, softmax, fp32 gate, renormalise.
+Status Step3p5Gate(const Config& c, ModelSpec* s) {
+  GateSpec& g = s->gate;
+  bool router_bias = true, fp32_gate = true, norm_weight = true;
+  std::string activation;
+  MOERUN_RETURN_IF_ERROR(c.BoolOr("use_moe_router_bias", true, &router_bias));
+  MOERUN_RETURN_IF_ERROR(c.StringOr("moe_router_activation", "softmax", &activation));
+  MOERUN_RETURN_IF_ERROR(c.BoolOr("need_fp32_gate", true, &fp32_gate));
+  MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_expert_weight", true, &norm_weight));  // checked only
+  if (activation != "sigmoid" && activation != "softmax") {
+    return Status::Unsupported("moe_router_activation \"" + activation +
+                               "\" is not supported (sigmoid or softmax)");
+  }
+  if (router_bias || activation == "sigmoid") {
+    g.kind = GateKind::kSigmoidTopK;
+    g.selection_bias = router_bias;
+    g.renormalize = true;
+    g.renorm_eps = router_bias ? 1e-20f : 0.0f;
+  } else {
+    g.kind = GateKind::kSoftmaxTopK;
+    g.renormalize = false;
+  }
+  double scale = 1.0;
+  MOERUN_RETURN_IF_ERROR(c.FloatOr("moe_router_scaling_factor", 1.0, &scale));
+  g.scale = static_cast<float>(scale);
+  if (!fp32_gate) {
+    // A float32 model's linear is the float32 product need_fp32_gate asks for; a bf16
+    // model's rounds the logits to bf16 (its input is bf16 already).
+    if (s->torch_dtype == "bfloat16") {
+      g.bf16_logits = true;
+    } else if (s->torch_dtype == "float16") {
+      return Status::Unsupported(
+          "need_fp32_gate false in a float16 model (the router would run in float16) is "
+          "not supported; bfloat16 and float32 models are");
+    }
+  }
+  return Status::Ok();
+}
+
+Status Step3p5Rest(const Config& c, ModelSpec* s) {
+  MOERUN_RETURN_IF_ERROR(Step3p5Gate(c, s));
+  MOERUN_RETURN_IF_ERROR(c.IntOr("share_expert_dim", 0, &s->shared_inter));
+  s->act = ActKind::kSwiGluClamped;
+  MOERUN_RETURN_IF_ERROR(c.FloatList("swiglu_limits", &s->swiglu_limits));
+  MOERUN_RETURN_IF_ERROR(c.FloatList("swiglu_limits_shared", &s->swiglu_limits_shared));
+  std::string layers;
+  MOERUN_RETURN_IF_ERROR(c.StringOr("moe_layers_enum", "", &layers));
+  if (layers.empty()) {
+    for (int i = 1; i < s->num_layers; ++i) s->moe_layers.push_back(i);
+    return Status::Ok();
+  }
+  auto parsed = ParseLayerList(layers, s->num_layers);
+  if (!parsed.ok()) return c.Invalid("moe_layers_enum: " + parsed.status().message());
+  s->moe_layers = std::move(parsed).value();
+  return Status::Ok();
+}
+
+struct FamilyKeys {
+  Family family;
+  std::vector<const char*> experts, top_k;
+  const char* expert_inter;
+  std::function<Status(const Config&, ModelSpec*)> rest;
+};
+
+const std::vector<FamilyKeys>& FamilyTable() {
+  static const std::vector<FamilyKeys> table = {
+      {Family::kMixtral,
+       {"num_local_experts"},
+       {"num_experts_per_tok"},
+       "intermediate_size",
+       MixtralRest},
+      {Family::kQwen2Moe,
+       {"num_experts", "num_local_experts"},
+       {"num_experts_per_tok"},
+       "moe_intermediate_size",
+       [](const Config& c, ModelSpec* s) { return QwenRest(c, s, true); }},
+      {Family::kQwen3Moe,
+       {"num_experts", "num_local_experts"},
+       {"num_experts_per_tok"},
+       "moe_intermediate_size",
+       [](const Config& c, ModelSpec* s) { return QwenRest(c, s, false); }},
+      {Family::kDeepseekV3,
+       {"n_routed_experts", "num_local_experts"},
+       {"num_experts_per_tok"},
+       "moe_intermediate_size",
+       DeepseekRest},
+      {Family::kGptOss,
+       {"num_local_experts", "num_experts"},
+       {"num_experts_per_tok", "experts_per_token"},
+       "intermediate_size",
+       GptOssRest},
+      {Family::kStep3p5, {"moe_num_experts"}, {"moe_top_k"}, "moe_intermediate_size", Step3p5Rest},
+  };
+  return table;
+}
+
+// The first of `keys` the config has (the last if it has none, to be reported missing).
+Status IntOfFirst(const Config& c, const std::vector<const char*>& keys, int64_t* v) {
+  for (const char* k : keys) {
+    if (c.Has(k)) return c.Int(k, v);
+  }
+  return c.Int(keys.back(), v);
+}
+
+// What every family has: the width, the layer count, the activation and the dtype.
+Status ParseCommon(const Config& c, ModelSpec* s) {
   int64_t v = 0;
   MOERUN_RETURN_IF_ERROR(c.Int("hidden_size", &v));
   s->hidden = v;
@@ -144,173 +346,22 @@ Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
   }
   MOERUN_RETURN_IF_ERROR(c.StringOr("torch_dtype", "", &s->torch_dtype));
   if (s->torch_dtype.empty()) MOERUN_RETURN_IF_ERROR(c.StringOr("dtype", "", &s->torch_dtype));
-
-  auto all_layers = [&] {
-    s->moe_layers.clear();
-    for (int i = 0; i < s->num_layers; ++i) s->moe_layers.push_back(i);
-  };
-  GateSpec& g = s->gate;
-  switch (family) {
-    case Family::kMixtral: {
-      MOERUN_RETURN_IF_ERROR(c.Int("num_local_experts", &v));
-      s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("num_experts_per_tok", &v));
-      s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("intermediate_size", &s->expert_inter));
-      g.kind = GateKind::kSoftmaxTopK;
-      g.renormalize = true;
-      all_layers();
-      break;
-    }
-    case Family::kQwen2Moe:
-    case Family::kQwen3Moe: {
-      MOERUN_RETURN_IF_ERROR(c.Int(c.Has("num_experts") ? "num_experts" : "num_local_experts", &v));
-      s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("num_experts_per_tok", &v));
-      s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("moe_intermediate_size", &s->expert_inter));
-      g.kind = GateKind::kSoftmaxTopK;
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_topk_prob", false, &g.renormalize));
-      int64_t step = 1;
-      MOERUN_RETURN_IF_ERROR(c.IntOr("decoder_sparse_step", 1, &step));
-      MOERUN_RETURN_IF_ERROR(Positive(c, "decoder_sparse_step", step));
-      std::vector<int64_t> mlp_only;
-      MOERUN_RETURN_IF_ERROR(c.IntList("mlp_only_layers", &mlp_only));
-      for (int i = 0; i < s->num_layers; ++i) {
-        const bool dense = std::find(mlp_only.begin(), mlp_only.end(), i) != mlp_only.end();
-        if (!dense && s->num_experts > 0 && (i + 1) % step == 0) s->moe_layers.push_back(i);
-      }
-      if (family == Family::kQwen2Moe) {
-        MOERUN_RETURN_IF_ERROR(c.IntOr("shared_expert_intermediate_size", 0, &s->shared_inter));
-        s->shared_gated = s->shared_inter > 0;
-      }
-      break;
-    }
-    case Family::kDeepseekV3: {
-      MOERUN_RETURN_IF_ERROR(
-          c.Int(c.Has("n_routed_experts") ? "n_routed_experts" : "num_local_experts", &v));
-      s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("num_experts_per_tok", &v));
-      s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("moe_intermediate_size", &s->expert_inter));
-      std::string scoring, method;
-      MOERUN_RETURN_IF_ERROR(c.StringOr("scoring_func", "sigmoid", &scoring));
-      MOERUN_RETURN_IF_ERROR(c.StringOr("topk_method", "noaux_tc", &method));
-      if (scoring != "sigmoid" || method != "noaux_tc") {
-        return Status::Unsupported("scoring_func \"" + scoring + "\" with topk_method \"" + method +
-                                   "\" (DeepSeek-V2 style) is not supported; " +
-                                   "DeepSeek-V3 uses sigmoid with noaux_tc");
-      }
-      g.kind = GateKind::kSigmoidTopK;
-      g.selection_bias = true;
-      g.renorm_eps = 1e-20f;
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_topk_prob", true, &g.renormalize));
-      double scale = 1.0;
-      MOERUN_RETURN_IF_ERROR(c.FloatOr("routed_scaling_factor", 1.0, &scale));
-      g.scale = static_cast<float>(scale);
-      MOERUN_RETURN_IF_ERROR(c.IntOr("n_group", 1, &v));
-      g.n_group = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.IntOr("topk_group", g.n_group, &v));
-      g.topk_group = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      int64_t first_dense = 0, freq = 1, shared = 0;
-      MOERUN_RETURN_IF_ERROR(c.IntOr("first_k_dense_replace", 0, &first_dense));
-      MOERUN_RETURN_IF_ERROR(c.IntOr("moe_layer_freq", 1, &freq));
-      MOERUN_RETURN_IF_ERROR(Positive(c, "moe_layer_freq", freq));
-      for (int i = 0; i < s->num_layers; ++i) {
-        if (i >= first_dense && i % freq == 0) s->moe_layers.push_back(i);
-      }
-      MOERUN_RETURN_IF_ERROR(c.IntOr("n_shared_experts", 0, &shared));
-      if (shared < 0) return c.Invalid("n_shared_experts must not be negative");
-      s->shared_inter = shared * s->expert_inter;
-      break;
-    }
-    case Family::kGptOss: {
-      MOERUN_RETURN_IF_ERROR(
-          c.Int(c.Has("num_local_experts") ? "num_local_experts" : "num_experts", &v));
-      s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(
-          c.Int(c.Has("num_experts_per_tok") ? "num_experts_per_tok" : "experts_per_token", &v));
-      s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("intermediate_size", &s->expert_inter));
-      g.kind = GateKind::kTopKSoftmax;
-      s->router_bias = true;
-      s->expert_bias = true;
-      s->act = ActKind::kGptOss;
-      double limit = 7.0, alpha = 1.702;
-      MOERUN_RETURN_IF_ERROR(c.FloatOr("swiglu_limit", 7.0, &limit));
-      MOERUN_RETURN_IF_ERROR(c.FloatOr("swiglu_alpha", 1.702, &alpha));
-      s->swiglu_limit = static_cast<float>(limit);
-      s->swiglu_alpha = static_cast<float>(alpha);
-      all_layers();
-      break;
-    }
-    case Family::kStep3p5: {
-      MOERUN_RETURN_IF_ERROR(c.Int("moe_num_experts", &v));
-      s->num_experts = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("moe_top_k", &v));
-      s->top_k = static_cast<int>(std::clamp<int64_t>(v, -1, 1 << 20));
-      MOERUN_RETURN_IF_ERROR(c.Int("moe_intermediate_size", &s->expert_inter));
-      // The router of the authors' Step3p5MoEMLP (docs/reference-semantics.md, section 6.1):
-      //   use_moe_router_bias: sigmoid; choose by sigmoid + router_bias; weights are the sigmoid
-      //     scores over (their sum + 1e-20). moe_router_activation is not read on this branch.
-      //   else "sigmoid": sigmoid over all experts, divided by its sum, top-k, over their sum
-      //     (no epsilon); the first division cancels, so: sigmoid, top-k, over the sum.
-      //   else ("softmax"): softmax, top-k, not renormalised.
-      //   Then on every branch x moe_router_scaling_factor. norm_expert_weight is not read: the
-      //   code passes renormalize=True to both routing functions, and its softmax branch never
-      //   renormalises. need_fp32_gate false: the router linear runs in the model's dtype.
-      // Defaults: the Step3p5Config that has them (vLLM's; the HF-hub class has none, so the
-      // modeling code fails on a missing key): router bias, softmax, fp32 gate, renormalise.
-      bool router_bias = true, fp32_gate = true, norm_weight = true;
-      std::string activation;
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("use_moe_router_bias", true, &router_bias));
-      MOERUN_RETURN_IF_ERROR(c.StringOr("moe_router_activation", "softmax", &activation));
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("need_fp32_gate", true, &fp32_gate));
-      MOERUN_RETURN_IF_ERROR(c.BoolOr("norm_expert_weight", true, &norm_weight));  // checked only
-      if (activation != "sigmoid" && activation != "softmax") {
-        return Status::Unsupported("moe_router_activation \"" + activation +
-                                   "\" is not supported (sigmoid or softmax)");
-      }
-      if (router_bias || activation == "sigmoid") {
-        g.kind = GateKind::kSigmoidTopK;
-        g.selection_bias = router_bias;
-        g.renormalize = true;
-        g.renorm_eps = router_bias ? 1e-20f : 0.0f;
-      } else {
-        g.kind = GateKind::kSoftmaxTopK;
-        g.renormalize = false;
-      }
-      double scale = 1.0;
-      MOERUN_RETURN_IF_ERROR(c.FloatOr("moe_router_scaling_factor", 1.0, &scale));
-      g.scale = static_cast<float>(scale);
-      if (!fp32_gate) {
-        // A float32 model's linear is the float32 product need_fp32_gate asks for; a bf16
-        // model's rounds the logits to bf16 (its input is bf16 already).
-        if (s->torch_dtype == "bfloat16") {
-          g.bf16_logits = true;
-        } else if (s->torch_dtype == "float16") {
-          return Status::Unsupported(
-              "need_fp32_gate false in a float16 model (the router would run in float16) is "
-              "not supported; bfloat16 and float32 models are");
-        }
-      }
-      MOERUN_RETURN_IF_ERROR(c.IntOr("share_expert_dim", 0, &s->shared_inter));
-      s->act = ActKind::kSwiGluClamped;
-      MOERUN_RETURN_IF_ERROR(c.FloatList("swiglu_limits", &s->swiglu_limits));
-      MOERUN_RETURN_IF_ERROR(c.FloatList("swiglu_limits_shared", &s->swiglu_limits_shared));
-      std::string layers;
-      MOERUN_RETURN_IF_ERROR(c.StringOr("moe_layers_enum", "", &layers));
-      if (layers.empty()) {
-        for (int i = 1; i < s->num_layers; ++i) s->moe_layers.push_back(i);
-      } else {
-        auto parsed = ParseLayerList(layers, s->num_layers);
-        if (!parsed.ok()) return c.Invalid("moe_layers_enum: " + parsed.status().message());
-        s->moe_layers = std::move(parsed).value();
-      }
-      break;
-    }
-  }
   return Status::Ok();
+}
+
+Status ParseFamily(const Config& c, Family family, ModelSpec* s) {
+  MOERUN_RETURN_IF_ERROR(ParseCommon(c, s));
+  for (const FamilyKeys& f : FamilyTable()) {
+    if (f.family != family) continue;
+    int64_t v = 0;
+    MOERUN_RETURN_IF_ERROR(IntOfFirst(c, f.experts, &v));
+    s->num_experts = Clamped(v);
+    MOERUN_RETURN_IF_ERROR(IntOfFirst(c, f.top_k, &v));
+    s->top_k = Clamped(v);
+    MOERUN_RETURN_IF_ERROR(c.Int(f.expert_inter, &s->expert_inter));
+    return f.rest(c, s);
+  }
+  return Status::Internal("no table row for a model family");
 }
 
 }  // namespace
