@@ -1,7 +1,7 @@
 // Byte buffers for frames, reused instead of allocated per request: a frame's body is read into
 // one, and an answer is written into one after its frame header. A buffer keeps its capacity when
 // it goes back to its pool, so at steady state (frames no larger than before) no buffer is
-// allocated. The pool keeps at most `max_pooled_bytes` of idle buffers (16 MiB by default); a
+// allocated. The pool keeps at most `max_pooled_bytes` of idle buffers (8 MiB by default); a
 // buffer returned beyond that is freed, and once such frees add up to `trim_after_bytes` the
 // allocator is asked to give its free memory back to the system (TrimFreeMemory), so that a burst
 // (a client pipelining 64 MiB of answers it never reads, thousands of connections at once) does
@@ -59,8 +59,8 @@ void TrimFreeMemory();
 
 class BufferPool {
  public:
-  explicit BufferPool(size_t max_pooled_bytes = size_t{16} << 20,
-                      size_t trim_after_bytes = size_t{8} << 20);
+  explicit BufferPool(size_t max_pooled_bytes = size_t{8} << 20,
+                      size_t trim_after_bytes = size_t{4} << 20);
   ~BufferPool();
 
   // A buffer of `size` bytes (contents undefined); allocates only when no idle buffer is large

@@ -77,15 +77,15 @@ TEST(BufferPoolTest, FreesBeyondThePoolTrimTheAllocator) {
   TrimFreeMemory();  // callable alone
 }
 
-// The default pool keeps 16 MiB of idle buffers, not more.
-TEST(BufferPoolTest, TheDefaultPoolKeepsAtMost16MiB) {
+// The default pool keeps 8 MiB of idle buffers, not more.
+TEST(BufferPoolTest, TheDefaultPoolKeepsAtMost8MiB) {
   BufferPool pool;
   {
     std::vector<PooledBuffer> burst;
     for (int i = 0; i < 64; ++i) burst.push_back(pool.Take(1 << 20));
   }
-  EXPECT_EQ(pool.idle_bytes(), size_t{16} << 20);
-  EXPECT_GE(pool.trims(), 1u);  // 48 MiB freed beyond it
+  EXPECT_EQ(pool.idle_bytes(), size_t{8} << 20);
+  EXPECT_GE(pool.trims(), 1u);  // 56 MiB freed beyond it
 }
 
 TEST(BufferPoolTest, ManyThreadsTakeAndGive) {
