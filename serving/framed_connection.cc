@@ -165,8 +165,7 @@ void Connection::OnTimer() {
                   (wait_ == Wait::kIdle ? o.idle_timeout : o.first_frame_timeout).count());
     return Close();
   }
-  spdlog::warn("{}: connection {} did not complete a frame within {} ms; closing", o.name, id_,
-               o.frame_timeout.count());
+  srv_->NoteFrameTimeout(peer_);
   const uint64_t request_id = discarding_ ? discard_id_ : FrameId(got_);
   wait_ = Wait::kNone;
   reading_ = false;

@@ -38,9 +38,9 @@ class Connection : public FramedConnection, public std::enable_shared_from_this<
   // Reads the next frame unless paused, closing, or the client is not reading its answers.
   void MaybeRead();
   bool WriteBlocked() const { return queued_ > WriteLimit(); }
-  size_t WriteLimit() const {
-    return std::max<size_t>(size_t{16} << 20, srv_->opts.max_frame_bytes);
-  }
+  // Answers queued beyond this stop the reading of new frames (one answer of any size still
+  // goes out; this memory is outside the request budget, so it is kept small).
+  static constexpr size_t WriteLimit() { return size_t{4} << 20; }
   void CloseAfterWrites() override {
     closing_ = true;
     if (writes_count_ == 0) Close();

@@ -72,6 +72,24 @@ std::string FramedServer::Impl::BusiestPeer() const {
   return best ? *best : std::string();
 }
 
+void FramedServer::Impl::NoteFrameTimeout(const std::string& peer) {
+  const auto now = Clock::now();
+  ++frame_timeouts;
+  frame_timeout_peer = peer;
+  if (now - frame_timeout_logged < std::chrono::seconds(10)) return;
+  if (frame_timeouts == 1) {
+    spdlog::warn("{}: a connection from {} did not complete a frame within {} ms; closed",
+                 opts.name, peer, opts.frame_timeout.count());
+  } else {
+    spdlog::warn(
+        "{}: {} connections did not complete a frame within {} ms in the last 10 s (the last "
+        "from {}); closed",
+        opts.name, frame_timeouts, opts.frame_timeout.count(), peer);
+  }
+  frame_timeouts = 0;
+  frame_timeout_logged = now;
+}
+
 bool FramedServer::Impl::MakeRoom(const std::string* only) {
   // After a scan that found nothing to close, refuse without scanning for a while: a flood of
   // connections against a cap of busy ones must not cost a scan of every connection each.

@@ -28,8 +28,8 @@
 // write), else the oldest untrusted one that holds nothing; only when there is none is the new
 // connection refused (OVERLOADED and close). So a flood of
 // silent or unauthenticated connections pushes out its own kind, never trusted ones, and a new
-// client always gets in. A client that does not read its answers stops being read once 16 MiB
-// (or one maximal frame) of answers wait for it, and is closed when a write makes no progress
+// client always gets in. A client that does not read its answers stops being read once 4 MiB of
+// answers wait for it (one answer may be larger), and is closed when a write makes no progress
 // for write_timeout. Stop lets queued answers go out (up to 2 s).
 //
 // TLS: with options.tls, every connection is TLS (1.2 or newer) and carries the same frames inside
