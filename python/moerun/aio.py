@@ -41,6 +41,7 @@ from moerun.client import (
     request_head,
     split_host_port,
     tls_handshake_error,
+    wrap_tls,
 )
 from moerun.errors import (
     DeadlineExceededError,
@@ -425,13 +426,7 @@ class AsyncClient(ClientOptions):
 async def _tls_handshake(loop, sock: socket.socket, context: ssl.SSLContext, target: str,
                          server_name: Optional[str], timeout: float) -> ssl.SSLSocket:
     """moerun.client.tls_handshake on the event loop."""
-    host, _ = split_host_port(target)
-    try:
-        tsock = context.wrap_socket(sock, server_hostname=server_name or host,
-                                    do_handshake_on_connect=False)
-    except (ValueError, OSError) as e:
-        sock.close()
-        raise tls_handshake_error(target, e) from e
+    tsock = wrap_tls(sock, context, target, server_name)
     fd = tsock.fileno()
 
     async def run():

@@ -196,19 +196,26 @@ def tls_handshake_error(target: str, e: BaseException) -> UnavailableError:
     return UnavailableError(f"connect to {target}: TLS handshake failed: {why}")
 
 
+def wrap_tls(sock: socket.socket, context: ssl.SSLContext, target: str,
+             server_name: Optional[str]) -> ssl.SSLSocket:
+    """The socket wrapped for a client handshake (not done yet), checking the server as
+    ``server_name`` or the target's host; the socket is closed if it cannot be wrapped."""
+    host, _ = split_host_port(target)
+    try:
+        return context.wrap_socket(sock, server_hostname=server_name or host,
+                                   do_handshake_on_connect=False)
+    except (ValueError, OSError) as e:
+        sock.close()
+        raise tls_handshake_error(target, e) from e
+
+
 def tls_handshake(sock: socket.socket, context: ssl.SSLContext, target: str,
                   server_name: Optional[str], timeout: float) -> ssl.SSLSocket:
     """Wraps a connected non-blocking socket in TLS and does the handshake within ``timeout``
     seconds, verifying the server as ``server_name`` or the target's host. The socket is
     closed on failure: :func:`tls_handshake_error`, whose ``__cause__`` is the
     ``ssl.SSLError`` (or the OSError)."""
-    host, _ = split_host_port(target)
-    try:
-        tsock = context.wrap_socket(sock, server_hostname=server_name or host,
-                                    do_handshake_on_connect=False)
-    except (ValueError, OSError) as e:
-        sock.close()
-        raise tls_handshake_error(target, e) from e
+    tsock = wrap_tls(sock, context, target, server_name)
     deadline = time.monotonic() + timeout
     try:
         while True:
