@@ -128,7 +128,20 @@ sys.exit(0 if b.get("ok", 0) > 0 and b.get("error_count", 1) == 0 and
 "$MOEBENCH" serve --target "127.0.0.1:$PORT" --duration 14 "${VERIFY[@]}" "${BENCH[@]}" \
   >"$WORK/migrate.json" 2>"$WORK/bench.log" &
 BENCH_PID=$!
-sleep 6
+# The plan needs load in the window (4 s): wait for the bench's traffic (it first generates its
+# reference weights, seconds on a loaded machine) rather than for a fixed time.
+loaded=0
+for _ in $(seq 1 120); do
+  n=$(curl -sf "http://127.0.0.1:$((PORT + 200))/metrics" 2>/dev/null |
+    awk '/^moerun_window_assignments[{ ]/ { s += $NF } END { printf "%d", s }')
+  if [[ ${n:-0} -ge 1000 ]]; then
+    loaded=1
+    break
+  fi
+  kill -0 "$BENCH_PID" 2>/dev/null || fail "moebench ended before loading the router"
+  sleep 0.5
+done
+[[ $loaded -eq 1 ]] || fail "no load measured by the router 60 s after moebench started"
 "$MOECTL" "${CTL[@]}" rebalance --redundant 1 --wait --json >"$WORK/migration.json" \
   2>"$WORK/migration.err" || fail "moectl rebalance: $(cat "$WORK/migration.err")"
 "$PY" -c 'import json,sys; m=json.load(open(sys.argv[1])); print("migration", m["state"],
