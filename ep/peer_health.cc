@@ -15,6 +15,7 @@ PeerHealth::PeerHealth(Transport* transport, const Placement& placement, size_t 
       opts_(options),
       state_(static_cast<size_t>(placement.num_ranks())),
       ping_headers_(static_cast<size_t>(placement.num_ranks())),
+      strands_(transport),
       dead_(static_cast<size_t>(placement.num_ranks()), false),
       started_(SteadyClock::now()) {
   const auto now = SteadyClock::now();
@@ -23,7 +24,6 @@ PeerHealth::PeerHealth(Transport* transport, const Placement& placement, size_t 
     state_[static_cast<size_t>(r)].last_pong = now;
     state_[static_cast<size_t>(r)].next_probe = now;
   }
-  strands_.reserve(16);
   Refresh();
 }
 
@@ -42,24 +42,14 @@ PeerHealth::~PeerHealth() {
     release(s.pong_recv, false);
     release(s.ping_send, true);
   }
-  for (Strands& st : strands_) {
-    bool sends_left = false;
-    for (Request& r : st.requests) {
-      if (!r.valid()) continue;
-      (void)t_->Cancel(r);
-      sends_left = true;  // which of them were sends is not recorded: park conservatively
-      r = Request{};
-    }
-    if (sends_left && !t_->can_withdraw_sends()) ParkForProcess(std::move(st.buffers));
-  }
+  // strands_ withdraws or parks its own.
 }
 
 void PeerHealth::Strand(std::vector<Request> requests, std::vector<AlignedBuffer> buffers) {
-  Strands st{std::move(requests), std::move(buffers)};
-  for (const Request& r : st.requests) {
+  for (const Request& r : requests) {
     if (r.valid()) ++state_[static_cast<size_t>(r.peer)].stranded;
   }
-  strands_.push_back(std::move(st));
+  strands_.Add(std::move(requests), std::move(buffers));
   Refresh();
 }
 
@@ -88,29 +78,13 @@ void PeerHealth::Poll() {
   const auto now = SteadyClock::now();
   bool changed = false;
   // Stranded transfers: drop the finished ones.
-  for (size_t i = 0; i < strands_.size();) {
-    bool left = false;
-    for (Request& r : strands_[i].requests) {
-      if (!r.valid()) continue;
-      Result<bool> done = t_->Test(r);
-      if (!done.ok() || *done) {
-        if (!done.ok() && !dead(r.peer))
-          spdlog::warn("a stranded transfer with rank {} failed: {}", r.peer,
-                       done.status().ToString());
-        --state_[static_cast<size_t>(r.peer)].stranded;
-        r = Request{};
-        changed = true;
-      } else {
-        left = true;
-      }
+  strands_.Poll([&](const Request& r, const Status& done) {
+    if (!done.ok() && !dead(r.peer)) {
+      spdlog::warn("a stranded transfer with rank {} failed: {}", r.peer, done.ToString());
     }
-    if (left) {
-      ++i;
-    } else {
-      for (AlignedBuffer& b : strands_[i].buffers) t_->UnregisterMemory(b.data());
-      strands_.erase(strands_.begin() + static_cast<std::ptrdiff_t>(i));
-    }
-  }
+    --state_[static_cast<size_t>(r.peer)].stranded;
+    changed = true;
+  });
   // Probes.
   for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
     State& s = state_[static_cast<size_t>(r)];
@@ -187,11 +161,7 @@ void PeerHealth::Poll() {
 
 bool PeerHealth::idle() const {
   // What is in flight to a dead rank may never finish: it does not count.
-  for (const Strands& st : strands_) {
-    for (const Request& r : st.requests) {
-      if (r.valid() && !dead(r.peer)) return false;
-    }
-  }
+  if (strands_.AnyPeer([&](int peer) { return !dead(peer); })) return false;
   for (size_t i = 0; i < state_.size(); ++i) {
     const State& s = state_[i];
     if ((s.ping_send.valid() || s.pong_recv.valid()) && !dead(static_cast<int>(i))) return false;
@@ -223,13 +193,7 @@ bool PeerHealth::Revive(int rank) {
   for (Request* q : {&s.ping_send, &s.pong_recv}) {
     if (q->valid()) (void)t_->Cancel(*q);
   }
-  for (Strands& st : strands_) {
-    for (Request& q : st.requests) {
-      if (!q.valid() || q.peer != rank) continue;
-      (void)t_->Cancel(q);
-      q = Request{};
-    }
-  }
+  strands_.CancelPeer(rank);
   const auto now = SteadyClock::now();
   s = State{};
   s.last_pong = now;

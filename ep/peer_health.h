@@ -29,6 +29,7 @@
 
 #include "base/aligned_buffer.h"
 #include "ep/protocol.h"
+#include "ep/stranded.h"
 #include "router/placement.h"
 #include "transport/transport.h"
 
@@ -116,10 +117,6 @@ class PeerHealth {
     bool late = false;
     bool usable = true;
   };
-  struct Strands {
-    std::vector<Request> requests;
-    std::vector<AlignedBuffer> buffers;
-  };
   Status SendProbe(int rank);
   void Refresh();
 
@@ -129,7 +126,7 @@ class PeerHealth {
   const PeerHealthOptions opts_;
   std::vector<State> state_;
   std::vector<AlignedBuffer> ping_headers_;
-  std::vector<Strands> strands_;
+  StrandedTransfers strands_;
   uint32_t seq_ = 0;
   bool probing_ = true;
   std::vector<bool> dead_;

@@ -55,7 +55,8 @@ RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> 
       header_bytes_(header_bytes),
       opts_(options),
       shared_ffn_(kernels, pool),
-      in_flight_(static_cast<size_t>(placement_->num_ranks()), 0.0) {
+      in_flight_(static_cast<size_t>(placement_->num_ranks()), 0.0),
+      own_strands_(transport) {
   const Placement& pl = *placement_;
   what_ = "expert-parallel layer " + std::to_string(w_->layer);
   for (auto& s : stages_) s = std::make_unique<Stage>(*w_, kernels_, pool_);
@@ -85,6 +86,7 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
   if (tokens < 0 || tokens > (int64_t{1} << 24)) return Status::InvalidArgument("bad batch size");
   waiting_for_copies_ = false;
   if (tokens == 0) return Status::Ok();
+  if (health_ == nullptr) MOERUN_RETURN_IF_ERROR(DrainOwnStrands());
   call_deadline_ = deadline;
   int64_t done = 0;
   while (true) {
@@ -168,6 +170,24 @@ Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t tokens, fl
   return status;
 }
 
+Status RouterLayer::DrainOwnStrands() {
+  own_strands_.Poll([&](const Request& r, const Status& done) {
+    if (!done.ok()) {
+      spdlog::warn("{}: a late transfer with rank {} failed: {}", what_, r.peer, done.ToString());
+    }
+  });
+  if (own_strands_.groups() < kMaxOwnStrands) return Status::Ok();
+  std::string ranks;
+  for (int r = placement_->num_routers(); r < placement_->num_ranks(); ++r) {
+    if (own_strands_.AnyPeer([r](int peer) { return peer == r; })) {
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+  }
+  return Status::Unavailable(what_ + ": " + std::to_string(own_strands_.groups()) +
+                             " abandoned microbatches still wait for rank(s) " + ranks +
+                             ", which missed the deadline and have not caught up");
+}
+
 void RouterLayer::RefreshLive() {
   if (health_ == nullptr) {
     orphans_ = 0;
@@ -229,30 +249,29 @@ Status RouterLayer::SetPlacement(std::shared_ptr<const Placement> placement) {
 }
 
 int RouterLayer::Abandon(const Status& why) {
-  // With a PeerHealth, whatever is still in flight stays posted (whatever failed: another
-  // microbatch may be on its way to healthy ranks); without one, it is cancelled.
+  // Whatever is still in flight stays posted (whatever failed: another microbatch may be on its
+  // way to healthy ranks, and a late rank's answers must land somewhere): with the PeerHealth,
+  // or in own_strands_ without one.
   (void)why;
-  const bool strand = health_ != nullptr;
   int abandoned = 0;
   for (auto& s : stages_) {
     if (s->active) ++abandoned;
-    if (strand &&
-        std::any_of(s->reqs.begin(), s->reqs.end(), [](const Request& r) { return r.valid(); })) {
+    if (std::any_of(s->reqs.begin(), s->reqs.end(), [](const Request& r) { return r.valid(); })) {
       // The late transfers keep their buffers; this stage starts over with new ones.
       std::vector<AlignedBuffer> bufs;
       bufs.push_back(std::move(s->rows_out));
       bufs.push_back(std::move(s->rows_in));
       bufs.push_back(std::move(s->headers));
-      health_->Strand(std::move(s->reqs), std::move(bufs));
+      if (health_ != nullptr) {
+        health_->Strand(std::move(s->reqs), std::move(bufs));
+      } else {
+        own_strands_.Add(std::move(s->reqs), std::move(bufs));
+      }
       s->reqs = std::vector<Request>();
       s->reqs.reserve(static_cast<size_t>(3 * placement_->num_ranks()));
       s->rows_out = AlignedBuffer();
       s->rows_in = AlignedBuffer();
       s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(placement_->num_ranks()));
-    } else {
-      for (Request& r : s->reqs) {
-        if (r.valid()) (void)t_->Cancel(r);
-      }
     }
     s->reqs.clear();
     if (s->active) {

@@ -27,6 +27,7 @@
 #include "base/aligned_buffer.h"
 #include "base/metrics.h"
 #include "ep/peer_health.h"
+#include "ep/stranded.h"
 #include "experts/cpu/grouped_ffn.h"
 #include "model/layer_weights.h"
 #include "router/dispatch_plan.h"
@@ -62,8 +63,9 @@ class RouterLayer {
   // `deadline` bounds every wait (with the options' deadline, whichever comes first). A rank that
   // misses it fails the call with kDeadlineExceeded naming it. With a PeerHealth set, the late
   // transfers are handed to it (they stay posted until the rank catches up) and calls whose plan
-  // needs a rank that is not answering fail at once with kUnavailable; without one they are
-  // cancelled (the caller ends the job).
+  // needs a rank that is not answering fail at once with kUnavailable. Without one the layer
+  // keeps them posted itself, so a rank that answers late stays in step with the next calls;
+  // once kMaxOwnStrands abandoned microbatches are outstanding, calls fail with kUnavailable.
   Status Forward(const float* x, int64_t tokens, float* out, Deadline deadline = Deadline::max());
   void set_health(PeerHealth* health) { health_ = health; }
   // Seconds spent per microbatch dispatching (gate, plan, gather, send) and collecting (wait for
@@ -102,8 +104,12 @@ class RouterLayer {
   // Posts the receive of rank d's answer, then sends it the stage's header and rows for it (the
   // header already written); the requests join st.reqs.
   Status SendTo(Stage& st, int d);
-  // Strands or cancels what is in flight; returns the microbatches that were.
+  // Strands what is in flight; returns the microbatches that were.
   int Abandon(const Status& why);
+  // Without a PeerHealth: releases what late ranks have answered of abandoned microbatches;
+  // fails while kMaxOwnStrands are still outstanding.
+  Status DrainOwnStrands();
+  static constexpr size_t kMaxOwnStrands = 8;
   // Rebuilds live_ after a death or a placement switch.
   void RefreshLive();
   // Fails with kUnavailable if a token of x [from, tokens) is routed to an expert with no copy.
@@ -141,7 +147,8 @@ class RouterLayer {
   bool answered_failure_ = false;  // the last failed Collect had its answers: the ranks live
   std::vector<int> retry_ranks_;   // Collect: the ranks to send a microbatch again
   SteadyClock::time_point last_load_warning_{};
-  std::vector<int> late_;  // ranks whose transfers missed the expert-parallel deadline
+  std::vector<int> late_;          // ranks whose transfers missed the expert-parallel deadline
+  StrandedTransfers own_strands_;  // without a PeerHealth: abandoned microbatches' transfers
   std::function<void(const int32_t*, int64_t, int)> routing_observer_;
 };
 

@@ -26,7 +26,8 @@ namespace moerun {
 
 struct RouterRankOptions {
   // Probe the expert ranks and take over the transfers of missed deadlines (ep/peer_health.h);
-  // without it a missed deadline cancels the call's transfers and the caller ends the job.
+  // without it each layer keeps a missed deadline's transfers posted itself (a late rank stays in
+  // step) and no rank is ever declared dead.
   std::optional<PeerHealthOptions> health;
   // A RouterControl: migrations, expert updates, placement switches told by router 0.
   bool control = false;

@@ -277,6 +277,48 @@ TEST(EpLayerTest, FrozenRankIsDeadAfterTheDeadlineAndReplicasAnswer) {
   }
 }
 
+// Without a PeerHealth, a rank that misses a call's deadline is not dead: its late answers land
+// in the layer's own stranded buffers, so the next calls (of another size: a stale answer would
+// not fit) are answered bitwise right instead of taking the late ones. The CI once failed here
+// with "message of 384 bytes where the receiver expected 640" when the transfers were cancelled.
+TEST(EpLayerTest, WithoutHealthALateRankStaysInStepForTheNextCalls) {
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir("deepseek_v3") + "/golden.safetensors", "input", &tokens);
+  ASSERT_GE(tokens, 4);
+  const auto want = SingleProcess("deepseek_v3", x, tokens);
+  TempDir tmp;
+  const int experts = LoadModelSpec(FixtureDir("deepseek_v3"))->num_experts;
+  JobOptions opts = FrozenJob("deepseek_v3", BothRanksPlacement(tmp, experts));
+  opts.router.health.reset();
+  opts.router.control = false;
+  const int64_t hidden = static_cast<int64_t>(x.size()) / tokens;
+  auto fabric = InprocFabric::Create(3);
+  const RouterWork work = [&](RouterRank& router) -> Status {
+    if (router.rank() != 0) return Status::Ok();
+    EXPECT_EQ(router.health(), nullptr);
+    RouterLayer* l = router.layer(0);
+    std::vector<float> out(x.size());
+    fabric->Freeze(2);
+    Status s = l->Forward(x.data(), tokens, out.data(), DeadlineIn(std::chrono::milliseconds(100)));
+    EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+    fabric->Thaw(2);
+    for (int64_t n : {tokens, int64_t{1}, tokens - 1, int64_t{2}}) {
+      std::fill(out.begin(), out.end(), 0.0f);
+      s = l->Forward(x.data(), n, out.data());
+      EXPECT_TRUE(s.ok()) << n << " tokens: " << s.ToString();
+      // A token's output does not depend on its batch mates: the first n rows are the golden's.
+      EXPECT_EQ(std::memcmp(out.data(), want.data(), static_cast<size_t>(n * hidden) * 4), 0)
+          << n << " tokens";
+    }
+    return Status::Ok();
+  };
+  const std::vector<Status> results = RunInprocJob(3, opts, work, nullptr, fabric);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
+        << r << ": " << results[static_cast<size_t>(r)].ToString();
+  }
+}
+
 // No replicas: the dead rank's experts have no copy; calls that need them wait (kUnavailable,
 // waiting_for_copies) while router 0's recovery loads them on the survivors from the checkpoint;
 // then the answers are bitwise the single process's again, from placement v2.
