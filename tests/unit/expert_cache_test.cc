@@ -405,8 +405,8 @@ BatchRun RunBatches(const JobOptions& opts, int batches, int64_t min_tokens, int
 TEST(ExpertCacheJobTest, ASlowLoadIsSentAgainAndAnsweredRight) {
   JobOptions opts = FixtureJob("deepseek_v3", 0);
   opts.cache.budget_bytes = 2 * FixtureExpertBytes();
-  opts.cache.load_bytes_per_s = static_cast<double>(FixtureExpertBytes()) / 0.25;  // 250 ms each
-  opts.ep.deadline = std::chrono::milliseconds(300);  // the ranks wait 150 ms, then answer
+  opts.cache.load_bytes_per_s = static_cast<double>(FixtureExpertBytes()) / 0.4;  // 400 ms each
+  opts.ep.deadline = std::chrono::milliseconds(600);  // the ranks wait 300 ms, then answer
   const BatchRun run = RunBatches(opts, 6, 2, 3, 100);
   EXPECT_EQ(run.answered, 6);
   for (const Status& s : run.failures) ADD_FAILURE() << s.ToString();
