@@ -17,7 +17,7 @@ endforeach()
 
 # The C++ client library: moerun::client (with moerun::proto, moerun::base and the interface target
 # moerun::flags, which it links) and the headers of its public interface, under include/moerun
-# (#include "serving/serve_client.h", as in the repository).
+# (#include "runtime/serving/serve_client.h", as in the repository).
 set_target_properties(moerun_proto PROPERTIES EXPORT_NAME proto)
 set_target_properties(moerun_base PROPERTIES EXPORT_NAME base)
 set_target_properties(moerun_flags PROPERTIES EXPORT_NAME flags)
@@ -25,9 +25,10 @@ set(moerun_include_dir ${CMAKE_INSTALL_INCLUDEDIR}/moerun)
 install(TARGETS moerun_client moerun_proto moerun_base moerun_flags EXPORT moerunTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${moerun_include_dir})
-install(FILES serving/serve_client.h serving/failover_client.h serving/infer_codec.h
-  serving/batcher.h serving/frame.h serving/buffer_pool.h serving/host_port.h serving/tls_client.h
-  DESTINATION ${moerun_include_dir}/serving)
+install(FILES runtime/serving/serve_client.h runtime/serving/failover_client.h
+  runtime/serving/infer_codec.h runtime/serving/batcher.h runtime/serving/frame.h
+  runtime/serving/buffer_pool.h runtime/serving/host_port.h runtime/serving/tls_client.h
+  DESTINATION ${moerun_include_dir}/runtime/serving)
 install(FILES base/aligned_buffer.h base/clock.h base/dtype.h base/function_ref.h base/status.h
   DESTINATION ${moerun_include_dir}/base)
 foreach(p ${MOERUN_PROTOS})
@@ -35,7 +36,7 @@ foreach(p ${MOERUN_PROTOS})
   get_filename_component(dir ${p} DIRECTORY)
   install(FILES ${PROJECT_BINARY_DIR}/generated/${dir}/${stem}.pb.h
     DESTINATION ${moerun_include_dir}/${dir})
-  install(FILES proto/${p} DESTINATION ${CMAKE_INSTALL_DATADIR}/moerun/proto/${dir})
+  install(FILES runtime/proto/${p} DESTINATION ${CMAKE_INSTALL_DATADIR}/moerun/proto/${dir})
 endforeach()
 install(FILES ${PROJECT_BINARY_DIR}/generated/moerun/build_info.h
   DESTINATION ${moerun_include_dir}/moerun)

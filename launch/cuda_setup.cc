@@ -9,11 +9,11 @@
 #include <nlohmann/json.hpp>
 
 #include "base/log.h"
-#include "ep/protocol.h"
 #include "launch/local_device.h"
-#include "layer/cuda/cuda_device.h"
-#include "layer/cuda/device_weights.h"
-#include "model/preset.h"
+#include "runtime/ep/protocol.h"
+#include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/device_weights.h"
+#include "runtime/model/preset.h"
 
 namespace moerun {
 

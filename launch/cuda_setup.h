@@ -1,8 +1,8 @@
 // --device cuda for `moerun forward` and `moerun serve`: which GPU this rank uses (from its local
 // rank, launch/local_device.h), which math, each rank's device memory plan (by role:
-// layer/cuda/device_plan.h; what --plan-memory prints, and what the rank allocates), and the
-// CUDA context and layers of an expert rank. Without a GPU (or without a CUDA build) the entries
-// that need one return a clear error; the plans need none; the CPU path never comes here.
+// runtime/layer/cuda/device_plan.h; what --plan-memory prints, and what the rank allocates), and
+// the CUDA context and layers of an expert rank. Without a GPU (or without a CUDA build) the
+// entries that need one return a clear error; the plans need none; the CPU path never comes here.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "base/status.h"
-#include "layer/cuda/cuda_layer.h"
-#include "layer/cuda/device_plan.h"
-#include "model/weight_source.h"
-#include "ranks/rank_job.h"
 #include "router/placement.h"
+#include "runtime/layer/cuda/cuda_layer.h"
+#include "runtime/layer/cuda/device_plan.h"
+#include "runtime/model/weight_source.h"
+#include "runtime/ranks/rank_job.h"
 
 namespace moerun {
 

@@ -13,12 +13,12 @@
 #include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
-#include "layer/cuda/cuda_device.h"
-#include "layer/moe_layer.h"
-#include "model/layer_loader.h"
-#include "model/safetensors.h"
-#include "model/weight_source.h"
 #include "router/placement.h"
+#include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/model/layer_loader.h"
+#include "runtime/model/safetensors.h"
+#include "runtime/model/weight_source.h"
 
 namespace moerun {
 namespace {

@@ -7,9 +7,9 @@
 
 #include "base/exit_code.h"
 #include "base/log.h"
-#include "ep/protocol.h"
 #include "launch/local_device.h"
-#include "layer/cuda/cuda_device.h"
+#include "runtime/ep/protocol.h"
+#include "runtime/layer/cuda/cuda_device.h"
 #include "transport/launcher_env.h"
 #include "transport/registry.h"
 

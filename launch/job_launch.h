@@ -12,7 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "ranks/rank_job.h"
+#include "runtime/ranks/rank_job.h"
 #include "transport/inproc.h"
 #include "transport/transport.h"
 

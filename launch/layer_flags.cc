@@ -4,9 +4,9 @@
 #include <cmath>
 
 #include "base/log.h"
-#include "model/checkpoint.h"
-#include "model/layer_loader.h"
-#include "model/preset.h"
+#include "runtime/model/checkpoint.h"
+#include "runtime/model/layer_loader.h"
+#include "runtime/model/preset.h"
 
 namespace moerun {
 namespace {

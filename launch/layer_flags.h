@@ -7,7 +7,7 @@
 
 #include "base/status.h"
 #include "experts/cpu/kernels.h"
-#include "model/layer_weights.h"
+#include "runtime/model/layer_weights.h"
 
 namespace moerun {
 

@@ -9,8 +9,8 @@
 #include "launch/cli_options.h"
 #include "launch/forward_cmd.h"
 #include "launch/serve_cmd.h"
-#include "layer/cuda/cuda_device.h"
 #include "moerun/build_info.h"
+#include "runtime/layer/cuda/cuda_device.h"
 
 namespace {
 

@@ -8,12 +8,12 @@
 
 #include "base/host_name.h"
 #include "base/log.h"
-#include "cache/expert_cache.h"
-#include "ep/router_layer.h"
 #include "experts/cpu/packed_matrix.h"
-#include "ranks/expert_rank.h"
-#include "ranks/router_rank.h"
 #include "router/placement_plan.h"
+#include "runtime/cache/expert_cache.h"
+#include "runtime/ep/router_layer.h"
+#include "runtime/ranks/expert_rank.h"
+#include "runtime/ranks/router_rank.h"
 
 namespace moerun {
 

@@ -15,15 +15,15 @@
 #include <vector>
 
 #include "base/metrics.h"
-#include "ep/peer_health.h"
-#include "migration/placement_control.h"
-#include "model/model_spec.h"
 #include "moerun/v1/control.pb.h"
 #include "router/load_window.h"
 #include "router/placement.h"
 #include "router/placement_plan.h"
-#include "serving/host_port.h"
-#include "serving/http_server.h"
+#include "runtime/ep/peer_health.h"
+#include "runtime/migration/placement_control.h"
+#include "runtime/model/model_spec.h"
+#include "runtime/serving/host_port.h"
+#include "runtime/serving/http_server.h"
 #include "transport/transport.h"
 
 namespace moerun {

@@ -10,19 +10,19 @@
 
 #include "base/exit_code.h"
 #include "base/log.h"
-#include "cache/expert_cache.h"
 #include "launch/cuda_setup.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "launch/rank_services.h"
 #include "launch/serve_join.h"
 #include "launch/serve_router.h"
-#include "layer/cuda/cuda_device.h"
-#include "model/layer_loader.h"
-#include "model/weight_source.h"
-#include "ranks/rank_job.h"
-#include "serving/control_endpoint.h"
-#include "serving/host_port.h"
+#include "runtime/cache/expert_cache.h"
+#include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/model/layer_loader.h"
+#include "runtime/model/weight_source.h"
+#include "runtime/ranks/rank_job.h"
+#include "runtime/serving/control_endpoint.h"
+#include "runtime/serving/host_port.h"
 
 namespace moerun {
 namespace {

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "base/status.h"
-#include "migration/placement_control.h"
-#include "serving/batcher.h"
-#include "serving/tls_context.h"
+#include "runtime/migration/placement_control.h"
+#include "runtime/serving/batcher.h"
+#include "runtime/serving/tls_context.h"
 
 namespace moerun {
 
@@ -32,13 +32,14 @@ struct ServingConfig {
   int64_t first_frame_timeout_ms = 10000;  // a new connection's first frame must start by then
   int64_t idle_timeout_ms = 60000;         // between frames, with no answer owed
   // The HTTP endpoint (/metrics, /health): a connection waiting for a request's first byte this
-  // long is closed; at most this many connections (serving/http_server.h).
+  // long is closed; at most this many connections (runtime/serving/http_server.h).
   int64_t http_idle_timeout_ms = 10000;
   int http_max_connections = 512;
   // Connections of the serving endpoint from one peer address (0: no cap of its own; a full
   // endpoint makes room at the busiest address first either way).
   int max_connections_per_address = 0;
-  // TLS on the serving and control endpoints (serving/tls_context.h); none without cert_file.
+  // TLS on the serving and control endpoints (runtime/serving/tls_context.h); none without
+  // cert_file.
   TlsServerFiles tls;
   // The CA that the job's own clients (a joining rank to router 0's control endpoint) check the
   // router's certificate with; empty: the system's store.
@@ -75,7 +76,7 @@ struct ServeConfig {
   RebalanceConfig rebalance;
   std::string log_level = "info";
   // files.allow: the only directories `moectl expert update --from FILE` may name (absolute,
-  // lexically normal; migration/file_allow.h). Without the key: the model's folder, or none
+  // lexically normal; runtime/migration/file_allow.h). Without the key: the model's folder, or none
   // (updates refused) for a preset.
   std::vector<std::string> files_allow;
   // Expert ranks: an expert cache of this many MiB each (0: every hosted expert resident), its

@@ -7,10 +7,10 @@
 #include "base/clock.h"
 #include "base/host_name.h"
 #include "base/log.h"
-#include "ep/protocol.h"
 #include "moerun/v1/control.pb.h"
 #include "router/placement.h"
-#include "serving/serve_client.h"
+#include "runtime/ep/protocol.h"
+#include "runtime/serving/serve_client.h"
 #include "transport/registry.h"
 
 namespace moerun {

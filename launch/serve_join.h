@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "serving/tls_client.h"
+#include "runtime/serving/tls_client.h"
 #include "transport/transport.h"
 
 namespace moerun {

@@ -7,10 +7,10 @@
 
 #include "base/log.h"
 #include "base/metrics.h"
-#include "migration/placement_control.h"
-#include "serving/batcher.h"
-#include "serving/control_endpoint.h"
-#include "serving/serving_endpoint.h"
+#include "runtime/migration/placement_control.h"
+#include "runtime/serving/batcher.h"
+#include "runtime/serving/control_endpoint.h"
+#include "runtime/serving/serving_endpoint.h"
 
 namespace moerun {
 

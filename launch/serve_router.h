@@ -19,9 +19,9 @@
 #include "base/status.h"
 #include "launch/rank_services.h"
 #include "launch/serve_config.h"
-#include "migration/router_control.h"
-#include "ranks/router_rank.h"
-#include "serving/host_port.h"
+#include "runtime/migration/router_control.h"
+#include "runtime/ranks/router_rank.h"
+#include "runtime/serving/host_port.h"
 
 namespace moerun {
 

@@ -4,7 +4,7 @@
     pip install --no-build-isolation ./python   # offline, in a venv made with --system-site-packages
 
 build_py adds to the sources:
-  - moerun.v1 (serving_pb2, control_pb2): protoc (on PATH, or $PROTOC) run on ../proto; without
+  - moerun.v1 (serving_pb2, control_pb2): protoc (on PATH, or $PROTOC) run on ../runtime/proto; without
     protoc, the classes a CMake build made are copied instead; with neither, the install fails
     and says why.
   - moerun._layer: the compiled layer, copied from $MOERUN_BUILD_DIR/python/moerun (default
@@ -27,7 +27,7 @@ from setuptools.dist import Distribution
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-PROTO_DIR = os.path.join(REPO, "proto")
+PROTO_DIR = os.path.join(REPO, "runtime", "proto")
 PROTOS = ["moerun/v1/serving.proto", "moerun/v1/control.proto"]
 
 

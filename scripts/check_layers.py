@@ -9,6 +9,8 @@ script reads that table and fails (exit 1, one line per fault) when:
   - a vendor header (CUDA, NCCL, UCX, MPI) appears outside the folders that own that vendor,
   - a folder's CMake library does not link exactly the libraries of the folders its files
     include (what a library links is what its code needs, no more, no less),
+  - folders include each other once grouped at any depth (runtime/ and launch/ as wholes, then
+    their subfolders),
   - docs/dependencies.md (the folder graph generated from the includes) is not up to date.
 
   scripts/check_layers.py            check
@@ -29,11 +31,12 @@ SOURCE_EXT = (".h", ".cc", ".cu", ".cuh")
 # Vendor headers and the folders allowed to include them.
 VENDORS = [
     (re.compile(r"^(cuda|cuda_runtime|cuda_bf16|cuda_fp16|mma|cublas|curand)[\w.]*\.h$|^cuda/"),
-     ("experts/cuda", "router/cuda", "layer/cuda", "transport/nccl", "transport/ucx")),
+     ("experts/cuda", "router/cuda", "runtime/layer/cuda", "transport/nccl", "transport/ucx")),
     (re.compile(r"^nccl\.h$"), ("transport/nccl",)),
-    # (bench/baselines: moebench's own raw-UCX and raw-MPI baselines, in moebench's library only.)
-    (re.compile(r"^(ucp|uct|ucs)/"), ("transport/ucx", "bench/baselines")),
-    (re.compile(r"^mpi\.h$"), ("transport/mpi", "bench/baselines")),
+    # (launch/moebench/baselines: moebench's own raw-UCX and raw-MPI baselines, in moebench's
+    # library only.)
+    (re.compile(r"^(ucp|uct|ucs)/"), ("transport/ucx", "launch/moebench/baselines")),
+    (re.compile(r"^mpi\.h$"), ("transport/mpi", "launch/moebench/baselines")),
 ]
 # Libraries that are not folders of ours (flags, object libraries, vendor wrappers).
 NOT_FOLDERS = {"moerun_flags", "moerun_isa_kernels", "moerun_openblas"}
@@ -81,7 +84,7 @@ def unit_of(path, folders):
 def include_target(inc):
     """The repository path an include names ("moerun/..." are generated headers)."""
     if inc.startswith("moerun/v1/"):
-        return "proto/" + inc
+        return "runtime/proto/" + inc
     if inc == "moerun/build_info.h":
         return "base/build_info.h"  # generated from cmake/build_info.h.in: ground floor
     return inc
@@ -144,6 +147,19 @@ def check_rules(rules):
             elif order[a] >= i:
                 faults.append(f"docs/DESIGN.md: `{f}` may include `{a}`, listed at or above it "
                               "(an arrow pointing up)")
+    return faults
+
+
+def check_mutual(edges):
+    """Folders that include each other once grouped at any depth (runtime/ and launch/ as a
+    whole, then their subfolders, ...): the layering must hold for the groups too."""
+    faults = []
+    for depth in (1, 2, 3):
+        group = lambda f: "/".join(f.split("/")[:depth])
+        grouped = {(group(s), group(d)) for (s, d) in edges if group(s) != group(d)}
+        for a, b in sorted(grouped):
+            if a < b and (b, a) in grouped:
+                faults.append(f"{a} and {b} include each other (folders grouped {depth} deep)")
     return faults
 
 
@@ -235,6 +251,7 @@ def main():
     edges, faults = scan(source_files(), folders)
     faults += check_rules(rules)
     faults += check_edges(rules, edges)
+    faults += check_mutual(edges)
     faults += check_cmake(rules, edges)
     mutual = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
     for a, b in mutual:

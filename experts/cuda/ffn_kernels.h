@@ -2,7 +2,7 @@
 // (CUDA types stay in the cuda/ folders). Every kernel reads the batch's token count from device
 // memory (`ntok`) and is launched for an upper bound of it, so a sequence of launches can be
 // captured once per graph bucket and replayed for any batch of that bucket. The math contracts
-// are in layer/cuda/cuda_layer.h.
+// are in runtime/layer/cuda/cuda_layer.h.
 #pragma once
 
 #include <cuda_runtime.h>

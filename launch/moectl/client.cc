@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "base/clock.h"
-#include "serving/control_endpoint.h"
+#include "runtime/serving/control_endpoint.h"
 
 namespace moerun::moectl {
 

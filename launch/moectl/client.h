@@ -12,7 +12,7 @@
 
 #include "base/status.h"
 #include "moerun/v1/control.pb.h"
-#include "serving/serve_client.h"
+#include "runtime/serving/serve_client.h"
 
 namespace moerun::moectl {
 

@@ -21,8 +21,8 @@
 #include "launch/moectl/client.h"
 #include "launch/moectl/commands.h"
 #include "launch/moectl/print.h"
+#include "launch/plot/svg_plot.h"
 #include "launch/rank_services.h"
-#include "plot/svg_plot.h"
 #include "router/placement.h"
 #include "router/placement_plan.h"
 

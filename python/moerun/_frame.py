@@ -1,4 +1,4 @@
-"""Framing of the serving and control protocols (serving/frame.h), without copying tensors.
+"""Framing of the serving and control protocols (runtime/serving/frame.h), without copying tensors.
 
 Every message on the TCP stream is a 4-byte unsigned big-endian length, then that many bytes of
 one Protobuf message.

@@ -8,7 +8,7 @@
         print(st.health, [r.state for r in st.ranks])
         print(to_dict(ctl.plan(redundant=1)))  # as `moectl placement plan --json` prints it
 
-The control protocol (``proto/moerun/v1/control.proto``): the serving protocol's framing, one
+The control protocol (``runtime/proto/moerun/v1/control.proto``): the serving protocol's framing, one
 ``ControlRequest`` (with the token) per ``ControlResponse``. The answers are the generated
 Protobuf classes (``moerun.v1.control_pb2``), with attribute access. A missing or wrong token
 raises :class:`~moerun.errors.UnauthenticatedError` with the server's message; any other error
@@ -45,7 +45,7 @@ __all__ = ["Control", "read_token_file", "to_dict"]
 
 
 def _kubelet_secret(st: os.stat_result) -> bool:
-    """A Kubernetes Secret volume with the pod's fsGroup (serving/control_auth.cc KubeletSecret)."""
+    """A Kubernetes Secret volume with the pod's fsGroup (runtime/serving/control_auth.cc KubeletSecret)."""
     if st.st_uid != 0 or os.geteuid() == 0 or (st.st_mode & 0o077) != 0o040:
         return False
     return st.st_gid == os.getegid() or st.st_gid in os.getgroups()
@@ -53,7 +53,7 @@ def _kubelet_secret(st: os.stat_result) -> bool:
 
 def read_token_file(path: str) -> str:
     """The token in ``path`` (its first line, blanks stripped), as moectl and the server read
-    it (serving/control_auth.cc). InvalidArgumentError if its group or others may read or write
+    it (runtime/serving/control_auth.cc). InvalidArgumentError if its group or others may read or write
     it (as moectl refuses it; the one exception is a Kubernetes Secret: owned by root, readable
     by its group only, read by a non-root process in that group), empty or unreadable."""
     try:

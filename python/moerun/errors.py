@@ -1,7 +1,7 @@
 """The serving protocol's error codes (``moerun.v1.ErrorCode``) as Python exceptions.
 
 Every error this package raises is a :class:`MoerunError`. Its subclasses match the codes of
-``proto/moerun/v1/serving.proto`` and also derive from the builtin exception that fits, so that
+``runtime/proto/moerun/v1/serving.proto`` and also derive from the builtin exception that fits, so that
 generic handlers work too::
 
     try:

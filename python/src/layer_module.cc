@@ -1,6 +1,7 @@
 // moerun._layer: one MoE layer of a Hugging Face checkpoint, computed in this process by moerun's
-// CPU kernels (layer/moe_layer.h), as `moerun forward --model DIR` computes it: the same loader,
-// the same kernels, the same bits. Python sees it as moerun.Layer (python/moerun/__init__.py).
+// CPU kernels (runtime/layer/moe_layer.h), as `moerun forward --model DIR` computes it: the same
+// loader, the same kernels, the same bits. Python sees it as moerun.Layer
+// (python/moerun/__init__.py).
 //
 // Errors come back as Python exceptions carrying the C++ message: kInvalidArgument -> ValueError,
 // kNotFound -> FileNotFoundError, every other code -> RuntimeError. The GIL is released while a
@@ -23,11 +24,11 @@
 #include "experts/cpu/isa.h"
 #include "experts/cpu/kernels.h"
 #include "experts/cpu/packed_matrix.h"
-#include "layer/moe_layer.h"
-#include "model/checkpoint.h"
-#include "model/layer_loader.h"
-#include "model/model_spec.h"
 #include "moerun/build_info.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/model/checkpoint.h"
+#include "runtime/model/layer_loader.h"
+#include "runtime/model/model_spec.h"
 
 namespace py = pybind11;
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "model/safetensors.h"
+#include "runtime/model/safetensors.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun {

@@ -1,6 +1,6 @@
 // Frame buffers are reused: once the pool has held buffers as large as the frames, taking and
 // giving them back allocates nothing; idle buffers beyond the pool's limit are freed.
-#include "serving/buffer_pool.h"
+#include "runtime/serving/buffer_pool.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // FrameDecoder and EncodeFrame: the 4-byte big-endian length prefix, frames cut at every byte,
 // several frames per read, empty frames, and prefixes over the limit refused before their body.
-#include "serving/frame.h"
+#include "runtime/serving/frame.h"
 
 #include <gtest/gtest.h>
 

@@ -9,9 +9,9 @@
 #include <string>
 
 #include "moerun/v1/serving.pb.h"
-#include "serving/frame.h"
-#include "serving/infer_codec.h"
-#include "serving/serve_client.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/infer_codec.h"
+#include "runtime/serving/serve_client.h"
 
 namespace moerun {
 namespace {

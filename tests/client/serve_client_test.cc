@@ -1,6 +1,6 @@
 // ServeConnection against a small server thread on a real socket (127.0.0.1, an ephemeral port),
 // and the request/response data helpers (F32 exact, BF16 round-to-nearest-even, NaN kept).
-#include "serving/serve_client.h"
+#include "runtime/serving/serve_client.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "base/dtype.h"
-#include "serving/failover_client.h"
+#include "runtime/serving/failover_client.h"
 
 namespace moerun {
 namespace {

@@ -25,7 +25,7 @@ if ! env -u CUDAARCHS cmake -S "$src" -B "$tmp" -G Ninja -DCMAKE_MAKE_PROGRAM="$
 fi
 cached=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$tmp/CMakeCache.txt")
 [ "$cached" = "80-real;90" ] || fail "CMakeCache.txt has CMAKE_CUDA_ARCHITECTURES=$cached, not 80-real;90"
-obj=layer/CMakeFiles/moerun_layer_cuda.dir/cuda/cuda_device.cu.o
+obj=runtime/layer/CMakeFiles/moerun_layer_cuda.dir/cuda/cuda_device.cu.o
 if ! "$ninja" -C "$tmp" "$obj" >"$tmp/build.log" 2>&1; then
   cat "$tmp/build.log" >&2
   fail "building $obj failed"

@@ -15,9 +15,9 @@
 
 #include "base/thread_pool.h"
 #include "experts/cpu/grouped_ffn.h"
-#include "layer/cuda/cuda_device.h"
-#include "layer/cuda/cuda_layer.h"
-#include "layer/moe_layer.h"
+#include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/cuda_layer.h"
+#include "runtime/layer/moe_layer.h"
 #include "tests/cuda/quant_layers.h"
 #include "tests/unit/layer_fixtures.h"
 

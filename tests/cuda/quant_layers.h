@@ -1,7 +1,7 @@
 // Test helpers: block-scaled expert weights as checkpoints hold them (FP8 e4m3 with one scale per
 // 128 x 128 block, MXFP4 e2m1 with one e8m0 scale per row and 32 inputs), quantized from random
 // values, packed for a CPU kernel variant; and layers whose experts are such weights. Independent
-// of the presets (model/preset.cc), so the CUDA tests need nothing but PackExpert.
+// of the presets (runtime/model/preset.cc), so the CUDA tests need nothing but PackExpert.
 #pragma once
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include "base/quant_formats.h"
 #include "base/thread_pool.h"
 #include "experts/cpu/expert_weights.h"
-#include "model/layer_weights.h"
+#include "runtime/model/layer_weights.h"
 
 namespace moerun::testing {
 

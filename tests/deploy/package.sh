@@ -57,7 +57,7 @@ done
 dpkg-deb -c "$deb" | awk '{print $6}' | sort >"$tmp/deb-files"
 for f in ./usr/bin/moerun ./usr/bin/moectl ./usr/bin/moebench ./usr/lib/libmoerun_client.a \
   ./usr/lib/cmake/moerun/moerunConfig.cmake ./usr/lib/cmake/moerun/moerunConfigVersion.cmake \
-  ./usr/include/moerun/serving/serve_client.h ./usr/include/moerun/moerun/v1/serving.pb.h \
+  ./usr/include/moerun/runtime/serving/serve_client.h ./usr/include/moerun/moerun/v1/serving.pb.h \
   ./usr/share/moerun/configs/tiny.yaml ./usr/lib/systemd/system/moerun.service \
   ./usr/$fixture/golden.safetensors ./usr/share/doc/moerun/PACKAGES.md; do
   grep -qx "$f" "$tmp/deb-files" || die "the package lacks $f"
@@ -150,7 +150,7 @@ cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
 (cd "$tmp/prefix" && find . -type f | sort) >"$tmp/prefix-files"
 for f in bin/moerun bin/moectl bin/moebench lib/libmoerun_client.a lib/libmoerun_base.a \
   lib/libmoerun_proto.a lib/cmake/moerun/moerunTargets.cmake lib/cmake/moerun/moerunConfig.cmake \
-  include/moerun/serving/serve_client.h include/moerun/base/status.h \
+  include/moerun/runtime/serving/serve_client.h include/moerun/base/status.h \
   include/moerun/moerun/build_info.h share/moerun/configs/tiny.yaml \
   lib/systemd/system/moerun.service share/moerun/etc/moerun.yaml share/doc/moerun/README.md; do
   grep -qx "./$f" "$tmp/prefix-files" || die "cmake --install did not install $f"

@@ -18,8 +18,8 @@
 
 #include "moerun/v1/control.pb.h"
 #include "moerun/v1/serving.pb.h"
-#include "serving/frame.h"
-#include "serving/infer_codec.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/infer_codec.h"
 
 namespace {
 

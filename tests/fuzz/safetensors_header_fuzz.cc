@@ -10,7 +10,7 @@
 #include <span>
 
 #include "base/dtype.h"
-#include "model/safetensors.h"
+#include "runtime/model/safetensors.h"
 
 namespace {
 

@@ -15,7 +15,7 @@
 #include <set>
 #include <utility>
 
-#include "layer/cuda/device_weights.h"
+#include "runtime/layer/cuda/device_weights.h"
 #include "tests/cuda/gpu_layer_util.h"
 #include "tests/cuda/quant_layers.h"
 #include "tests/unit/layer_fixtures.h"
@@ -148,8 +148,8 @@ TEST_P(CudaQuantFamilyTest, BatchInvariantAndGraphsEqualPlainLaunches) {
   }
 }
 
-// Random presets quantized by the host (model/preset.cc): exact math is the CPU layer's, and a
-// quantized FromPreset (built on the host, then uploaded) equals Upload.
+// Random presets quantized by the host (runtime/model/preset.cc): exact math is the CPU layer's,
+// and a quantized FromPreset (built on the host, then uploaded) equals Upload.
 TEST_P(CudaQuantFamilyTest, PresetsAreTheCpuLayer) {
   SKIP_WITHOUT_GPU();
   const auto [family, dtype] = GetParam();

@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/cuda_device.h"
 #include "transport/inproc.h"
 #include "transport/nccl/nccl_exchange.h"
 

@@ -1,4 +1,4 @@
-#include "serving/host_port.h"
+#include "runtime/serving/host_port.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // The HTTP server over real sockets on 127.0.0.1, with a plain POSIX client.
-#include "serving/http_server.h"
+#include "runtime/serving/http_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -286,7 +286,7 @@ TEST(HttpServerTest, SixHundredConnections) {
     if (c->Send(Get("/hello")) && c->Read().body == "hello world\n") ++served;
   }
   // At the cap (512) a new connection takes the place of the oldest silent or idle one
-  // (serving/http_server.h), so clients that connect later are not shut out.
+  // (runtime/serving/http_server.h), so clients that connect later are not shut out.
   EXPECT_GE(served, 400);
   clients.clear();
   // Once they are gone, new clients are served again.

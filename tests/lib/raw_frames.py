@@ -2,7 +2,7 @@
 (they run where the Python package or protobuf may be missing, e.g. inside a network namespace).
 
 A frame is a 4-byte big-endian length, then an InferRequest / InferResponse message
-(proto/moerun/v1/serving.proto): request fields 1 id, 3 dtype (1 F32, 2 BF16), 4 shape
+(runtime/proto/moerun/v1/serving.proto): request fields 1 id, 3 dtype (1 F32, 2 BF16), 4 shape
 (packed), 5 data; response fields 1 id, 2 error code, 3 message, 6 data.
 """
 import struct

@@ -1,4 +1,4 @@
-// The SVG writer (plot/svg_plot.h): the output is well-formed XML (checked by a small parser
+// The SVG writer (launch/plot/svg_plot.h): the output is well-formed XML (checked by a small parser
 // here: every tag closed in order, attributes quoted, entities only the five of XML), has one bar
 // per (series, category) with the value it was given, bar heights that grow with the values,
 // escaped text, identical bytes for identical input, and sane figures for 1 and 64 ranks, 1 and
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "plot/svg_plot.h"
+#include "launch/plot/svg_plot.h"
 
 namespace moerun::plot {
 namespace {

@@ -2,7 +2,7 @@
 numpy, protobuf, setuptools and wheel): the package, the protobuf classes protoc makes, and the
 compiled moerun._layer of the CMake build; without that build, moerun.Layer raises ImportError.
 
-Copies python/ and proto/ to a temporary folder first, so that pip's in-tree build writes
+Copies python/ and runtime/proto/ to a temporary folder first, so that pip's in-tree build writes
 nothing into the repository. Skipped where venv/ensurepip (python3-venv) is missing.
 """
 
@@ -61,7 +61,7 @@ def test_pip_install_into_a_venv(tmp_path):
     src = tmp_path / "repo"
     ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
     shutil.copytree(os.path.join(ROOT, "python"), src / "python", ignore=ignore)
-    shutil.copytree(os.path.join(ROOT, "proto"), src / "proto")
+    shutil.copytree(os.path.join(ROOT, "runtime", "proto"), src / "runtime" / "proto")
     venv = tmp_path / "venv"
     r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
                        capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
-// The client side of TLS (ClientOptions::tls, serving/tls_client.h) against a real TLS server:
-// a small echo server in this test (OpenSSL, blocking, one thread per connection) with a CA and
-// a server certificate (subjectAltName IP:127.0.0.1, DNS:localhost) made by the openssl command
+// The client side of TLS (ClientOptions::tls, runtime/serving/tls_client.h) against a real TLS
+// server: a small echo server in this test (OpenSSL, blocking, one thread per connection) with a CA
+// and a server certificate (subjectAltName IP:127.0.0.1, DNS:localhost) made by the openssl command
 // at the start. Checked: frames round trip over TLS (by address and by name, small and large,
 // SendRequest's gathered parts), a wrong CA and a wrong name fail the handshake with one clear
 // line, a missing CA file is a bad argument, a plain client of the TLS server and a TLS client
@@ -28,8 +28,8 @@
 #include <thread>
 #include <vector>
 
-#include "serving/frame.h"
-#include "serving/serve_client.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/serve_client.h"
 
 namespace moerun {
 namespace {

@@ -12,8 +12,8 @@
 
 #include "launch/serve_router.h"
 #include "router/placement.h"
-#include "serving/control_endpoint.h"
-#include "serving/host_port.h"
+#include "runtime/serving/control_endpoint.h"
+#include "runtime/serving/host_port.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun {

@@ -18,13 +18,13 @@
 #include <thread>
 #include <vector>
 
-#include "layer/moe_layer.h"
 #include "moerun/v1/control.pb.h"
-#include "serving/control_endpoint.h"
-#include "serving/frame.h"
-#include "serving/http_server.h"
-#include "serving/serve_client.h"
-#include "serving/serving_endpoint.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/serving/control_endpoint.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/http_server.h"
+#include "runtime/serving/serve_client.h"
+#include "runtime/serving/serving_endpoint.h"
 #include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"

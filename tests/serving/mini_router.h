@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "layer/moe_layer.h"
-#include "serving/batcher.h"
-#include "serving/serving_endpoint.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/serving/batcher.h"
+#include "runtime/serving/serving_endpoint.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun::testing {

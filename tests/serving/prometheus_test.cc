@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "router/gating.h"
-#include "serving/serve_client.h"
+#include "runtime/serving/serve_client.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"
 

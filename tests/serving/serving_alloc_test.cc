@@ -13,8 +13,8 @@
 
 #include "base/log.h"
 #include "launch/serve_router.h"
-#include "ranks/rank_job.h"
-#include "serving/serve_client.h"
+#include "runtime/ranks/rank_job.h"
+#include "runtime/serving/serve_client.h"
 #include "tests/unit/alloc_counter.h"
 #include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"

@@ -12,13 +12,13 @@
 #include <fstream>
 #include <thread>
 
-#include "layer/moe_layer.h"
-#include "serving/control_auth.h"
-#include "serving/failover_client.h"
-#include "serving/frame.h"
-#include "serving/infer_codec.h"
-#include "serving/serve_client.h"
-#include "serving/serving_endpoint.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/serving/control_auth.h"
+#include "runtime/serving/failover_client.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/infer_codec.h"
+#include "runtime/serving/serve_client.h"
+#include "runtime/serving/serving_endpoint.h"
 #include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"

@@ -10,10 +10,10 @@
 #include <cstring>
 #include <thread>
 
-#include "layer/moe_layer.h"
-#include "serving/frame.h"
-#include "serving/serve_client.h"
-#include "serving/serving_endpoint.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/serve_client.h"
+#include "runtime/serving/serving_endpoint.h"
 #include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"

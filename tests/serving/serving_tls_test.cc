@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "serving/serve_client.h"
-#include "serving/tls_context.h"
+#include "runtime/serving/serve_client.h"
+#include "runtime/serving/tls_context.h"
 #include "tests/serving/mini_router.h"
 #include "tests/unit/layer_fixtures.h"
 #include "tests/unit/test_util.h"

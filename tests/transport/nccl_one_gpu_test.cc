@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/cuda_device.h"
 #include "transport/inproc.h"
 #include "transport/registry.h"
 #include "transport/transport_harness.h"

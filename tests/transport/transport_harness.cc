@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "launch/local_device.h"
-#include "layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/cuda_device.h"
 #include "transport/launcher_env.h"
 #include "transport/registry.h"
 

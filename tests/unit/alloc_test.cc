@@ -6,7 +6,7 @@
 
 #include <thread>
 
-#include "ranks/rank_job.h"
+#include "runtime/ranks/rank_job.h"
 #include "tests/unit/alloc_counter.h"
 #include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"

@@ -1,4 +1,4 @@
-#include "serving/batcher.h"
+#include "runtime/serving/batcher.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // Checkpoint: one file, a folder with model.safetensors, a sharded folder with an index (whose
 // shards open lazily, only when one of their tensors is asked for), and malformed folders.
-#include "model/checkpoint.h"
+#include "runtime/model/checkpoint.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
-// The control endpoint's policy for wrong tokens (serving/control_auth.h): the back-off per
+// The control endpoint's policy for wrong tokens (runtime/serving/control_auth.h): the back-off per
 // address, the summarised log, the token file's mode check and its re-reading with a grace
 // period for the old token.
-#include "serving/control_auth.h"
+#include "runtime/serving/control_auth.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -1,13 +1,13 @@
-// The CUDA layer's host-side planning (layer/cuda/device_plan.h): the code its kernels run for
-// the weight layout and the tile schedule, the graph buckets and the arena. Runs without a GPU.
+// The CUDA layer's host-side planning (runtime/layer/cuda/device_plan.h): the code its kernels run
+// for the weight layout and the tile schedule, the graph buckets and the arena. Runs without a GPU.
 #include <gtest/gtest.h>
 
 #include <random>
 #include <set>
 
-#include "layer/cuda/cuda_device.h"
-#include "layer/cuda/cuda_layer.h"
-#include "layer/cuda/device_plan.h"
+#include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/cuda_layer.h"
+#include "runtime/layer/cuda/device_plan.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {

@@ -18,7 +18,7 @@
 #include "experts/cpu/elementwise.h"
 #include "experts/cpu/grouped_ffn.h"
 #include "experts/cuda/quant_layout.h"
-#include "layer/cuda/device_weights.h"
+#include "runtime/layer/cuda/device_weights.h"
 #include "tests/cuda/quant_layers.h"
 #include "tests/unit/layer_fixtures.h"
 

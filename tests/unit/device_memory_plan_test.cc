@@ -1,13 +1,13 @@
-// A rank's device memory by role (layer/cuda/device_plan.h PlanRankMemory): what --plan-memory
-// prints and what a rank's CUDA context allocates. Runs without a GPU.
+// A rank's device memory by role (runtime/layer/cuda/device_plan.h PlanRankMemory): what
+// --plan-memory prints and what a rank's CUDA context allocates. Runs without a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <set>
 
-#include "layer/cuda/cuda_device.h"
-#include "layer/cuda/cuda_layer.h"
-#include "layer/cuda/device_plan.h"
+#include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/layer/cuda/cuda_layer.h"
+#include "runtime/layer/cuda/device_plan.h"
 #include "tests/unit/layer_fixtures.h"
 
 namespace moerun {

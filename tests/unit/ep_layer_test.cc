@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "ranks/rank_job.h"
+#include "runtime/ranks/rank_job.h"
 #include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"

@@ -3,7 +3,7 @@
 // spill file; and whole jobs (ranks as threads, inproc) with a cache smaller than what each rank
 // hosts: every answer bitwise the single-process layer's, also with the checkpoint deleted under
 // the running job.
-#include "cache/expert_cache.h"
+#include "runtime/cache/expert_cache.h"
 
 #include <gtest/gtest.h>
 
@@ -14,9 +14,9 @@
 #include <functional>
 #include <thread>
 
-#include "cache/spill_file.h"
-#include "model/weight_source.h"
-#include "ranks/rank_job.h"
+#include "runtime/cache/spill_file.h"
+#include "runtime/model/weight_source.h"
+#include "runtime/ranks/rank_job.h"
 #include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"
 

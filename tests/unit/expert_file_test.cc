@@ -1,7 +1,7 @@
 // Loading one expert's new weights from a .safetensors file: the expert runs in a GroupedFfn next
 // to the layer's other experts bitwise as if it had come from a checkpoint holding the same
 // tensors, and every bad file, layer, expert or dtype gives a Status naming the problem.
-#include "model/expert_file.h"
+#include "runtime/model/expert_file.h"
 
 #include <gtest/gtest.h>
 

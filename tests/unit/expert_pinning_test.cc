@@ -1,17 +1,17 @@
-// The expert rank's host pinning hook (ranks/expert_rank.h HostPinning), which --device cuda uses
-// to page-lock the rank's receive and send buffers once (cudaHostRegister) for asynchronous
-// copies: every buffer a device compute reads rows from or writes y to is pinned at that moment,
-// a buffer that grows is unpinned before it is freed and the new one pinned, and nothing stays
-// pinned after the rank ends. Checked with a CPU compute behind the hook, on inproc ranks: the
-// output stays bitwise the single-process layer's.
+// The expert rank's host pinning hook (runtime/ranks/expert_rank.h HostPinning), which --device
+// cuda uses to page-lock the rank's receive and send buffers once (cudaHostRegister) for
+// asynchronous copies: every buffer a device compute reads rows from or writes y to is pinned at
+// that moment, a buffer that grows is unpinned before it is freed and the new one pinned, and
+// nothing stays pinned after the rank ends. Checked with a CPU compute behind the hook, on inproc
+// ranks: the output stays bitwise the single-process layer's.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <map>
 #include <mutex>
 
-#include "layer/moe_layer.h"
-#include "ranks/rank_job.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/ranks/rank_job.h"
 #include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"
 

@@ -1,8 +1,8 @@
-// Files named by control requests, confined to the allowed directories (migration/file_allow.h):
-// inside them a regular file resolves; outside them (by name, through "..", or through a symlink)
-// the answer is one message that names the path and says why, the same whether the file exists
-// or not and whatever it is, and never holds the file's content.
-#include "migration/file_allow.h"
+// Files named by control requests, confined to the allowed directories
+// (runtime/migration/file_allow.h): inside them a regular file resolves; outside them (by name,
+// through "..", or through a symlink) the answer is one message that names the path and says why,
+// the same whether the file exists or not and whatever it is, and never holds the file's content.
+#include "runtime/migration/file_allow.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
-// The device floor of `moebench layer --device cuda` (bench/floor.h): hand-computed values and
-// the floor column of the H200 table in /work/shared/ANCHORS.md.
-#include "bench/floor.h"
+// The device floor of `moebench layer --device cuda` (launch/moebench/floor.h): hand-computed
+// values and the floor column of the H200 table in /work/shared/ANCHORS.md.
+#include "launch/moebench/floor.h"
 
 #include <gtest/gtest.h>
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "experts/cpu/isa.h"
-#include "ranks/rank_job.h"
+#include "runtime/ranks/rank_job.h"
 #include "tests/unit/test_util.h"
 #include "transport/inproc.h"
 

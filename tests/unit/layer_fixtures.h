@@ -5,11 +5,11 @@
 #include <string>
 #include <vector>
 
-#include "layer/moe_layer.h"
-#include "layer/reference_layer.h"
-#include "model/checkpoint.h"
-#include "model/layer_loader.h"
-#include "model/preset.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/layer/reference_layer.h"
+#include "runtime/model/checkpoint.h"
+#include "runtime/model/layer_loader.h"
+#include "runtime/model/preset.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun::testing {

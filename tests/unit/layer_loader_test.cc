@@ -1,6 +1,6 @@
 // Loading a layer touches only what it needs: with the experts split over shards, a process that
 // hosts some experts opens only the shards that hold them.
-#include "model/layer_loader.h"
+#include "runtime/model/layer_loader.h"
 
 #include <gtest/gtest.h>
 

@@ -14,9 +14,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "migration/router_control.h"
-#include "model/checkpoint.h"
-#include "ranks/rank_job.h"
+#include "runtime/migration/router_control.h"
+#include "runtime/model/checkpoint.h"
+#include "runtime/ranks/rank_job.h"
 #include "tests/unit/inproc_job.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"

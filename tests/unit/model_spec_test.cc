@@ -1,10 +1,10 @@
-#include "model/model_spec.h"
+#include "runtime/model/model_spec.h"
 
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
-#include "model/preset.h"
+#include "runtime/model/preset.h"
 #include "tests/unit/test_util.h"
 
 namespace moerun {

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "ep/protocol.h"
 #include "launch/local_device.h"
+#include "runtime/ep/protocol.h"
 
 namespace moerun {
 namespace {

@@ -1,4 +1,4 @@
-#include "model/preset.h"
+#include "runtime/model/preset.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <functional>
 
 #include "base/quant_formats.h"
-#include "model/preset_hash.h"
+#include "runtime/model/preset_hash.h"
 #include "tests/unit/kernel_variants.h"
 #include "tests/unit/layer_fixtures.h"
 

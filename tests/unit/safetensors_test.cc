@@ -1,6 +1,6 @@
 // ParseSafetensorsHeader and SafetensorsFile: valid files of every shape, every kind of malformed
 // file (each rejected with a Status that names the problem and the tensor), and the F32 writer.
-#include "model/safetensors.h"
+#include "runtime/model/safetensors.h"
 
 #include <gtest/gtest.h>
 

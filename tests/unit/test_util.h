@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "model/safetensors.h"
+#include "runtime/model/safetensors.h"
 
 namespace moerun::testing {
 

@@ -13,8 +13,8 @@
 
 #include "moerun/build_info.h"
 #include "moerun/v1/serving.pb.h"
-#include "serving/frame.h"
-#include "serving/serve_client.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/serve_client.h"
 
 namespace {
 

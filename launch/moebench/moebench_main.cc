@@ -1,0 +1,220 @@
+// moebench: benchmarks that compare moerun against a baseline measured in the same run and
+// print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm; on CUDA
+// vs its floor and torch._grouped_mm), transport (dispatch + combine vs MPI_Alltoallv), serve
+// (load on a router's serving endpoint), and sgemm (the baseline's child process). Bad flags exit
+// with 2.
+#include <CLI/CLI.hpp>
+#include <sstream>
+
+#include "base/log.h"
+#include "launch/cli_options.h"
+#include "launch/job_launch.h"
+#include "launch/layer_flags.h"
+#include "launch/moebench/layer_bench.h"
+#include "launch/moebench/serve_bench.h"
+#include "launch/moebench/sgemm_baseline.h"
+#include "launch/moebench/transport_bench.h"
+
+int main(int argc, char** argv) {
+  try {
+    moerun::InitLogging(moerun::RankFromEnvironment(), "bench");
+    CLI::App app("moebench: moerun benchmarks (JSON, against a baseline in the same run)");
+    app.require_subcommand(1);
+    moerun::LogOptions log;
+    moerun::AddLogOptions(app, &log);
+    moerun::UseOneLineErrors(app, "moebench");
+
+    moerun::bench::LayerBenchFlags lf;
+    std::string tokens = "1,16,128,1024";
+    CLI::App* layer = app.add_subcommand("layer", "Time one MoE layer against its baselines");
+    auto* model = layer->add_option("--model", lf.layer.model, "Hugging Face model folder");
+    auto* preset = layer->add_option("--preset", lf.layer.preset,
+                                     "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, gpt-oss-20b, "
+                                     "step-3.5-flash");
+    model->excludes(preset);
+    layer->add_option("--seed", lf.layer.seed, "Preset seed")->default_val(1);
+    layer->add_option("--gate-skew", lf.layer.gate_skew, "Preset routing skew (Zipf exponent)")
+        ->default_val(0.0);
+    layer->add_option("--experts", lf.layer.experts,
+                      "Preset expert count (default: fit 4 GB; --device cuda: all)");
+    layer
+        ->add_option("--dtype", lf.layer.dtype,
+                     "Preset weights: f32, bf16, f16, fp8, mxfp4; a comma-separated list "
+                     "(f32,bf16,fp8) times each in one run, on the same experts")
+        ->default_val("f32");
+    layer->add_option("--layer", lf.layer.layer, "Decoder layer (default: first MoE layer)");
+    auto* tokens_opt =
+        layer->add_option("--tokens", tokens, "Comma-separated token counts")->default_val(tokens);
+    layer->add_option("--device", lf.device, "cpu or cuda")->default_val("cpu");
+    layer->add_option("--math", lf.math, "--device cuda: tensor-core (bf16/f16) or exact (fp32)")
+        ->default_val(lf.math);
+    layer->add_option("--device-index", lf.device_index,
+                      "--device cuda: GPU ordinal (default: local rank modulo the GPUs, or 0)");
+    auto* anchors = layer->add_flag(
+        "--anchors", lf.anchors,
+        "--device cuda: the three shapes of ANCHORS.md (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, "
+        "all experts, bf16) at 1,16,128,1024,8192 tokens (--tokens overrides)");
+    anchors->excludes(model)->excludes(preset);
+    bool torch_on = false, torch_off = false;
+    auto* torch_flag = layer->add_flag(
+        "--torch", torch_on,
+        "--device cuda: time torch._grouped_mm in the same run (default: when importable)");
+    layer->add_flag("--no-torch", torch_off, "--device cuda: skip the torch baseline")
+        ->excludes(torch_flag);
+    layer->add_option("--torch-script", lf.torch_script,
+                      "The torch baseline (default: bench/torch_grouped.py of this source tree)");
+    layer->add_option("--torch-python", lf.torch_python, "Python for the torch baseline")
+        ->default_val(lf.torch_python);
+    layer->add_option("--floor-gbps", lf.floor_gbps, "--device cuda floor: copy bandwidth, GB/s")
+        ->default_val(lf.floor_gbps);
+    layer
+        ->add_option("--floor-tflops", lf.floor_tflops,
+                     "--device cuda floor: dense matmul rate, TFLOP/s")
+        ->default_val(lf.floor_tflops);
+    layer->add_option("--threads", lf.layer.threads, "Threads (default: all cores)");
+    layer->add_option("--isa", lf.layer.isa, "scalar, avx2, avx512 (default: best)");
+    layer->add_option("--min-time", lf.min_seconds, "Seconds per measurement")->default_val(1.0);
+    layer->add_option("--reference-tokens", lf.reference_tokens, "Tokens the reference loop times")
+        ->default_val(2);
+    layer->add_flag("--no-sgemm{false}", lf.sgemm, "Skip the OpenBLAS baseline");
+    layer->add_flag("--json", lf.json, "Print the JSON report on stdout");
+    layer->add_option("--plot", lf.plot,
+                      "Also draw the time per token and x_floor over --tokens: an SVG FILE");
+
+    moerun::bench::TransportBenchFlags tf;
+    CLI::App* transport = app.add_subcommand(
+        "transport", "Dispatch + combine against MPI_Alltoallv, and layer overlap (under mpirun)");
+    transport->add_option("--tokens", tf.tokens, "Tokens per batch");
+    transport->add_option("--bytes-per-peer", tf.bytes_per_peer,
+                          "Or: choose the tokens so each expert rank gets about this many bytes");
+    transport->add_option("--hidden", tf.hidden, "Hidden size")->default_val(7168);
+    transport->add_option("--topk", tf.topk, "Experts per token")->default_val(8);
+    transport->add_option("--experts", tf.experts, "Experts")->default_val(256);
+    transport->add_option("--inter", tf.inter, "Expert intermediate size for the layer timing");
+    transport->add_option("--shared-inter", tf.shared_inter,
+                          "A shared expert of this size on the router (layer timing)");
+    transport->add_option("--overlap-microbatch", tf.microbatch_tokens,
+                          "Microbatch tokens of the overlapped layer timing (default: T/4)");
+    transport->add_option("--iters", tf.iters, "Timed rounds")->default_val(20);
+    transport->add_option("--seed", tf.seed, "Routing and weight seed")->default_val(1);
+    transport->add_flag("--no-layer{false}", tf.layer, "Skip the whole-layer timing");
+    transport->add_flag("--json", tf.json, "Print the JSON report on rank 0's stdout");
+    moerun::AddLaunchFlags(transport, &tf.launch);
+    // As for serve below: what the flags alone say is wrong fails the parse (one line, exit 2).
+    layer->callback([&lf] {
+      if (const moerun::Status s = moerun::ValidateLayerFlags(lf.layer); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+    transport->callback([&tf] {
+      if (const moerun::Status s = moerun::ValidateLaunchFlags(tf.launch); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+
+    moerun::bench::ServeBenchFlags sf;
+    CLI::App* serve = app.add_subcommand(
+        "serve", "Load a router's serving endpoint (closed or open loop), optionally verified");
+    serve
+        ->add_option("--target", sf.target,
+                     "HOST:PORT of a router; HOST:PORT,HOST:PORT,... several routers of one "
+                     "job: a request whose router dies is sent once more to the next")
+        ->required();
+    serve->add_option("--concurrency", sf.concurrency, "Connections")->default_val(1);
+    serve->add_option("--duration", sf.duration_s, "Measured seconds")->default_val(10);
+    serve->add_option("--tokens-per-request", sf.tokens_per_request, "Tokens per request")
+        ->default_val(1);
+    serve->add_option("--rate", sf.rate, "Open loop: requests/s in total (default: closed loop)");
+    serve->add_option("--layer", sf.layer.layer, "Model layer (default: the server's)");
+    serve->add_option("--dtype", sf.dtype, "Request data: f32 or bf16")->default_val("f32");
+    serve->add_option("--deadline-ms", sf.deadline_ms, "Deadline sent in each request")
+        ->default_val(0);
+    serve->add_option("--warmup", sf.warmup_s, "Seconds left out of the statistics")
+        ->default_val(1.0);
+    serve->add_option("--hidden", sf.hidden, "Hidden size (required without --verify)");
+    serve->add_option("--inputs", sf.inputs, "Distinct request inputs")->default_val(64);
+    serve->add_option("--seed-inputs", sf.seed_inputs, "Seed of the inputs")->default_val(1);
+    serve->add_flag("--verify", sf.verify, "Check every answer bitwise against the local layer");
+    auto* serve_model = serve->add_option("--model", sf.layer.model, "--verify: model folder");
+    auto* serve_preset = serve->add_option("--preset", sf.layer.preset, "--verify: preset name");
+    serve_model->excludes(serve_preset);
+    serve->add_option("--seed", sf.layer.seed, "--verify: preset seed")->default_val(1);
+    serve
+        ->add_option("--gate-skew", sf.layer.gate_skew,
+                     "--verify: preset routing skew (as the server's preset.gate_skew)")
+        ->default_val(0.0);
+    serve->add_option("--experts", sf.layer.experts, "--verify: preset expert count");
+    serve
+        ->add_option("--weights-dtype", sf.layer.dtype,
+                     "--verify: preset weights f32, bf16, f16, fp8, mxfp4")
+        ->default_val("f32");
+    serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
+    serve->add_option("--key-file", sf.key_file,
+                      "Serving key file (chmod 600), for a server with serving.key_file");
+    serve->add_option("--tls-ca-file", sf.tls_ca_file,
+                      "Speak TLS, verifying the server with this PEM CA file (serving.tls)");
+    serve->add_option("--tls-server-name", sf.tls_server_name,
+                      "Name the server's certificate must carry (default: the target's host)");
+    serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
+    serve->add_option("--plot", sf.plot,
+                      "Also draw latency and throughput per second of the run: an SVG FILE");
+    // The flags' combinations are checked while parsing, so that a bad one ends as any bad
+    // command line does (one line, exit 2) before anything connects.
+    serve->callback([&sf] {
+      if (const moerun::Status s = moerun::bench::Validate(sf); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+
+    std::string shapes;
+    int threads = 0;
+    double min_time = 1.0;
+    CLI::App* sgemm = app.add_subcommand("sgemm", "OpenBLAS sgemm baseline (child process)");
+    sgemm->add_option("--shapes", shapes, "MxNxK;MxNxK...")->required();
+    sgemm->add_option("--threads", threads);
+    sgemm->add_option("--min-time", min_time);
+
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return moerun::ExitForParseError(app, e);  // prints the help or the one-line error
+    }
+    moerun::ApplyLogOptions(log, moerun::RankFromEnvironment(), "bench");
+    if (layer->parsed()) {
+      lf.torch = torch_on ? 1 : (torch_off ? 0 : -1);
+      lf.tokens_given = tokens_opt->count() > 0;
+      lf.tokens.clear();
+      std::stringstream ss(tokens);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        try {
+          size_t used = 0;
+          const long long v = std::stoll(item, &used);
+          if (used != item.size()) throw std::invalid_argument(item);
+          lf.tokens.push_back(v);
+        } catch (const std::exception&) {
+          return moerun::ExitForParseError(
+              app, CLI::ValidationError("--tokens: '" + item + "' is not a number"));
+        }
+      }
+      return moerun::bench::RunLayerBench(lf);
+    }
+    if (transport->parsed()) return moerun::bench::RunTransportBench(tf);
+    if (serve->parsed()) return moerun::bench::RunServeBench(sf);
+    if (sgemm->parsed()) {
+      auto s = moerun::bench::ShapesFromArg(shapes);
+      if (!s.ok()) {
+        spdlog::error("{}", s.status().ToString());
+        return 2;
+      }
+      return moerun::bench::RunSgemmChild(*s, threads, min_time);
+    }
+    return 2;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("out of memory");
+    return 1;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return 1;
+  }
+}

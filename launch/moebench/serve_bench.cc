@@ -1,0 +1,732 @@
+#include "launch/moebench/serve_bench.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "base/dtype.h"
+#include "base/exit_code.h"
+#include "base/log.h"
+#include "base/thread_pool.h"
+#include "launch/plot/svg_plot.h"
+#include "runtime/layer/moe_layer.h"
+#include "runtime/serving/control_auth.h"
+#include "runtime/serving/failover_client.h"
+#include "runtime/serving/frame.h"
+#include "runtime/serving/serve_client.h"
+
+namespace moerun::bench {
+namespace {
+
+using json = nlohmann::json;
+using Clock = SteadyClock;
+using std::chrono::milliseconds;
+
+constexpr size_t kMaxInFlightPerConnection = 1024;
+constexpr auto kReconnectPause = milliseconds(100);
+constexpr auto kReceivePoll = milliseconds(100);
+
+// What every connection sends: P request bodies without their id (a Protobuf message is the
+// concatenation of its fields, so "id field + body" is the whole request), and with --verify the
+// exact answer data expected for each.
+struct Workload {
+  std::vector<std::string> targets;  // one router, or several to fail over between
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  v1::DType dtype = v1::F32;
+  size_t elem_bytes = 4;
+  std::vector<std::string> bodies;
+  std::vector<std::string> expected;  // empty unless verifying
+  std::string key;                    // the serving key sent in every request (--key-file)
+  milliseconds wait{60000};           // how long a client waits for one answer
+};
+
+uint64_t SplitMix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Input p: uniform in [-2, 2], from a counter-based hash (the same on every machine).
+std::vector<float> MakeInput(uint64_t seed, int p, int64_t count) {
+  std::vector<float> x(static_cast<size_t>(count));
+  const uint64_t base = SplitMix(seed ^ (static_cast<uint64_t>(p) << 32));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint64_t z = SplitMix(base + i);
+    x[i] = static_cast<float>(z >> 40) / 16777216.0f * 4.0f - 2.0f;
+  }
+  return x;
+}
+
+// The frame of request `id` for body `b`: header, the id field, the body (one gather write).
+Status SendRequest(ServeConnection* c, uint64_t id, const std::string& body, Deadline deadline) {
+  char prefix[kFrameHeaderBytes + 11];
+  size_t n = kFrameHeaderBytes;
+  prefix[n++] = 0x08;  // field 1, varint
+  uint64_t v = id;
+  while (v >= 0x80) {
+    prefix[n++] = static_cast<char>((v & 0x7f) | 0x80);
+    v >>= 7;
+  }
+  prefix[n++] = static_cast<char>(v);
+  PutFrameLength(static_cast<uint32_t>(n - kFrameHeaderBytes + body.size()),
+                 reinterpret_cast<uint8_t*>(prefix));
+  const std::string_view parts[] = {std::string_view(prefix, n), body};
+  return c->SendParts(parts, deadline);
+}
+
+float ElementAsFloat(const std::string& data, size_t elem, size_t i) {
+  if (elem == 4) {
+    float f;
+    std::memcpy(&f, data.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t v;
+  std::memcpy(&v, data.data() + 2 * i, 2);
+  return Bf16ToF32(v);
+}
+
+// "" when the answer is right; else the error kind, with the reason in *why.
+std::string CheckAnswer(const Workload& w, const v1::InferResponse& r, int input,
+                        std::string* why) {
+  if (r.code() != v1::OK) {
+    *why = r.message();
+    return ErrorCodeKind(r.code());
+  }
+  const size_t bytes = static_cast<size_t>(w.tokens * w.hidden) * w.elem_bytes;
+  if (r.dtype() != w.dtype || r.shape_size() != 2 || r.shape(0) != w.tokens ||
+      r.shape(1) != w.hidden || r.data().size() != bytes) {
+    *why = "answer " + std::to_string(r.id()) + " has dtype " + std::to_string(r.dtype()) + ", " +
+           std::to_string(r.shape_size()) + " dims and " + std::to_string(r.data().size()) +
+           " bytes; expected [" + std::to_string(w.tokens) + ", " + std::to_string(w.hidden) +
+           "] of " + (w.elem_bytes == 4 ? "F32" : "BF16");
+    return "mismatch";
+  }
+  if (!w.expected.empty() && r.data() != w.expected[static_cast<size_t>(input)]) {
+    const std::string& want = w.expected[static_cast<size_t>(input)];
+    size_t i = 0;
+    while (std::memcmp(r.data().data() + i * w.elem_bytes, want.data() + i * w.elem_bytes,
+                       w.elem_bytes) == 0) {
+      ++i;
+    }
+    *why = "answer " + std::to_string(r.id()) + " (input " + std::to_string(input) +
+           ") differs from the local layer at token " +
+           std::to_string(static_cast<int64_t>(i) / w.hidden) + ", element " +
+           std::to_string(static_cast<int64_t>(i) % w.hidden) +
+           fmt::format(": got {}, expected {}", ElementAsFloat(r.data(), w.elem_bytes, i),
+                       ElementAsFloat(want, w.elem_bytes, i));
+    return "mismatch";
+  }
+  return "";
+}
+
+// One thread's counts; merged at the end.
+struct Stats {
+  int64_t requests = 0;
+  int64_t ok = 0;
+  int64_t verified = 0;
+  std::map<std::string, int64_t> errors;
+  std::map<std::string, std::string> first_error;
+  std::vector<double> latency_ms;
+  std::vector<std::pair<Clock::time_point, double>> ok_at;  // completion, latency ms
+  std::vector<Clock::time_point> error_at;
+  Clock::time_point last_done{};  // of a measured request
+  int64_t warmup_requests = 0;
+  int64_t warmup_errors = 0;
+  std::string first_warmup_error;
+  int64_t failovers = 0;  // moves to another router (closed loop, several targets)
+  int64_t retried = 0;    // requests sent again after their router's connection broke
+
+  void Error(bool measured, const std::string& kind, const std::string& why) {
+    if (!measured) {
+      ++warmup_requests;
+      if (warmup_errors++ == 0) first_warmup_error = kind + ": " + why;
+      return;
+    }
+    ++requests;
+    error_at.push_back(Clock::now());
+    if (errors[kind]++ == 0) first_error[kind] = why;
+  }
+  void Ok(bool measured, bool verified_answer, double ms, Clock::time_point done) {
+    if (!measured) {
+      ++warmup_requests;
+      return;
+    }
+    ++requests;
+    ++ok;
+    if (verified_answer) ++verified;
+    latency_ms.push_back(ms);
+    ok_at.emplace_back(done, ms);
+    last_done = std::max(last_done, done);
+  }
+  void Merge(const Stats& o) {
+    failovers += o.failovers;
+    retried += o.retried;
+    requests += o.requests;
+    ok += o.ok;
+    verified += o.verified;
+    for (const auto& [k, n] : o.errors) errors[k] += n;
+    for (const auto& [k, why] : o.first_error) first_error.emplace(k, why);
+    latency_ms.insert(latency_ms.end(), o.latency_ms.begin(), o.latency_ms.end());
+    ok_at.insert(ok_at.end(), o.ok_at.begin(), o.ok_at.end());
+    error_at.insert(error_at.end(), o.error_at.begin(), o.error_at.end());
+    last_done = std::max(last_done, o.last_done);
+    warmup_requests += o.warmup_requests;
+    if (warmup_errors == 0) first_warmup_error = o.first_warmup_error;
+    warmup_errors += o.warmup_errors;
+  }
+};
+
+struct Schedule {
+  Clock::time_point start;    // first send
+  Clock::time_point measure;  // start + warmup
+  Clock::time_point end;      // measure + duration: no send at or after it
+};
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+uint64_t RequestId(int conn, uint64_t seq) { return (static_cast<uint64_t>(conn + 1) << 40) | seq; }
+int InputOf(const Workload& w, int conn, uint64_t seq) {
+  return static_cast<int>((seq + static_cast<uint64_t>(conn) * 7919u) % w.bodies.size());
+}
+
+FailoverOptions ClientFailover(const ServeBenchFlags& f) {
+  FailoverOptions o;
+  o.client.connect_timeout = milliseconds(2000);
+  o.client.tls.enabled = !f.tls_ca_file.empty();
+  o.client.tls.ca_file = f.tls_ca_file;
+  o.client.tls.server_name = f.tls_server_name;
+  return o;
+}
+
+// Closed loop: one request in flight; a broken connection is replaced (each failed attempt
+// counts as a request with a "connect" error). With several targets a request whose router's
+// connection broke is sent once more to the next router.
+void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* client, Stats* st) {
+  v1::InferResponse resp;
+  for (uint64_t seq = 0;; ++seq) {
+    const auto t0 = Clock::now();
+    if (t0 >= s.end) break;
+    const bool measured = t0 >= s.measure;
+    if (!client->connected()) {
+      const Status cs = client->Connect();
+      if (!cs.ok()) {
+        st->Error(measured, "connect", cs.message());
+        std::this_thread::sleep_for(kReconnectPause);
+        continue;
+      }
+    }
+    const uint64_t id = RequestId(c, seq);
+    const int input = InputOf(w, c, seq);
+    const Deadline deadline = t0 + w.wait;
+    const std::string& body = w.bodies[static_cast<size_t>(input)];
+    const Status status = client->Call(
+        [&](ServeConnection* conn, Deadline d) { return SendRequest(conn, id, body, d); }, id,
+        &resp, deadline);
+    st->failovers = static_cast<int64_t>(client->failovers());
+    st->retried = static_cast<int64_t>(client->retried());
+    if (!status.ok()) {
+      st->Error(measured, status.code() == StatusCode::kDeadlineExceeded ? "client_timeout" : "io",
+                status.message());
+      client->Drop();  // a late answer must not be taken for the next request's
+      continue;
+    }
+    const auto done = Clock::now();
+    std::string why;
+    const std::string kind = CheckAnswer(w, resp, input, &why);
+    if (kind.empty()) {
+      st->Ok(measured, !w.expected.empty(), Ms(done - t0), done);
+    } else {
+      st->Error(measured, kind, why);
+    }
+  }
+}
+
+// Open loop: a sender on a fixed schedule and a receiver, sharing the in-flight table.
+class OpenLoopConnection {
+ public:
+  OpenLoopConnection(const Workload& w, const Schedule& s, int c, double interval_s,
+                     double offset_s, std::unique_ptr<ServeConnection> conn)
+      : w_(w),
+        s_(s),
+        c_(c),
+        interval_s_(interval_s),
+        offset_s_(offset_s),
+        give_up_(s.end + w.wait),
+        conn_(std::move(conn)) {}
+
+  void Run(Stats* stats) {
+    Stats recv_stats;
+    std::thread receiver([&] { Receive(&recv_stats); });
+    Send(stats);
+    receiver.join();
+    // Whatever the receiver gave up on, or the sender added after it did.
+    FailAllInFlight(
+        &recv_stats, "client_timeout",
+        "no answer within " + std::to_string(w_.wait.count()) + " ms of the end of the run");
+    stats->Merge(recv_stats);
+  }
+
+ private:
+  struct Pending {
+    Clock::time_point scheduled;
+    int input;
+    bool measured;
+  };
+
+  Clock::time_point Scheduled(uint64_t k) const {
+    const double t = offset_s_ + static_cast<double>(k) * interval_s_;
+    return s_.start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t));
+  }
+
+  void Send(Stats* st) {
+    for (uint64_t seq = 0;; ++seq) {
+      const auto at = Scheduled(seq);
+      if (at >= s_.end) break;
+      std::this_thread::sleep_until(at);
+      const bool measured = at >= s_.measure;
+      if (broken_.load()) {
+        st->Error(measured, "io", "connection lost: " + BrokenWhy());
+        continue;
+      }
+      const uint64_t id = RequestId(c_, seq);
+      const int input = InputOf(w_, c_, seq);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (in_flight_.size() >= kMaxInFlightPerConnection) {
+          st->Error(measured, "client_backlog",
+                    std::to_string(kMaxInFlightPerConnection) + " requests in flight");
+          continue;
+        }
+        in_flight_[id] = Pending{at, input, measured};
+      }
+      // A send blocks while the server does not read (TCP flow control); never past the end.
+      const Status status = SendRequest(conn_.get(), id, w_.bodies[static_cast<size_t>(input)],
+                                        std::min(Clock::now() + w_.wait, give_up_));
+      if (!status.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          in_flight_.erase(id);
+          if (!broken_.load()) broken_why_ = status.message();
+        }
+        st->Error(measured,
+                  status.code() == StatusCode::kDeadlineExceeded ? "client_timeout" : "io",
+                  status.message());
+        broken_ = true;
+        conn_->Shutdown();  // wakes the receiver
+      }
+    }
+    sender_done_ = true;
+  }
+
+  std::string BrokenWhy() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_why_;
+  }
+
+  void FailAllInFlight(Stats* st, const std::string& kind, const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, p] : in_flight_) st->Error(p.measured, kind, why);
+    in_flight_.clear();
+  }
+
+  void Receive(Stats* st) {
+    const Clock::time_point give_up = give_up_;
+    v1::InferResponse resp;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (sender_done_.load() && in_flight_.empty()) return;
+      }
+      if (Clock::now() >= give_up) return;  // Run fails what is left in flight
+      if (broken_.load()) {
+        FailAllInFlight(st, "io", "connection lost: " + BrokenWhy());
+        if (sender_done_.load()) return;
+        std::this_thread::sleep_for(milliseconds(10));
+        continue;
+      }
+      const Status status = conn_->Receive(&resp, std::min(give_up, Clock::now() + kReceivePoll));
+      if (status.code() == StatusCode::kDeadlineExceeded) continue;
+      if (!status.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (!broken_.load()) broken_why_ = status.message();
+        }
+        broken_ = true;
+        continue;
+      }
+      const auto done = Clock::now();
+      std::optional<Pending> p;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = in_flight_.find(resp.id());
+        if (it != in_flight_.end()) {
+          p = it->second;
+          in_flight_.erase(it);
+        }
+      }
+      if (!p) {
+        st->Error(done >= s_.measure, "io",
+                  "answer for id " + std::to_string(resp.id()) + ", which is not in flight");
+        continue;
+      }
+      std::string why;
+      const std::string kind = CheckAnswer(w_, resp, p->input, &why);
+      if (kind.empty()) {
+        st->Ok(p->measured, !w_.expected.empty(), Ms(done - p->scheduled), done);
+      } else {
+        st->Error(p->measured, kind, why);
+      }
+    }
+  }
+
+  const Workload& w_;
+  const Schedule& s_;
+  const int c_;
+  const double interval_s_;
+  const double offset_s_;
+  const Clock::time_point give_up_;  // no send or receive after it
+  std::unique_ptr<ServeConnection> conn_;
+  std::mutex mu_;
+  std::unordered_map<uint64_t, Pending> in_flight_;  // guarded by mu_
+  std::string broken_why_;                           // guarded by mu_ (written once)
+  std::atomic<bool> broken_{false};
+  std::atomic<bool> sender_done_{false};
+};
+
+double Percentile(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(sorted.size())));
+  return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+}  // namespace
+
+Status Validate(const ServeBenchFlags& f) {
+  const auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  if (f.target.empty()) return bad("--target HOST:PORT is required");
+  MOERUN_ASSIGN_OR_RETURN(const std::vector<std::string> targets, ParseTargets(f.target));
+  if (targets.size() > 1 && f.rate > 0) {
+    return bad("several --target routers (failover) need the closed loop: drop --rate");
+  }
+  if (f.concurrency < 1 || f.concurrency > 1024) return bad("--concurrency must be in 1..1024");
+  if (!std::isfinite(f.duration_s) || f.duration_s <= 0 || f.duration_s > 86400) {
+    return bad("--duration must be in (0, 86400] seconds");
+  }
+  if (!std::isfinite(f.warmup_s) || f.warmup_s < 0 || f.warmup_s > 3600) {
+    return bad("--warmup must be in 0..3600 seconds");
+  }
+  if (f.tokens_per_request < 1 || f.tokens_per_request > (1 << 20)) {
+    return bad("--tokens-per-request must be in 1..1048576");
+  }
+  if (!std::isfinite(f.rate) || f.rate < 0 || f.rate > 1e7) {
+    return bad("--rate must be in 0..1e7 requests/s (0: closed loop)");
+  }
+  if (f.dtype != "f32" && f.dtype != "bf16") {
+    return bad("--dtype must be f32 or bf16, not '" + f.dtype + "'");
+  }
+  if (f.deadline_ms < 0 || f.deadline_ms > 86400000) {
+    return bad("--deadline-ms must be in 0..86400000 (0: the server's default)");
+  }
+  if (f.inputs < 1 || f.inputs > 65536) return bad("--inputs must be in 1..65536");
+  if (!f.tls_server_name.empty() && f.tls_ca_file.empty()) {
+    return bad("--tls-server-name needs --tls-ca-file (the CA the server is verified with)");
+  }
+  if (f.hidden < 0 || f.hidden > (1 << 20)) return bad("--hidden must be in 1..1048576");
+  if (!f.verify) {
+    if (f.hidden == 0) return bad("--hidden H is required without --verify");
+    if (!f.layer.model.empty() || !f.layer.preset.empty()) {
+      return bad("--model and --preset are for --verify");
+    }
+  } else if (f.layer.model.empty() == f.layer.preset.empty()) {
+    return bad("--verify needs exactly one of --model DIR and --preset NAME");
+  }
+  return ValidateLayerFlags(f.layer);
+}
+
+namespace {
+
+// The request bodies, and with --verify the local layer's answers (hidden from the layer).
+Status BuildWorkload(const ServeBenchFlags& f, Workload* w) {
+  std::optional<int> request_layer;
+  if (f.layer.layer >= 0) request_layer = f.layer.layer;
+  std::shared_ptr<const MoeLayerWeights> weights;
+  std::unique_ptr<ThreadPool> pool;
+  const CpuKernels* kernels = nullptr;
+  if (f.verify) {
+    MOERUN_ASSIGN_OR_RETURN(const Isa isa, ChooseIsa(f.layer.isa));
+    kernels = &KernelsFor(isa);
+    pool = std::make_unique<ThreadPool>(f.layer.threads);
+    MOERUN_ASSIGN_OR_RETURN(weights, LoadLayerFromFlags(f.layer, *kernels, pool->size()));
+    if (f.hidden != 0 && f.hidden != weights->spec.hidden) {
+      return Status::InvalidArgument("--hidden " + std::to_string(f.hidden) +
+                                     " but the layer's is " + std::to_string(weights->spec.hidden));
+    }
+    w->hidden = weights->spec.hidden;
+    request_layer = weights->layer;  // the layer checked against, named explicitly
+    spdlog::info("verifying against {}", DescribeLayer(*weights));
+  } else {
+    w->hidden = f.hidden;
+  }
+  w->tokens = f.tokens_per_request;
+  w->dtype = f.dtype == "bf16" ? v1::BF16 : v1::F32;
+  w->elem_bytes = w->dtype == v1::BF16 ? 2 : 4;
+  const int64_t count = w->tokens * w->hidden;
+  const double total = static_cast<double>(count) * static_cast<double>(w->elem_bytes) *
+                       static_cast<double>(f.inputs) * (f.verify ? 2 : 1);
+  if (total > 8e9) {
+    return Status::InvalidArgument("--inputs " + std::to_string(f.inputs) + " of " +
+                                   std::to_string(w->tokens) + " x " + std::to_string(w->hidden) +
+                                   " values need over 8 GB: use fewer --inputs");
+  }
+  if (static_cast<double>(count) * static_cast<double>(w->elem_bytes) + 64 >
+      static_cast<double>(kDefaultMaxFrameBytes)) {
+    spdlog::warn("requests of {} bytes are over the server's default frame limit of {} bytes",
+                 count * static_cast<int64_t>(w->elem_bytes), kDefaultMaxFrameBytes);
+  }
+  w->wait = f.deadline_ms > 0 ? milliseconds(f.deadline_ms + 5000) : milliseconds(60000);
+
+  std::unique_ptr<MoeLayer> layer;
+  if (weights) layer = std::make_unique<MoeLayer>(weights, *kernels, pool.get());
+  std::vector<float> out(static_cast<size_t>(count));
+  v1::InferRequest req;
+  for (int p = 0; p < f.inputs; ++p) {
+    std::vector<float> x = MakeInput(f.seed_inputs, p, count);
+    req.Clear();
+    if (!w->key.empty()) req.set_key(w->key);
+    if (request_layer) req.set_layer(*request_layer);
+    if (f.deadline_ms > 0) req.set_deadline_ms(static_cast<uint32_t>(f.deadline_ms));
+    SetRequestData(&req, x.data(), w->tokens, w->hidden, w->dtype);
+    w->bodies.push_back(req.SerializeAsString());
+    if (!layer) continue;
+    if (w->dtype == v1::BF16) {  // what the server sees: the input rounded to bf16, widened
+      for (float& v : x) v = Bf16ToF32(F32ToBf16(v));
+    }
+    MOERUN_RETURN_IF_ERROR(layer->Forward(x.data(), w->tokens, out.data()));
+    v1::InferRequest expect;  // the answer's data, rounded as the server rounds it
+    SetRequestData(&expect, out.data(), w->tokens, w->hidden, w->dtype);
+    w->expected.push_back(std::move(*expect.mutable_data()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// --plot: the per-second timeline (second i: what completed in [i, i+1) s of the measured run,
+// drawn at its middle, i + 0.5): latency above, answers and errors per second below.
+std::string TimelineSvg(const ServeBenchFlags& f, const Workload& w, const json& timeline,
+                        double rps, double tps) {
+  plot::LineChart lat{"Latency of the answers completed in each second",
+                      "time into the run (s)",
+                      "latency (ms)",
+                      {{"p50", {}, {}}, {"p99", {}, {}}, {"max", {}, {}, true}}};
+  plot::LineChart thr{
+      fmt::format("Throughput: {:.1f} requests/s, {:.0f} tokens/s over the run", rps, tps),
+      "time into the run (s)",
+      "per second",
+      {{"answers", {}, {}}, {"errors", {}, {}}}};
+  for (const json& p : timeline) {
+    const double x = p["t_s"].get<double>() + 0.5;
+    const bool any = p["ok"].get<int64_t>() > 0;
+    const double none = std::numeric_limits<double>::quiet_NaN();  // no answer: no point
+    const char* keys[] = {"p50_ms", "p99_ms", "max_ms"};
+    for (size_t k = 0; k < 3; ++k) {
+      lat.series[k].x.push_back(x);
+      lat.series[k].y.push_back(any ? p[keys[k]].get<double>() : none);
+    }
+    thr.series[0].x.push_back(x);
+    thr.series[0].y.push_back(p["ok"].get<double>());
+    thr.series[1].x.push_back(x);
+    thr.series[1].y.push_back(p["errors"].get<double>());
+  }
+  plot::LineFigure fig;
+  fig.title = fmt::format(
+      "moebench serve {}: {} x{}, {} tokens/request, {}", f.target,
+      f.rate > 0 ? fmt::format("open loop {:g} req/s", f.rate) : std::string("closed loop"),
+      f.concurrency, w.tokens, f.dtype);
+  fig.charts = {lat, thr};
+  return plot::LineFigureSvg(fig);
+}
+
+int RunServeBench(const ServeBenchFlags& f) {
+  if (Status s = Validate(f); !s.ok()) return FailWith(s);
+  if (!f.plot.empty()) {
+    if (Status s = plot::CheckSvgPath("--plot", f.plot); !s.ok()) return FailWith(s);
+  }
+  Workload w;
+  w.targets = *ParseTargets(f.target);  // checked by Validate
+  {
+    // Fail fast on an unreachable target, before loading a layer.
+    FailoverOptions po = ClientFailover(f);
+    po.client.connect_timeout = ClientOptions{}.connect_timeout;
+    FailoverClient probe(w.targets, 0, po);
+    if (Status s = probe.Connect(); !s.ok()) return FailWith(s);
+  }
+  if (!f.key_file.empty()) {
+    Result<std::string> key = ReadTokenFile(f.key_file);
+    if (!key.ok()) return FailWith(key.status().WithContext("--key-file"));
+    w.key = std::move(*key);
+  }
+  if (Status s = BuildWorkload(f, &w); !s.ok()) return FailWith(s);
+
+  // Connection c starts at router c % targets (several: the load is spread over them).
+  std::vector<std::unique_ptr<FailoverClient>> clients;
+  for (int c = 0; c < f.concurrency; ++c) {
+    clients.push_back(
+        std::make_unique<FailoverClient>(w.targets, static_cast<size_t>(c), ClientFailover(f)));
+    if (Status st = clients.back()->Connect(); !st.ok()) return FailWith(st);
+  }
+  const bool open = f.rate > 0;
+  spdlog::info(
+      "serve {}: {} loop, {} connections, {} tokens x {} ({}) per request{}, {:.1f} s + "
+      "{:.1f} s warmup",
+      f.target, open ? "open" : "closed", f.concurrency, w.tokens, w.hidden, f.dtype,
+      open ? fmt::format(", {:.1f} requests/s", f.rate) : std::string(), f.duration_s, f.warmup_s);
+
+  Schedule s;
+  s.start = Clock::now() + milliseconds(10);
+  s.measure = s.start + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(f.warmup_s));
+  s.end = s.measure +
+          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(f.duration_s));
+  std::vector<Stats> stats(static_cast<size_t>(f.concurrency));
+  std::vector<std::thread> threads;
+  for (int c = 0; c < f.concurrency; ++c) {
+    Stats* st = &stats[static_cast<size_t>(c)];
+    FailoverClient* client = clients[static_cast<size_t>(c)].get();
+    threads.emplace_back([&w, &s, &f, c, st, open, client]() {
+      if (!open) {
+        ClosedLoop(w, s, c, client, st);
+        return;
+      }
+      const double interval = static_cast<double>(f.concurrency) / f.rate;
+      OpenLoopConnection loop(w, s, c, interval, static_cast<double>(c) / f.rate,
+                              client->TakeConnection());
+      loop.Run(st);
+    });
+  }
+  for (auto& t : threads) t.join();
+
+  Stats all;
+  for (const auto& st : stats) all.Merge(st);
+  std::sort(all.latency_ms.begin(), all.latency_ms.end());
+  const double wall_s =
+      std::chrono::duration<double>(std::max(all.last_done, s.end) - s.measure).count();
+  int64_t error_count = 0;
+  for (const auto& [k, n] : all.errors) error_count += n;
+  double mean = 0;
+  for (double v : all.latency_ms) mean += v;
+  if (!all.latency_ms.empty()) mean /= static_cast<double>(all.latency_ms.size());
+  const json latency = {{"p50", Percentile(all.latency_ms, 0.50)},
+                        {"p90", Percentile(all.latency_ms, 0.90)},
+                        {"p99", Percentile(all.latency_ms, 0.99)},
+                        {"max", all.latency_ms.empty() ? 0.0 : all.latency_ms.back()},
+                        {"mean", mean}};
+  // Per second of the measured run: answers, errors and latency of what completed in it (what a
+  // fault's recovery looks like over time).
+  json timeline = json::array();
+  {
+    const auto second = [&](Clock::time_point t) {
+      return static_cast<int64_t>(std::chrono::duration<double>(t - s.measure).count());
+    };
+    std::map<int64_t, std::vector<double>> lat;
+    std::map<int64_t, int64_t> errs;
+    for (const auto& [t, ms] : all.ok_at) lat[second(t)].push_back(ms);
+    for (const auto& t : all.error_at) ++errs[second(t)];
+    const int64_t last =
+        std::max(lat.empty() ? 0 : lat.rbegin()->first, errs.empty() ? 0 : errs.rbegin()->first);
+    for (int64_t i = 0; i <= last; ++i) {
+      std::vector<double>& v = lat[i];
+      std::sort(v.begin(), v.end());
+      timeline.push_back({{"t_s", i},
+                          {"ok", v.size()},
+                          {"errors", errs[i]},
+                          {"p50_ms", Percentile(v, 0.50)},
+                          {"p99_ms", Percentile(v, 0.99)},
+                          {"max_ms", v.empty() ? 0.0 : v.back()}});
+    }
+  }
+  const double measure_unix_s =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count() -
+      std::chrono::duration<double>(Clock::now() - s.measure).count();
+  const double rps = static_cast<double>(all.ok) / wall_s;
+  const double tps = static_cast<double>(all.ok * w.tokens) / wall_s;
+
+  json report;
+  report["bench"] = "serve";
+  report["target"] = f.target;
+  report["mode"] = open ? "open" : "closed";
+  report["rate"] = open ? json(f.rate) : json(nullptr);
+  report["concurrency"] = f.concurrency;
+  report["tokens_per_request"] = w.tokens;
+  report["hidden"] = w.hidden;
+  report["dtype"] = f.dtype;
+  report["deadline_ms"] = f.deadline_ms;
+  report["inputs"] = f.inputs;
+  report["duration_s"] = f.duration_s;
+  report["warmup_s"] = f.warmup_s;
+  report["wall_s"] = wall_s;
+  report["requests"] = all.requests;
+  report["ok"] = all.ok;
+  report["errors"] = all.errors;
+  report["error_count"] = error_count;
+  report["requests_per_s"] = rps;
+  report["tokens_per_s"] = tps;
+  report["latency_ms"] = latency;
+  report["verify"] = f.verify;
+  report["verified"] = all.verified;
+  report["warmup"] = {{"requests", all.warmup_requests}, {"errors", all.warmup_errors}};
+  report["targets"] = w.targets;
+  report["failovers"] = all.failovers;
+  report["retried"] = all.retried;
+  report["measure_start_unix_s"] = measure_unix_s;
+  report["timeline"] = timeline;
+  if (f.json) std::printf("%s\n", report.dump(2).c_str());
+
+  std::fprintf(
+      stderr,
+      "serve %s %s loop x%d, T=%lld %s: %lld requests, %lld ok, %lld errors | "
+      "%.1f req/s, %.0f tok/s | latency ms p50 %.3f p90 %.3f p99 %.3f max %.3f "
+      "mean %.3f%s\n",
+      f.target.c_str(), open ? "open" : "closed", f.concurrency, static_cast<long long>(w.tokens),
+      f.dtype.c_str(), static_cast<long long>(all.requests), static_cast<long long>(all.ok),
+      static_cast<long long>(error_count), rps, tps, latency["p50"].get<double>(),
+      latency["p90"].get<double>(), latency["p99"].get<double>(), latency["max"].get<double>(),
+      mean, f.verify ? fmt::format(" | verified {}/{} bitwise", all.verified, all.ok).c_str() : "");
+  int rc = 0;
+  if (!f.plot.empty()) {
+    if (Status ps = plot::WriteSvg(f.plot, TimelineSvg(f, w, timeline, rps, tps)); !ps.ok()) {
+      rc = FailWith(ps);
+    } else {
+      std::fprintf(stderr, "serve: plot written to %s\n", f.plot.c_str());
+    }
+  }
+  for (const auto& [kind, n] : all.errors) {
+    std::fprintf(stderr, "serve: %lld %s errors (first: %s)\n", static_cast<long long>(n),
+                 kind.c_str(), all.first_error[kind].c_str());
+    rc = 1;
+  }
+  if (all.warmup_errors > 0) {
+    std::fprintf(stderr, "serve: %lld errors during the warmup (first: %s)\n",
+                 static_cast<long long>(all.warmup_errors), all.first_warmup_error.c_str());
+    rc = 1;
+  }
+  if (all.requests == 0) {
+    std::fprintf(stderr, "serve: no request was measured (duration too short?)\n");
+    rc = 1;
+  }
+  return rc;
+}
+
+}  // namespace moerun::bench

@@ -1,0 +1,410 @@
+#include "runtime/cache/expert_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "base/log.h"
+
+namespace moerun {
+
+const char* EvictionPolicyName(EvictionPolicy p) {
+  return p == EvictionPolicy::kLru ? "lru" : "lfu";
+}
+
+Result<EvictionPolicy> ParseEvictionPolicy(const std::string& name) {
+  if (name == "lfu") return EvictionPolicy::kLfu;
+  if (name == "lru") return EvictionPolicy::kLru;
+  return Status::InvalidArgument("unknown expert cache policy '" + name + "' (lfu or lru)");
+}
+
+ExpertCache::ExpertCache(ExpertCacheOptions options, ExpertFetch fetch,
+                         std::map<int, std::vector<ExpertWeights>*> layers,
+                         std::unique_ptr<SpillFile> spill)
+    : opts_(options),
+      fetch_(std::move(fetch)),
+      spill_(std::move(spill)),
+      layers_(std::move(layers)) {
+  opts_.loaders = std::max(1, opts_.loaders);
+  if (!(opts_.half_life > 0)) opts_.half_life = 256;
+  for (const auto& [layer, experts] : layers_) {
+    auto& ents = entries_[layer];
+    ents.resize(experts->size());
+    for (size_t e = 0; e < experts->size(); ++e) {
+      const ExpertWeights& w = (*experts)[e];
+      if (w.w13.empty()) continue;
+      ents[e].hosted = true;
+      ents[e].state = State::kResident;
+      ents[e].bytes = w.bytes();
+      expert_bytes_[layer] = w.bytes();
+      resident_bytes_ += w.bytes();
+    }
+  }
+  Publish();
+  for (int i = 0; i < opts_.loaders; ++i) threads_.emplace_back([this] { LoaderMain(); });
+}
+
+ExpertCache::~ExpertCache() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    work_.clear();
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+ExpertCache::Entry* ExpertCache::Find(int layer, int expert) {
+  const auto it = entries_.find(layer);
+  if (it == entries_.end() || expert < 0 || static_cast<size_t>(expert) >= it->second.size()) {
+    return nullptr;
+  }
+  return &it->second[static_cast<size_t>(expert)];
+}
+
+const ExpertCache::Entry* ExpertCache::Find(int layer, int expert) const {
+  return const_cast<ExpertCache*>(this)->Find(layer, expert);
+}
+
+bool ExpertCache::hosted(int layer, int expert) const {
+  const Entry* e = Find(layer, expert);
+  return e != nullptr && e->hosted;
+}
+
+bool ExpertCache::resident(int layer, int expert) const {
+  const Entry* e = Find(layer, expert);
+  return e != nullptr && e->state == State::kResident;
+}
+
+size_t ExpertCache::expert_bytes(int layer) const {
+  const auto it = expert_bytes_.find(layer);
+  return it == expert_bytes_.end() ? 0 : it->second;
+}
+
+size_t ExpertCache::Bytes(int layer) const {
+  const size_t b = expert_bytes(layer);
+  if (b > 0 || expert_bytes_.empty()) return b;
+  return expert_bytes_.begin()->second;  // layers share the shape
+}
+
+void ExpertCache::Publish() {
+  if (!dirty_) return;  // (Poll runs in the rank's idle loop: no scan unless something changed)
+  dirty_ = false;
+  uint64_t resident = 0, hosted = 0;
+  for (const auto& [layer, ents] : entries_) {
+    for (const Entry& e : ents) {
+      resident += e.state == State::kResident;
+      hosted += e.hosted;
+    }
+  }
+  stats_->resident_bytes.store(resident_bytes_);
+  stats_->resident_experts.store(resident);
+  stats_->hosted_experts.store(hosted);
+}
+
+void ExpertCache::Host(int layer, int expert, bool on) {
+  Entry* e = Find(layer, expert);
+  if (e == nullptr) return;
+  dirty_ = true;
+  e->hosted = on;
+  if (!on) {
+    e->pinned = false;
+    e->held = 0;
+    e->uses = 0;
+    e->file.clear();
+    if (e->state == State::kResident) Evict(layer, expert, *e);
+    if (e->state == State::kFailed) e->state = State::kCold;
+    // A queued load is dropped when it starts; one in flight when it finishes.
+  }
+  Publish();
+}
+
+void ExpertCache::Pin(int layer, int expert) {
+  if (Entry* e = Find(layer, expert)) e->pinned = true;
+}
+
+void ExpertCache::SetFile(int layer, int expert, const std::string& file) {
+  if (Entry* e = Find(layer, expert)) e->file = file;
+  if (spill_) spill_->Forget(layer, expert);  // its spilled copy holds the old weights
+}
+
+void ExpertCache::Resized(int layer, int expert) {
+  Entry* e = Find(layer, expert);
+  if (e == nullptr) return;
+  const ExpertWeights& w = (*layers_.at(layer))[static_cast<size_t>(expert)];
+  dirty_ = true;
+  resident_bytes_ -= e->bytes;
+  e->bytes = w.w13.empty() ? 0 : w.bytes();
+  resident_bytes_ += e->bytes;
+  if (e->bytes > 0) {
+    e->state = State::kResident;
+    e->hosted = true;
+    expert_bytes_[layer] = e->bytes;
+  }
+  Publish();
+}
+
+void ExpertCache::Touch(Entry& e) {
+  // Decayed count: halves every half_life ticks, +1 for this use.
+  const double age = static_cast<double>(tick_ - std::min(tick_, e.last));
+  e.uses = e.uses * std::exp2(-age / opts_.half_life) + 1.0;
+  e.last = tick_;
+}
+
+double ExpertCache::Score(const Entry& e) const {
+  if (opts_.policy == EvictionPolicy::kLru) return static_cast<double>(e.last);
+  const double age = static_cast<double>(tick_ - std::min(tick_, e.last));
+  return e.uses * std::exp2(-age / opts_.half_life);
+}
+
+void ExpertCache::Need(int layer, int expert) {
+  Entry* e = Find(layer, expert);
+  if (e == nullptr || !e->hosted) return;  // the caller reports experts it does not host
+  ++e->held;
+  Touch(*e);
+  if (e->state == State::kResident) {
+    stats_->hits.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  stats_->misses.fetch_add(1, std::memory_order_relaxed);
+  if (e->state == State::kCold || e->state == State::kFailed) {
+    e->state = State::kCold;
+    Queue(layer, expert, false);
+  } else if (e->state == State::kQueued && e->warm) {
+    // A warm load waiting behind others becomes a demand load.
+    e->warm = false;
+    warm_.erase(std::remove(warm_.begin(), warm_.end(), Key{layer, expert}), warm_.end());
+    demand_.push_back({layer, expert});
+  }
+}
+
+void ExpertCache::Done(int layer, int expert) {
+  Entry* e = Find(layer, expert);
+  if (e != nullptr && e->held > 0) --e->held;
+}
+
+Status ExpertCache::Failed(int layer, int expert) const {
+  const Entry* e = Find(layer, expert);
+  if (e == nullptr || e->state != State::kFailed) return Status::Ok();
+  return e->error;
+}
+
+void ExpertCache::Queue(int layer, int expert, bool warm) {
+  Entry* e = Find(layer, expert);
+  e->state = State::kQueued;
+  e->warm = warm;
+  (warm ? warm_ : demand_).push_back({layer, expert});
+}
+
+void ExpertCache::Warm(int layer, const std::vector<int>& experts) {
+  for (int x : experts) {
+    Entry* e = Find(layer, x);
+    if (e == nullptr || !e->hosted || e->state != State::kCold) continue;
+    Queue(layer, x, true);
+  }
+}
+
+bool ExpertCache::Loading(int layer, const std::vector<int>& experts) const {
+  for (int x : experts) {
+    const Entry* e = Find(layer, x);
+    if (e != nullptr && (e->state == State::kQueued || e->state == State::kLoading)) return true;
+  }
+  return false;
+}
+
+void ExpertCache::Evict(int layer, int expert, Entry& e) {
+  ExpertWeights& w = (*layers_.at(layer))[static_cast<size_t>(expert)];
+  if (spill_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spare_.size() < static_cast<size_t>(opts_.loaders)) spare_.push_back(std::move(w));
+  }
+  w = ExpertWeights{};
+  dirty_ = true;
+  resident_bytes_ -= e.bytes;
+  e.bytes = 0;
+  e.state = State::kCold;
+  stats_->evictions.fetch_add(1, std::memory_order_relaxed);
+}
+
+bool ExpertCache::MakeRoom(size_t need, bool strict) {
+  while (resident_bytes_ + inflight_bytes_ + need > opts_.budget_bytes) {
+    // The lowest score among those that may go (ties: the higher layer and expert number).
+    int best_layer = -1, best_expert = -1;
+    double best = std::numeric_limits<double>::infinity();
+    for (auto& [layer, ents] : entries_) {
+      for (size_t x = 0; x < ents.size(); ++x) {
+        const Entry& e = ents[x];
+        if (e.state != State::kResident || e.pinned || e.held > 0) continue;
+        const double s = Score(e);
+        if (s <= best) {
+          best = s;
+          best_layer = layer;
+          best_expert = static_cast<int>(x);
+        }
+      }
+    }
+    if (best_layer < 0 || strict) return false;  // a warm load takes free room only
+    Evict(best_layer, best_expert, entries_.at(best_layer)[static_cast<size_t>(best_expert)]);
+  }
+  return true;
+}
+
+void ExpertCache::Install(Finished& d) {
+  Entry* e = Find(d.layer, d.expert);
+  --inflight_;
+  inflight_bytes_ -= std::min(inflight_bytes_, e->loading_bytes);
+  e->loading_bytes = 0;
+  if (e->state != State::kLoading) return;
+  if (!e->hosted) {  // released while it loaded
+    e->state = State::kCold;
+    return;
+  }
+  if (!d.weights.ok()) {
+    e->state = State::kFailed;
+    e->error = d.weights.status().WithContext("loading layer " + std::to_string(d.layer) +
+                                              " expert " + std::to_string(d.expert));
+    spdlog::error("expert cache: {}", e->error.ToString());
+    return;
+  }
+  ExpertWeights& slot = (*layers_.at(d.layer))[static_cast<size_t>(d.expert)];
+  slot = std::move(*d.weights);
+  dirty_ = true;
+  e->bytes = slot.bytes();
+  e->state = State::kResident;
+  expert_bytes_[d.layer] = e->bytes;
+  resident_bytes_ += e->bytes;
+  stats_->loaded_bytes.fetch_add(e->bytes, std::memory_order_relaxed);
+  stats_->loads.fetch_add(1, std::memory_order_relaxed);
+}
+
+Status ExpertCache::Poll() {
+  std::deque<Finished> finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished.swap(done_);
+  }
+  for (Finished& d : finished) Install(d);
+  // Back within the budget once microbatches have let go of what they held.
+  MakeRoom(0, false);
+  if (resident_bytes_ > opts_.budget_bytes && !warned_over_) {
+    warned_over_ = true;
+    spdlog::warn(
+        "expert cache: the experts held by the microbatches in flight need {:.1f} MiB, more than "
+        "the budget of {:.1f} MiB; they stay resident until done",
+        static_cast<double>(resident_bytes_) / (1 << 20),
+        static_cast<double>(opts_.budget_bytes) / (1 << 20));
+  }
+  // Start loads: demand first, then warm ones, within the parallel and byte bounds.
+  std::vector<std::pair<Key, std::string>> start;
+  for (std::deque<Key>* q : {&demand_, &warm_}) {
+    const bool warm = q == &warm_;
+    while (!q->empty()) {
+      const Key k = q->front();
+      Entry* e = Find(k.first, k.second);
+      // Entries that left this queue (a warm load made a demand one, a load of an expert no
+      // longer hosted) are skipped.
+      if (e == nullptr || e->state != State::kQueued || e->warm != warm) {
+        q->pop_front();
+        continue;
+      }
+      if (!e->hosted) {
+        e->state = State::kCold;
+        q->pop_front();
+        continue;
+      }
+      const size_t bytes = Bytes(k.first);
+      const size_t max_inflight =
+          opts_.max_inflight_bytes > 0 ? opts_.max_inflight_bytes : 2 * std::max<size_t>(bytes, 1);
+      if (inflight_ >= opts_.loaders || (inflight_ > 0 && inflight_bytes_ + bytes > max_inflight)) {
+        break;
+      }
+      if (!MakeRoom(bytes, warm)) {
+        if (warm) {  // no room without pushing out a used expert: it stays cold
+          e->state = State::kCold;
+          q->pop_front();
+          continue;
+        }
+        // A demand load goes ahead over the budget (Poll evicts once microbatches let go).
+      }
+      q->pop_front();
+      e->state = State::kLoading;
+      ++inflight_;
+      e->loading_bytes = bytes;
+      inflight_bytes_ += bytes;
+      start.push_back({k, e->file});
+    }
+  }
+  if (!start.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& s : start) work_.push_back(std::move(s));
+    }
+    work_cv_.notify_all();
+  }
+  Publish();
+  return Status::Ok();
+}
+
+bool ExpertCache::WaitForLoad(Deadline until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return done_cv_.wait_until(lock, until, [this] { return !done_.empty(); });
+}
+
+void ExpertCache::LoaderMain() {
+  for (;;) {
+    std::pair<Key, std::string> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [this] { return stop_ || !work_.empty(); });
+      if (stop_) return;
+      job = std::move(work_.front());
+      work_.pop_front();
+    }
+    const int layer = job.first.first, expert = job.first.second;
+    const auto started = SteadyClock::now();
+    Result<ExpertWeights> w = Status::NotFound("not spilled");
+    if (spill_) {
+      ExpertWeights reuse;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!spare_.empty()) {
+          reuse = std::move(spare_.back());
+          spare_.pop_back();
+        }
+      }
+      w = spill_->Get(layer, expert, std::move(reuse));
+      if (w.ok()) stats_->spill_reads.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (!w.ok()) {
+      const uint64_t generation = spill_ ? spill_->Generation(layer, expert) : 0;
+      w = fetch_(layer, expert, job.second);
+      if (w.ok() && spill_) {
+        const Status s = spill_->Put(layer, expert, generation, *w);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!s.ok() && !warned_spill_) {
+          warned_spill_ = true;
+          spdlog::warn("{} (misses load from the source)", s.ToString());
+        }
+      }
+    }
+    if (w.ok() && opts_.load_bytes_per_s > 0) {
+      // Paced: this load is due its bytes' worth of time after the one before it was.
+      std::unique_lock<std::mutex> lock(mu_);
+      const auto now = SteadyClock::now();
+      paced_until_ =
+          std::max(paced_until_, started) +
+          std::chrono::duration_cast<SteadyClock::duration>(std::chrono::duration<double>(
+              static_cast<double>(w->bytes()) / opts_.load_bytes_per_s));
+      const auto due = paced_until_;
+      if (due > now) work_cv_.wait_until(lock, due, [this] { return stop_; });
+      if (stop_) return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_.push_back(Finished{job.first.first, job.first.second, std::move(w)});
+    }
+    done_cv_.notify_all();
+  }
+}
+
+}  // namespace moerun
