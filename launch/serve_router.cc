@@ -3,14 +3,12 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
-#include <thread>
 
 #include "base/log.h"
 #include "base/metrics.h"
 #include "runtime/migration/placement_control.h"
-#include "runtime/serving/batcher.h"
+#include "runtime/service/router_service.h"
 #include "runtime/serving/control_endpoint.h"
-#include "runtime/serving/serving_endpoint.h"
 
 namespace moerun {
 
@@ -122,39 +120,29 @@ Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankS
   return ControlEndpoint::Start(co, s.token, provider, &rs.metrics(), auth);
 }
 
-// One router rank's serving: its endpoints, its batcher and the loop between them.
+// One router rank's serving: the RouterService (runtime/service: endpoint, batcher, the loop
+// and the request path) and, around it, what the launcher adds: router 0's control endpoint and
+// automatic placement, and the rank's metrics.
 class RouterServer {
  public:
   RouterServer(RouterRank& router, RankServices& services, const ServeSetup& setup,
                std::atomic<bool>& stop)
-      : router_(router),
-        rs_(services),
-        setup_(setup),
-        stop_(stop),
-        batcher_(setup.config.batching, setup.hidden) {}
+      : router_(router), rs_(services), setup_(setup), stop_(stop) {}
 
   Status Start();
   Status Run();
 
  private:
   void StartPlacementControl();
-  Status Forward(int layer, const float* x, int64_t tokens, float* out, Deadline deadline);
-  bool StopRequested();  // SIGTERM: drain, then true
-  void Refresh();        // between batches and when idle
+  void Tick();  // between batches and when idle, after the router rank's poll
 
   RouterRank& router_;
   RankServices& rs_;
   const ServeSetup& setup_;
   std::atomic<bool>& stop_;
-  Batcher batcher_;
-  std::unique_ptr<ServingEndpoint> endpoint_;
+  std::unique_ptr<RouterService> service_;
   std::unique_ptr<PlacementControl> placement_control_;  // router 0 (before control_: it uses it)
   std::unique_ptr<ControlEndpoint> control_;
-  Status control_failed_;
-  bool draining_ = false;
-  std::chrono::steady_clock::time_point drain_until_{};
-  Counter* batches_ = nullptr;
-  Counter* batch_tokens_ = nullptr;
   Counter* load_retries_ = nullptr;
   uint64_t load_retries_seen_ = 0;
   Gauge* version_ = nullptr;                             // routers with a RouterControl
@@ -191,12 +179,12 @@ Status RouterServer::Start() {
   const int rank = router_.rank();
   rs_.Attach(router_);
   StartPlacementControl();
-  MOERUN_ASSIGN_OR_RETURN(
-      endpoint_, ServingEndpoint::Start(ServingOptionsFor(setup_, rank), ServedModelFor(setup_),
-                                        &batcher_, &rs_.metrics()));
-  batches_ = rs_.metrics().AddCounter("moerun_batches_total", "Batches run");
-  batch_tokens_ =
-      rs_.metrics().AddCounter("moerun_batch_tokens_total", "Tokens of the batches run");
+  RouterServiceOptions so;
+  so.serving = ServingOptionsFor(setup_, rank);
+  so.model = ServedModelFor(setup_);
+  so.batching = setup_.config.batching;
+  so.drain_timeout = std::chrono::seconds(setup_.config.serving.drain_timeout_s);
+  MOERUN_ASSIGN_OR_RETURN(service_, RouterService::Start(router_, std::move(so), &rs_.metrics()));
   load_retries_ = rs_.metrics().AddCounter(
       "moerun_microbatches_resent_for_loads_total",
       "Microbatches sent again because an expert rank was still loading an expert they need "
@@ -214,73 +202,7 @@ Status RouterServer::Start() {
   return Status::Ok();
 }
 
-Status RouterServer::Forward(int layer, const float* x, int64_t tokens, float* out,
-                             Deadline deadline) {
-  Status s = router_.Forward(layer, x, tokens, out, deadline);
-  // Experts whose every copy died are being re-placed (router 0's recovery migration): the batch
-  // waits for them, bounded by its deadline; the control moves on meanwhile (no microbatch of
-  // this router is in flight between two calls).
-  RouterLayer* l = router_.layer(layer);
-  if (!s.ok() && l != nullptr && l->waiting_for_copies()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    spdlog::warn("router {}: a batch of {} token(s) waits for re-placed experts ({})",
-                 router_.rank(), tokens, s.ToString());
-    while (!s.ok() && l->waiting_for_copies() && SteadyClock::now() < deadline &&
-           control_failed_.ok() && !stop_.load()) {
-      Refresh();
-      if (l->orphans() > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        continue;
-      }
-      s = router_.Forward(layer, x, tokens, out, deadline);
-    }
-    spdlog::info("router {}: the batch waited {:.3f} s for re-placed experts: {}", router_.rank(),
-                 SecondsSince(t0), s.ok() ? "answered" : s.ToString());
-  }
-  batches_->Inc();
-  batch_tokens_->Inc(static_cast<uint64_t>(tokens));
-  if (s.ok()) rs_.CountBatch();
-  return s;
-}
-
-bool RouterServer::StopRequested() {
-  if (!stop_.load()) return false;
-  if (!draining_) {
-    draining_ = true;
-    // Router 0 takes the other routers with it: one SIGTERM to rank 0 drains the whole job.
-    if (router_.rank() == 0 && router_.control() != nullptr) {
-      if (Status s = router_.control()->DrainOthers(); !s.ok()) {
-        spdlog::warn("router 0: could not ask the other routers to drain: {}", s.ToString());
-      }
-    }
-    rs_.set_draining();
-    endpoint_->BeginDrain();
-    drain_until_ = std::chrono::steady_clock::now() +
-                   std::chrono::seconds(setup_.config.serving.drain_timeout_s);
-  }
-  if (endpoint_->in_flight() == 0) return true;
-  if (std::chrono::steady_clock::now() >= drain_until_) {
-    spdlog::warn("drain timeout: {} request(s) still in flight", endpoint_->in_flight());
-    return true;
-  }
-  return false;
-}
-
-void RouterServer::Refresh() {
-  if (control_failed_.ok()) {
-    control_failed_ = router_.Poll();
-    if (!stop_.load() && router_.control() != nullptr && router_.control()->drain_requested()) {
-      spdlog::info("router {}: router 0 drains the job: draining", router_.rank());
-      stop_.store(true);
-    }
-    if (!control_failed_.ok()) {
-      spdlog::error("router {}: the control channel failed ({}): stopping", router_.rank(),
-                    control_failed_.ToString());
-      stop_.store(true);
-    }
-  } else if (router_.health() != nullptr) {
-    router_.health()->Poll();
-  }
+void RouterServer::Tick() {
   if (placement_control_) {
     placement_control_->Tick();
     const MigrationView mv = router_.control()->Progress();
@@ -308,18 +230,21 @@ void RouterServer::Refresh() {
     load_retries_seen_ = load_retries;
   }
   rs_.CountRecovery(retried, router_.control() ? router_.control()->experts_replaced() : 0);
-  const BatcherStats st = batcher_.stats();
+  const BatcherStats st = service_->stats();
   rs_.Refresh(router_.health(), static_cast<int64_t>(st.queued_requests), st.queued_tokens);
 }
 
 Status RouterServer::Run() {
-  batcher_.Run([this](int layer, const float* x, int64_t tokens, float* out,
-                      Deadline deadline) { return Forward(layer, x, tokens, out, deadline); },
-               [this] { return StopRequested(); }, [this] { Refresh(); });
-  endpoint_->Stop();
+  RouterServiceHooks hooks;
+  hooks.tick = [this] { Tick(); };
+  hooks.on_batch = [this](int64_t, bool ok) {
+    if (ok) rs_.CountBatch();
+  };
+  hooks.on_drain = [this] { rs_.set_draining(); };
+  const Status failed = service_->Run(stop_, std::move(hooks));
   if (control_) control_->Stop();
-  if (!control_failed_.ok()) return control_failed_;
-  const BatcherStats st = batcher_.stats();
+  if (!failed.ok()) return failed;
+  const BatcherStats st = service_->stats();
   spdlog::info("router {} stopping: {} batches, {} requests, {} tokens served, {} expired",
                router_.rank(), st.batches, st.requests, st.tokens, st.expired);
   return Status::Ok();

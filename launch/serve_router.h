@@ -1,10 +1,7 @@
-// `moerun serve` on a router rank: the serving endpoint (and, on router 0, the moectl control
-// endpoint and the placement control) in front of the router rank, and the loop that feeds the
-// router's batcher into it until a stop is asked for and the requests in flight have drained.
-//
-// The loop runs on the router rank's thread: each batch goes through RouterRank::Forward; between
-// batches and when idle it polls the router rank (health probes, control messages, migration
-// steps), ticks the automatic rebalancing and refreshes the rank's metrics.
+// `moerun serve` on a router rank: runtime/service's RouterService (the serving endpoint, its
+// batcher, the loop and the request path down to the router rank) with what the launcher adds:
+// on router 0 the moectl control endpoint and the placement control, and the rank's metrics,
+// refreshed by the service's tick between batches and when idle.
 #pragma once
 
 #include <atomic>
