@@ -5,12 +5,11 @@
 namespace moerun {
 
 void RegisterMpiTransport(TransportRegistry& registry) {
-  TransportBackend b;
-  b.name = "mpi";
-  b.offers = "host memory point-to-point over MPI (Open MPI's ob1/vader/tcp, or its UCX pml)";
-  b.needs_mpi_launcher = true;
-  b.create = [](TransportRequest) { return CreateMpiTransport(); };
-  registry.Add(std::move(b));
+  registry.Add({.name = "mpi",
+                .offers = "host memory point-to-point over MPI (Open MPI's ob1/vader/tcp, or its "
+                          "UCX pml)",
+                .needs_mpi_launcher = true,
+                .create = [](TransportRequest) { return CreateMpiTransport(); }});
 }
 
 }  // namespace moerun

@@ -25,21 +25,22 @@ class UcxJoinerAdapter final : public TransportJoiner {
 }  // namespace
 
 void RegisterUcxTransport(TransportRegistry& registry) {
-  TransportBackend b;
-  b.name = "ucx";
-  b.offers = "host memory over UCX (verbs, shared memory, TCP), large messages by zero-copy put";
-  b.needs_bootstrap = true;
-  b.needs_mpi_launcher = true;
-  b.create = [](TransportRequest r) -> Result<std::unique_ptr<Transport>> {
+  auto create = [](TransportRequest r) -> Result<std::unique_ptr<Transport>> {
     MOERUN_ASSIGN_OR_RETURN(const UcxOptions opts, UcxOptionsFromEnvironment());
     return CreateUcxTransport(std::move(r.bootstrap), opts);
   };
-  b.create_joiner = []() -> Result<std::unique_ptr<TransportJoiner>> {
+  auto create_joiner = []() -> Result<std::unique_ptr<TransportJoiner>> {
     MOERUN_ASSIGN_OR_RETURN(const UcxOptions opts, UcxOptionsFromEnvironment());
     MOERUN_ASSIGN_OR_RETURN(std::unique_ptr<UcxJoiner> joiner, CreateUcxJoiner(opts));
     return std::unique_ptr<TransportJoiner>(new UcxJoinerAdapter(std::move(joiner)));
   };
-  registry.Add(std::move(b));
+  registry.Add({.name = "ucx",
+                .offers = "host memory over UCX (verbs, shared memory, TCP), large messages by "
+                          "zero-copy put",
+                .needs_bootstrap = true,
+                .needs_mpi_launcher = true,
+                .create = std::move(create),
+                .create_joiner = std::move(create_joiner)});
 }
 
 }  // namespace moerun
