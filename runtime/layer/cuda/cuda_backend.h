@@ -1,6 +1,6 @@
 // The CUDA backend's entry points: defined by the CUDA implementation (cuda_device.cu,
-// cuda_layer.cc), which is compiled only in builds with CUDA (MOERUN_WITH_CUDA). The public
-// interfaces that callers use (ProbeCuda in cuda_device.h; CudaRankContext::Create and
+// cuda_context.cc, cuda_layer_create.cc), compiled only in builds with CUDA (MOERUN_WITH_CUDA). The
+// public interfaces that callers use (ProbeCuda in cuda_device.h; CudaRankContext::Create and
 // CudaMoeLayer's factories in cuda_layer.h) are defined in cuda_backend.cc in every build: they
 // call these where the build has CUDA, and otherwise say by name that it has no CUDA backend.
 // So no stub stands in for the CUDA layer. Only layer/cuda includes this header.

@@ -63,7 +63,7 @@ enum class DeviceRole {
 };
 const char* DeviceRoleName(DeviceRole r);  // "cpu router", "expert", "whole layer"
 
-// Device bytes of one group descriptor (cuda_kernels::DevGroup; cuda_layer.cc checks it fits).
+// Device bytes of one group descriptor (cuda_kernels::DevGroup; cuda_layer_impl.h checks it fits).
 constexpr size_t kGroupDescriptorBytes = 128;
 
 // One MoE layer a rank hosts: its number and the expert slots it holds in it (the placement's).

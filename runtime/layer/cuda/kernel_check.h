@@ -1,6 +1,6 @@
 // The start-up check that this binary holds code the device can run for every kernel of the
 // CUDA layer (experts/cuda/kernel_image.h). Plain C++ interface (no CUDA types); built only with
-// CUDA, and called only by the CUDA layer (cuda_layer.cc, when a context is made).
+// CUDA, and called only by the CUDA layer (cuda_context.cc, when a context is made).
 #pragma once
 
 #include "base/status.h"
