@@ -39,6 +39,7 @@ ExpertControl::ExpertControl(Transport* transport, int routers,
       if (!w->experts[e].w13.empty()) users[e].assign(n, true);
     }
   }
+  Publish();
 }
 
 ExpertControl::~ExpertControl() {
@@ -69,6 +70,7 @@ void ExpertControl::EnableCache(ExpertCacheOptions options, ExpertFetch fetch,
       if (mask[e]) cache_->Pin(layer, static_cast<int>(e));
     }
   }
+  Publish();
 }
 
 bool ExpertControl::hosts(int layer, int expert) const {
@@ -78,6 +80,29 @@ bool ExpertControl::hosts(int layer, int expert) const {
   }
   const auto& users = u->second[static_cast<size_t>(expert)];
   return std::any_of(users.begin(), users.end(), [](bool b) { return b; });
+}
+
+void ExpertControl::set_on_change(std::function<void(const ServedWeights&)> f) {
+  on_change_ = std::move(f);
+  if (on_change_) on_change_(served_);
+}
+
+void ExpertControl::Publish() {
+  const int top = layers_.empty() ? -1 : layers_.rbegin()->first;
+  served_.layers.assign(static_cast<size_t>(std::max(top, -1) + 1), ServedLayer{});
+  for (const auto& [layer, w] : layers_) {
+    if (layer < 0) continue;  // no header names it
+    ServedLayer& s = served_.layers[static_cast<size_t>(layer)];
+    s.weights = w.get();
+    s.hosted.resize(w->experts.size());
+    for (size_t e = 0; e < w->experts.size(); ++e) {
+      // With a cache an expert loads when a microbatch needs it; without, only what is held.
+      s.hosted[e] = cache_ ? hosts(layer, static_cast<int>(e)) : !w->experts[e].w13.empty();
+    }
+  }
+  served_.cache = cache_.get();
+  served_.has_updates = !variants_.empty();
+  if (on_change_) on_change_(served_);
 }
 
 void ExpertControl::set_loaders(ExpertLoader load, ExpertFileLoader load_file) {
@@ -137,11 +162,14 @@ Status ExpertControl::OnMessage(int router, const EpHeaderFixed& h) {
   body_.resize(static_cast<size_t>(h.rows));
   MOERUN_RETURN_IF_ERROR(
       t_->Recv(router, kTagRows, body_.data(), body_.size(), DeadlineIn(deadline_)));
+  Status s;
   try {
-    return Handle(router, h.seq);
+    s = Handle(router, h.seq);
   } catch (const nlohmann::json::exception& e) {  // a field of the wrong type
-    return Reply(router, ErrorReply(h.seq, std::string("malformed control message: ") + e.what()));
+    s = Reply(router, ErrorReply(h.seq, std::string("malformed control message: ") + e.what()));
   }
+  Publish();  // a release, promote, rollback or a load that needed nothing may have changed it
+  return s;
 }
 
 Status ExpertControl::Handle(int router, uint64_t id) {
@@ -393,14 +421,16 @@ Status ExpertControl::Poll() {
         "rank {}: layer {}: {} of {} new expert(s) resident in the cache ({:.1f} MiB, {:.2f} s)",
         t_->rank(), job->layer, resident, job->experts.size(),
         static_cast<double>(bytes) / (1 << 20), secs);
-    MOERUN_RETURN_IF_ERROR(Reply(job->router, json{{"id", job->id},
-                                                   {"final", true},
-                                                   {"ok", true},
-                                                   {"bytes", bytes},
-                                                   {"seconds", secs},
-                                                   {"resident", resident}}
-                                                  .dump()));
-    return StartNextJob();
+    Status s = Reply(job->router, json{{"id", job->id},
+                                       {"final", true},
+                                       {"ok", true},
+                                       {"bytes", bytes},
+                                       {"seconds", secs},
+                                       {"resident", resident}}
+                                      .dump());
+    if (s.ok()) s = StartNextJob();
+    Publish();
+    return s;
   }
   if (result_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
     if (now - last_progress_ >= std::chrono::seconds(1)) {
@@ -413,8 +443,10 @@ Status ExpertControl::Poll() {
     return Status::Ok();
   }
   std::unique_ptr<Job> job = std::move(running_);
-  MOERUN_RETURN_IF_ERROR(Finish(*job, result_.get()));
-  return StartNextJob();
+  Status s = Finish(*job, result_.get());
+  if (s.ok()) s = StartNextJob();
+  Publish();  // what loaded is in (or, failed, nobody uses it)
+  return s;
 }
 
 Status ExpertControl::Finish(Job& job, Loaded loaded) {

@@ -12,8 +12,15 @@
 //            with them until promote (they replace the old weights) or rollback (dropped);
 //   query    the rows and canary rows of an update.
 //
-// Threads: the expert rank's serving thread calls everything; the loaders run on one background
-// thread (std::async) and touch nothing here but the throttle's atomics.
+// What the rank's data path reads per microbatch (the layers' weights, which experts it may
+// compute, the cache, whether an update is in canary) is handed to it as a ServedWeights
+// (runtime/migration/served_weights.h) through set_on_change, whenever that changes.
+//
+// Threads: the expert rank's serving thread calls everything (OnMessage and Poll run between
+// microbatches, so the handle never changes while one is computed; set_on_change and
+// EnableCache before Serve starts), and the change callback runs inside those calls, on their
+// thread. The loaders run on one background thread (std::async) and
+// touch nothing here but the throttle's atomics: what they load is moved in by Poll.
 #pragma once
 
 #include <atomic>
@@ -33,6 +40,7 @@
 #include "runtime/cache/expert_cache.h"
 #include "runtime/ep/owned_sends.h"
 #include "runtime/ep/protocol.h"
+#include "runtime/migration/served_weights.h"
 #include "runtime/model/layer_weights.h"
 #include "runtime/model/weight_source.h"
 #include "transport/transport.h"
@@ -77,6 +85,11 @@ class ExpertControl {
   // Whether a router may send rows for the expert (resident, or in the cache's source).
   bool hosts(int layer, int expert) const;
 
+  // `f` gets what the rank serves now, and again after every change of it (see ServedWeights);
+  // called on the serving thread, inside this call, EnableCache, OnMessage and Poll.
+  void set_on_change(std::function<void(const ServedWeights&)> f);
+  const ServedWeights& served() const { return served_; }
+
   // The weights of `layer` held here, or null when the rank does not serve it.
   const MoeLayerWeights* layer(int layer) const;
   std::vector<int> layer_ids() const;
@@ -88,7 +101,8 @@ class ExpertControl {
   // Waits until the replies are sent, at most until `deadline` (then they are withdrawn).
   void Drain(Deadline deadline);
 
-  // Whether any expert has an update with a canary share (the compute path then asks below).
+  // Whether any expert has an update with a canary share (the compute path then asks below;
+  // ServedWeights::has_updates says the same).
   bool has_updates() const { return !variants_.empty(); }
   // For `n` rows of `expert` in a microbatch, rows [first, first + n): appends to *rows those the
   // canary takes (counting them) and returns the new weights, or null when the expert has no
@@ -132,6 +146,8 @@ class ExpertControl {
                       bool all_routers);
   Status StartNextJob();
   Status Finish(Job& job, Loaded loaded);
+  // Remakes served_ from the layers, their users, the cache and the updates; tells on_change_.
+  void Publish();
 
   Transport* t_;
   std::chrono::milliseconds deadline_;
@@ -151,6 +167,8 @@ class ExpertControl {
   OwnedSends outgoing_;
   std::unique_ptr<ExpertCache> cache_;
   std::vector<char> body_;
+  ServedWeights served_;
+  std::function<void(const ServedWeights&)> on_change_;
 };
 
 }  // namespace moerun

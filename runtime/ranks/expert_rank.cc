@@ -32,6 +32,7 @@ ExpertRank::ExpertRank(Transport* transport, const Placement& placement,
     r.ahead = AlignedBuffer(header_bytes_);
   }
   entries_.reserve(Placement::kMaxSlotsPerRank);
+  control_.set_on_change([this](const ServedWeights& s) { serving_ = s; });
 }
 
 void ExpertRank::set_compute(ExpertCompute f) {
@@ -156,7 +157,7 @@ void ExpertRank::DropRouter(int r, const Status& why) {
     std::memcpy(&h, rs.ahead.data(), sizeof h);
     const EpEntry* entries = HeaderEntries(rs.ahead.data());
     for (int i = 0; i < h.slots; ++i) {
-      if (entries[i].rows > 0) control_.cache()->Done(h.layer, entries[i].expert);
+      if (entries[i].rows > 0) serving_.cache->Done(h.layer, entries[i].expert);
     }
   }
   rs.have_ahead = false;
@@ -167,14 +168,14 @@ void ExpertRank::DropRouter(int r, const Status& why) {
 }
 
 void ExpertRank::ReleaseKept(RouterState& rs) {
-  if (ExpertCache* cache = control_.cache()) {
+  if (ExpertCache* cache = serving_.cache) {
     for (const RouterState::Kept& k : rs.kept) cache->Done(k.layer, k.expert);
   }
   rs.kept.clear();
 }
 
 void ExpertRank::ReleaseKeptFor(RouterState& rs, const EpHeaderFixed& h) {
-  ExpertCache* cache = control_.cache();
+  ExpertCache* cache = serving_.cache;
   if (rs.kept.empty() || cache == nullptr) return;
   size_t left = 0;
   for (const RouterState::Kept& k : rs.kept) {
@@ -249,7 +250,7 @@ Status ExpertRank::Pong(int router, uint32_t seq) {
   rs.pong.resident_bytes = static_cast<uint64_t>(ProcessResidentBytes());
   rs.pong.pid = static_cast<uint64_t>(::getpid());
   ::gethostname(rs.pong.host, sizeof rs.pong.host - 1);
-  if (const ExpertCache* c = control_.cache()) {
+  if (const ExpertCache* c = serving_.cache) {
     const ExpertCacheStats& st = c->stats();
     rs.pong.cache_budget_bytes = c->options().budget_bytes;
     rs.pong.cache_resident_bytes = st.resident_bytes.load();
@@ -269,7 +270,7 @@ bool ExpertRank::SlotsFit(const EpHeaderFixed& h) const {
 
 Result<int64_t> ExpertRank::RowsOf(const EpHeaderFixed& h, const EpEntry* entries) const {
   const int me = t_->rank();
-  const MoeLayerWeights* lw = control_.layer(h.layer);
+  const MoeLayerWeights* lw = serving_.layer(h.layer);
   if (lw == nullptr) {
     return Status::InvalidArgument("rank " + std::to_string(me) + " does not serve layer " +
                                    std::to_string(h.layer));
@@ -313,7 +314,7 @@ Status ExpertRank::LookAhead(int router) {
   if (h.kind != static_cast<uint32_t>(EpKind::kDispatch) || !SlotsFit(h)) return Status::Ok();
   Result<int64_t> rows = RowsOf(h, HeaderEntries(rs.ahead.data()));
   if (!rows.ok()) return Status::Ok();  // reported when the main loop handles it
-  if (control_.cache() != nullptr) {    // loads of missing experts start before the rows are in
+  if (serving_.cache != nullptr) {      // loads of missing experts start before the rows are in
     NeedExperts(h, HeaderEntries(rs.ahead.data()));
     rs.ahead_needed = true;
   }
@@ -327,7 +328,7 @@ Status ExpertRank::LookAhead(int router) {
 }
 
 void ExpertRank::NeedExperts(const EpHeaderFixed& h, const EpEntry* entries) {
-  ExpertCache* cache = control_.cache();
+  ExpertCache* cache = serving_.cache;
   cache->Tick();
   for (int i = 0; i < h.slots; ++i) {
     if (entries[i].rows > 0) cache->Need(h.layer, entries[i].expert);
@@ -338,11 +339,11 @@ void ExpertRank::NeedExperts(const EpHeaderFixed& h, const EpEntry* entries) {
 Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* entries, bool needed) {
   const int me = t_->rank();
   MOERUN_ASSIGN_OR_RETURN(const int64_t rows, RowsOf(h, entries));  // checks layer and experts
-  ExpertCache* cache = control_.cache();
+  ExpertCache* cache = serving_.cache;
   if (cache != nullptr && !needed) NeedExperts(h, entries);
   // This microbatch holds what it needs now.
   ReleaseKeptFor(routers_[static_cast<size_t>(router)], h);
-  const MoeLayerWeights& w = *control_.layer(h.layer);
+  const MoeLayerWeights& w = *serving_.layer(h.layer);
   const int64_t hidden = w.spec.hidden;
 
   // Receive the rows (the router puts them into a registered buffer), unless LookAhead has
@@ -376,7 +377,7 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
     const int expert = entries[i].expert;
     const int32_t n = entries[i].rows;
     const ExpertWeights& ew = w.experts[static_cast<size_t>(expert)];
-    if (n > 0 && (cache != nullptr ? !control_.hosts(h.layer, expert) : ew.w13.empty())) {
+    if (n > 0 && !serving_.hosts(h.layer, expert)) {
       return Status::Internal("rank " + std::to_string(me) + " got rows for expert " +
                               std::to_string(expert) + " of layer " + std::to_string(h.layer) +
                               ", which it does not hold");
@@ -425,7 +426,7 @@ Status ExpertRank::Handle(int router, const EpHeaderFixed& h, const EpEntry* ent
       std::memcpy(out + r * hidden, y + r * ldy, static_cast<size_t>(hidden) * sizeof(float));
     }
   }
-  if (answer.code == 0 && control_.has_updates()) RunCanaries(h, entries, in.as<float>(), out);
+  if (answer.code == 0 && serving_.has_updates) RunCanaries(h, entries, in.as<float>(), out);
   std::memcpy(reinterpret_cast<char*>(out) + bytes, &answer, sizeof answer);
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot],
                           t_->Isend(router, kTagResult, out, bytes + sizeof(EpResultTrailer)));
@@ -451,7 +452,7 @@ void AnswerWith(EpResultTrailer* answer, const Status& why, uint32_t flags) {
 Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* y, int64_t ldy,
                              EpResultTrailer* answer, std::vector<RouterState::Kept>* kept,
                              SteadyClock::time_point header_at) {
-  ExpertCache* cache = control_.cache();
+  ExpertCache* cache = serving_.cache;
   if (cache == nullptr) {
     ffn_.Run(groups_, in, hidden, rows_.data(), y, ldy);
     return Status::Ok();
@@ -530,7 +531,7 @@ Status ExpertRank::RunGroups(int layer, const float* in, int64_t hidden, float* 
 
 void ExpertRank::RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in,
                              float* out) {
-  const MoeLayerWeights& w = *control_.layer(h.layer);
+  const MoeLayerWeights& w = *serving_.layer(h.layer);
   const int64_t hidden = w.spec.hidden;
   const ActParams act = w.spec.RoutedAct(w.layer);
   int64_t first = 0;

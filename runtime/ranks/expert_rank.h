@@ -4,7 +4,13 @@
 // grow to the largest microbatch seen and are reused (no allocation in steady state). Runs on the
 // rank's main thread. Pings are answered in order with the microbatches; control messages
 // (migrations, expert updates) go to its ExpertControl (runtime/migration/expert_control.h), which
-// holds the experts.
+// holds the experts and hands the rank what it serves (a ServedWeights) whenever that changes:
+// per microbatch the rank reads only that handle, and calls into ExpertControl only for the
+// canary rows, while an update is in canary (ExpertControl::CanaryRows counts them).
+//
+// Threads: one, the serving thread, runs Serve, the control messages and ExpertControl::Poll
+// between microbatches, so the handle changes only between them; the background loads of
+// ExpertControl and the cache's loads touch neither the handle nor the rank.
 #pragma once
 
 #include <chrono>
@@ -190,6 +196,9 @@ class ExpertRank {
   // Canary scratch.
   std::vector<int32_t> canary_rows_;
   AlignedBuffer canary_y_;
+  // What the rank serves, as control_ last handed it (declared before control_, whose callback
+  // sets it).
+  ServedWeights serving_;
   ExpertControl control_;
 };
 
