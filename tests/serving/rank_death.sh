@@ -235,7 +235,20 @@ run_case() {
     --concurrency 4 --tokens-per-request 8 --model "$MODEL" --verify --json >"$WORK/bench.json" \
     2>"$WORK/bench.log" &
   BENCH_PID=$!
-  sleep 5
+  # The death must hit a job under load: wait until router 0 has run 50 batches (moebench first
+  # makes its reference answers, which took over 5 s on a loaded CI machine; a death while no
+  # request is in flight is found only by the probes, and the CI once saw moebench end before
+  # that).
+  local t_load=$SECONDS batches=0
+  until [[ $batches -ge 50 ]]; do
+    (( SECONDS - t_load > 60 )) && fail "router 0 ran no 50 batches in 60 s of moebench"
+    kill -0 "$BENCH_PID" 2>/dev/null || fail "moebench ended early: $(tail -3 "$WORK/bench.log")"
+    sleep 0.2
+    batches=$("${IN_HOST[@]}" curl -s --max-time 2 "http://127.0.0.1:$((PORT + 200))/metrics" |
+      awk '$1 ~ /^moerun_batches_total($|\{)/ {print int($2); exit}')
+    batches=${batches:-0}
+  done
+  sleep 1
   local pids=() d pid
   for d in "${DEAD[@]}"; do
     pid=$(rank_pid "$d")
@@ -308,6 +321,11 @@ run_case() {
   local bench_rc=$?
   BENCH_PID=""
   [[ $bench_rc -eq 0 ]] || fail "moebench serve failed (exit $bench_rc): $(tail -5 "$WORK/bench.log")"
+  if [[ $CASE != join && $CASE != router ]]; then
+    # However long the bench ran after the death, the router must have declared it (bounded).
+    wait_line "$WORK/serve.log" "rank ($(IFS='|'; echo "${DEAD[*]}")) is dead" 20 ||
+      fail "the router did not declare rank(s) ${DEAD[*]} dead within 20 s of the bench's end"
+  fi
   "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" status >"$WORK/status.txt" || fail "moectl status"
   "${IN_HOST[@]}" "$MOECTL" "${ctl[@]}" status --json >"$WORK/status.json" ||
     fail "moectl status --json"
