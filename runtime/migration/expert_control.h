@@ -88,7 +88,6 @@ class ExpertControl {
   // `f` gets what the rank serves now, and again after every change of it (see ServedWeights);
   // called on the serving thread, inside this call, EnableCache, OnMessage and Poll.
   void set_on_change(std::function<void(const ServedWeights&)> f);
-  const ServedWeights& served() const { return served_; }
 
   // The weights of `layer` held here, or null when the rank does not serve it.
   const MoeLayerWeights* layer(int layer) const;
