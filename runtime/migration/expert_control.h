@@ -14,7 +14,7 @@
 //
 // What the rank's data path reads per microbatch (the layers' weights, which experts it may
 // compute, the cache, whether an update is in canary) is handed to it as a ServedWeights
-// (runtime/migration/served_weights.h) through set_on_change, whenever that changes.
+// (runtime/ep/served_weights.h) through set_on_change, whenever that changes.
 //
 // Threads: the expert rank's serving thread calls everything (OnMessage and Poll run between
 // microbatches, so the handle never changes while one is computed; set_on_change and
@@ -38,9 +38,10 @@
 #include "base/status.h"
 #include "experts/cpu/expert_weights.h"
 #include "runtime/cache/expert_cache.h"
+#include "runtime/ep/expert_control_port.h"
 #include "runtime/ep/owned_sends.h"
 #include "runtime/ep/protocol.h"
-#include "runtime/migration/served_weights.h"
+#include "runtime/ep/served_weights.h"
 #include "runtime/model/layer_weights.h"
 #include "runtime/model/weight_source.h"
 #include "transport/transport.h"
@@ -57,7 +58,7 @@ using ExpertLoader = std::function<Result<std::shared_ptr<MoeLayerWeights>>(
 using ExpertFileLoader =
     std::function<Result<ExpertWeights>(int layer, int expert, const std::string& file)>;
 
-class ExpertControl {
+class ExpertControl final : public ExpertControlPort {
  public:
   // `layers`: what the rank loaded at start, every loaded expert used by every one of `routers`.
   // `deadline`: how long a control message's body may take to follow its header.
@@ -94,11 +95,11 @@ class ExpertControl {
   std::vector<int> layer_ids() const;
 
   // A control message from `router` (its header `h`; the JSON body follows on kTagRows).
-  Status OnMessage(int router, const EpHeaderFixed& h);
+  Status OnMessage(int router, const EpHeaderFixed& h) override;
   // Moves replies and the background load on; call often (between microbatches and when idle).
-  Status Poll();
+  Status Poll() override;
   // Waits until the replies are sent, at most until `deadline` (then they are withdrawn).
-  void Drain(Deadline deadline);
+  void Drain(Deadline deadline) override;
 
   // Whether any expert has an update with a canary share (the compute path then asks below;
   // ServedWeights::has_updates says the same).
@@ -107,7 +108,7 @@ class ExpertControl {
   // canary takes (counting them) and returns the new weights, or null when the expert has no
   // update.
   const ExpertWeights* CanaryRows(int layer, int expert, int64_t first, int64_t n,
-                                  std::vector<int32_t>* rows);
+                                  std::vector<int32_t>* rows) override;
   // Bytes of expert weights held now (every layer, update weights included).
   size_t held_bytes() const;
 

@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/ep/served_weights.h"
 #include "runtime/migration/expert_control.h"
-#include "runtime/migration/served_weights.h"
 #include "runtime/model/preset.h"
 #include "tests/unit/layer_fixtures.h"
 #include "transport/inproc.h"
