@@ -3,7 +3,10 @@
 # client binary (this build's moebench), the same machine, rounds alternating A B B A so that a
 # drift of the machine falls on both. Prints one JSON object: each build's requests/s and p50
 # latency per round, their medians, and speedup_vs_base = new req/s / base req/s (higher is
-# better: the base's time per request over ours).
+# better: the base's time per request over ours). Paired too: each round's ratio (its two new
+# runs' req/s over its two base runs', which ran beside them), their geometric mean and a 90%
+# bootstrap interval of it over the rounds (fixed seed), so that a loss can be told from the
+# machine's noise: run the base against itself (BASE_BIN_DIR twice) to see that noise.
 #   scripts/serve-compare.sh BASE_BIN_DIR [NEW_BIN_DIR] [SECONDS] [ROUNDS] [CONFIG] [DTYPE] [TOKENS]
 # BASE_BIN_DIR holds the other build's moerun (for example the previous commit's build/bin).
 # Defaults: build/bin, 5 s, 3 rounds (6 runs per build), configs/tiny.yaml, f32, 16 tokens.
@@ -91,5 +94,16 @@ out = {
             "median_p50_ms": statistics.median(n_p50)},
 }
 out["speedup_vs_base"] = out["new"]["median_requests_per_s"] / out["base"]["median_requests_per_s"]
+# Rounds ran A B B A: runs 2i and 2i+1 of each build belong to round i.
+import math, random
+logs = [math.log((n_rps[2 * i] + n_rps[2 * i + 1]) / (b_rps[2 * i] + b_rps[2 * i + 1]))
+        for i in range(len(b_rps) // 2)]
+rng = random.Random(1)
+means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(4000))
+out["paired"] = {
+    "round_speedups": [math.exp(l) for l in logs],
+    "speedup_vs_base": math.exp(statistics.fmean(logs)),
+    "interval_90": [math.exp(means[len(means) // 20]), math.exp(means[-len(means) // 20 - 1])],
+}
 print(json.dumps(out, indent=2))
 EOF
