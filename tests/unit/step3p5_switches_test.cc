@@ -1,6 +1,7 @@
 // Step-3.5-Flash's router switches (use_moe_router_bias, moe_router_activation, norm_expert_weight,
-// need_fp32_gate) in every combination, against the authors' modeling_step3p5.py re-run in float64
-// (tests/data/step3p5-switches, written by scripts/gen_step3p5_cases.py), on every ISA.
+// need_fp32_gate) in every combination, against the outputs of the authors' modeling_step3p5.py
+// itself, executed by scripts/step3p5_authors_goldens.py (tests/data/step3p5-switches: its README
+// cites the line that defines each switch), on every ISA.
 #include <gtest/gtest.h>
 
 #include <algorithm>
