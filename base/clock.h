@@ -12,4 +12,9 @@ using Deadline = SteadyClock::time_point;
 
 inline Deadline DeadlineIn(std::chrono::milliseconds ms) { return SteadyClock::now() + ms; }
 
+// Seconds from `t` to now (for logs and metrics).
+inline double SecondsSince(SteadyClock::time_point t) {
+  return std::chrono::duration<double>(SteadyClock::now() - t).count();
+}
+
 }  // namespace moerun

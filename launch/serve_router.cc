@@ -4,6 +4,7 @@
 #include <fstream>
 #include <memory>
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "base/metrics.h"
 #include "runtime/migration/placement_control.h"
@@ -46,10 +47,6 @@ void ExpertUpdateMetrics::Refresh(const std::vector<ExpertUpdateView>& updates,
 }
 
 namespace {
-
-double SecondsSince(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 
 ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
   const ServingConfig& sc = s.config.serving;

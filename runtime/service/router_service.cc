@@ -2,19 +2,12 @@
 
 #include <thread>
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "runtime/ep/router_layer.h"
 #include "runtime/migration/router_control.h"
 
 namespace moerun {
-namespace {
-
-double SecondsSince(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
-}  // namespace
-
 RouterService::RouterService(RouterRank& router, RouterServiceOptions options)
     : router_(router), opts_(std::move(options)), batcher_(opts_.batching, opts_.model.hidden) {}
 
