@@ -34,6 +34,12 @@ class InprocTransport : public Transport {
   }
   Result<bool> Test(Request r) override { return fabric_->Test(rank_, r); }
   Status Cancel(Request r) override { return fabric_->Cancel(rank_, r); }
+  // Every message this rank received was copied once, from the sender's buffer into its own.
+  TransportCounters counters() const override {
+    TransportCounters c;
+    c.copied_bytes = fabric_->copied_bytes(rank_);
+    return c;
+  }
   [[noreturn]] void Abort(int exit_code) override {
     spdlog::error("inproc rank {} aborts the job (exit code {})", rank_, exit_code);
     spdlog::default_logger()->flush();
@@ -53,7 +59,8 @@ InprocFabric::InprocFabric(int ranks)
     : ranks_(ranks),
       pending_sends_(static_cast<size_t>(ranks)),
       pending_recvs_(static_cast<size_t>(ranks)),
-      frozen_(static_cast<size_t>(ranks), false) {
+      frozen_(static_cast<size_t>(ranks), false),
+      copied_(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(ranks))) {
   ops_.resize(kInitialOps);
   free_.reserve(kInitialOps);
   for (uint32_t i = kInitialOps; i > 0; --i) free_.push_back(i - 1);
@@ -77,6 +84,7 @@ void InprocFabric::Complete(Op& s, Op& r) {
     r.other_bytes = s.bytes;
   } else {
     if (s.bytes > 0) std::memcpy(r.rbuf, s.sbuf, s.bytes);
+    copied_[static_cast<size_t>(r.dst)].fetch_add(s.bytes, std::memory_order_relaxed);
     s.state = r.state = State::kDone;
   }
 }

@@ -1,11 +1,14 @@
 // The inproc transport: the ranks of a job are threads of one process. A fabric connects them;
 // each rank holds its own InprocTransport endpoint. A send completes when a matching receive has
-// taken its bytes (one memcpy, sender buffer to receiver buffer). Used by unit tests and by
+// taken its bytes (one memcpy, sender buffer to receiver buffer, counted in the receiving
+// endpoint's counters().copied_bytes). Used by unit tests and by
 // `--transport inproc` runs. After warm-up it allocates nothing (operations come from a
 // preallocated pool). Endpoints of different ranks may be used concurrently; the fabric must
 // outlive its endpoints.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -38,8 +41,13 @@ class InprocFabric : public std::enable_shared_from_this<InprocFabric> {
     size_t bytes = 0;
     size_t other_bytes = 0;  // size of the mismatched peer message, for the error
   };
-  // A matched send and receive: copies, or fails both on a size mismatch (lock held).
-  static void Complete(Op& send, Op& recv);
+  // A matched send and receive: copies (counted for the receiving rank), or fails both on a
+  // size mismatch (lock held).
+  void Complete(Op& send, Op& recv);
+  // Bytes copied into `rank`'s receive buffers so far (any thread may read).
+  uint64_t copied_bytes(int rank) const {
+    return copied_[static_cast<size_t>(rank)].load(std::memory_order_relaxed);
+  }
 
   explicit InprocFabric(int ranks);
   Result<Request> Post(bool send, int me, int peer, int tag, const void* sbuf, void* rbuf,
@@ -56,6 +64,7 @@ class InprocFabric : public std::enable_shared_from_this<InprocFabric> {
   std::vector<std::vector<uint32_t>> pending_sends_;  // by destination rank, in posting order
   std::vector<std::vector<uint32_t>> pending_recvs_;  // by receiving rank, in posting order
   std::vector<bool> frozen_;
+  std::unique_ptr<std::atomic<uint64_t>[]> copied_;  // by receiving rank
 };
 
 }  // namespace moerun

@@ -29,10 +29,15 @@ namespace moerun {
 
 // What a backend reports of its own data movement (`moebench transport`, zero-copy checks).
 struct TransportCounters {
-  uint64_t put_bytes = 0;      // written straight into a peer's registered memory (RDMA put)
-  uint64_t eager_bytes = 0;    // sent through the library's own bounce buffers (small messages)
-  uint64_t copied_bytes = 0;   // copied by the transport itself (memcpy of a message)
-  uint64_t registrations = 0;  // memory registrations made (RegisterMemory and on demand)
+  uint64_t put_bytes = 0;    // written straight into a peer's registered memory (RDMA put)
+  uint64_t eager_bytes = 0;  // sent through the library's own bounce buffers (small messages)
+  // Payload bytes the transport's own code copied, once per copy (a memcpy or staging copy of a
+  // message: inproc's sender-to-receiver memcpy, counted by the receiver; nccl's host staging).
+  // Not the copies made inside a library that is handed the caller's buffer: UCX's (eager_bytes
+  // counts what went through its bounce buffers) and MPI's are the library's, not seen here.
+  // Control notes and envelopes of the transport's own protocol are not payload.
+  uint64_t copied_bytes = 0;
+  uint64_t registrations = 0;            // memory registrations made (RegisterMemory and on demand)
   uint64_t on_demand_registrations = 0;  // of which for receive buffers that were not registered
 };
 

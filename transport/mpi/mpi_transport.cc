@@ -16,6 +16,12 @@ namespace {
 // and reported, never written over a buffer too small for it (Open MPI's vader/CMA path can
 // write past a receive buffer on truncation). Every logical message is one MPI message; above
 // 2 GiB its datatype is built from 1 GiB blocks, so message boundaries always hold.
+//
+// Counters: none (Transport::counters() is all zero), and copied_bytes is truly 0 for our code:
+// MPI_Isend and MPI_Imrecv take the caller's own buffers, so this transport copies no payload.
+// The copies MPI makes (its eager buffers, shared-memory FIFOs) are MPI's and not ours to count;
+// a message of the wrong size is received by MPI into scratch_ and dropped, never delivered. A
+// staging or bounce copy added here must count its bytes in copied_bytes (override counters()).
 
 constexpr size_t kBlock = size_t{1} << 30;
 

@@ -72,6 +72,14 @@ class UcxTransport : public Transport {
   Status Cancel(Request r) override;
   Status RegisterMemory(void* p, size_t bytes) override { return regions_.Register(p, bytes); }
   void UnregisterMemory(void* p) override { regions_.Unregister(p); }
+  // copied_bytes stays 0 because this transport's code never copies a message's payload: an
+  // eager send hands the caller's buffer to ucp_tag_send_nbx and an eager receive posts the
+  // caller's buffer to ucp_tag_recv_nbx (UCX's copies through its bounce buffers, and out of
+  // its unexpected queue, are the library's: eager_bytes counts the bytes sent that way); a put
+  // writes the caller's buffer into the receiver's (put_bytes). The memcpys here copy control
+  // notes (RTR, FIN, REVOKE) and remote keys, not payload; messages dropped at ReplacePeer or
+  // the end are received by UCX into a scratch buffer and never delivered. A copy of a payload
+  // added here (a bounce or staging buffer) must add its bytes to copied_bytes.
   TransportCounters counters() const override {
     TransportCounters c;
     c.put_bytes = put_bytes_.load(std::memory_order_relaxed);
