@@ -10,18 +10,44 @@
 #   4. clang-format check of every C++ file, and the house rules (scripts/check_layers.py: which
 #      folder may include which, CMake links, the folder graph; docs/DESIGN.md)
 # scripts/full.sh runs the longer matrix (long fuzzing, thread sanitizer, benchmarks).
+#
+# It ends with one summary (scripts/test_summary.py): per step, tests run / passed / failed /
+# skipped, and every skip with its reason. On the machine the README documents every backend the
+# install script installs is required (MPI, UCX, the Python module: configured ON, so a missing
+# one fails the configure by name), and a skip fails the command unless tests/allowed_skips.txt
+# lists it with its reason (tests that need a GPU). MOERUN_ALLOW_SKIPS=1 lets other machines
+# report their skips without failing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
 fuzz_seconds=${MOERUN_FUZZ_SECONDS:-30}
 started=$SECONDS
 step() { printf '\n==== %s (at %d s) ====\n' "$*" $((SECONDS - started)); }
+# The summary's ledger: each step adds its counts; the report ends the command, also on a failure.
+ledger=$(mktemp /tmp/moerun-tests.XXXXXX)
+record() { python3 scripts/test_summary.py "$ledger" "$@"; }
+# Runs one command as a step of the summary: its exit code counted, the command's own failure kept.
+counted() {
+  local name=$1 rc=0
+  shift
+  "$@" || rc=$?
+  record command "$name" "$rc"
+  return "$rc"
+}
+summary() {
+  local rc=$?
+  python3 scripts/test_summary.py "$ledger" report --allow tests/allowed_skips.txt || rc=1
+  rm -f "$ledger"
+  echo "(in $((SECONDS - started)) s)"
+  exit "$rc"
+}
+trap summary EXIT
 
 step "dependencies"
 scripts/install-deps.sh --test
 
 step "house rules: includes between folders, CMake links, folder graph (docs/DESIGN.md)"
-python3 scripts/check_layers.py
+counted "house rules (scripts/check_layers.py)" python3 scripts/check_layers.py
 
 step "release build + all tests"
 # Where nvcc is installed the CUDA backend must build (ON, not AUTO): it is never skipped silently.
@@ -32,8 +58,12 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   cuda_flag=(-DMOERUN_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
   echo "nvcc found: building the CUDA backend (MOERUN_WITH_CUDA=ON, sm_90)"
 fi
-cmake --preset release "${cuda_flag[@]}" >/dev/null
-cmake --build build -j "$jobs"
+# What scripts/install-deps.sh installs is required: MPI, UCX, the Python module and the packages
+# its tests import (python/CMakeLists.txt). A machine without one fails here, naming it.
+required=(-DMOERUN_WITH_MPI=ON -DMOERUN_WITH_UCX=ON -DMOERUN_BUILD_PYTHON=ON)
+counted "configure (MPI, UCX, Python required${cuda_flag:+; CUDA})" \
+  cmake --preset release "${required[@]}" "${cuda_flag[@]}" >/dev/null
+counted "release build" cmake --build build -j "$jobs"
 
 # The unit-test binaries that need neither Asio nor Beast (their tests run under ASan in
 # scripts/full.sh), run directly so that unbuilt targets are not counted.
@@ -52,39 +82,59 @@ setsid nice -n 19 bash -c 'set -e; jobs=$1; shift
   cmake --build build-fuzz -j "$jobs" --target safetensors_header_fuzzer frame_fuzzer' \
   bg-build "$jobs" "${asan_bins[@]}" >"$bg_log" 2>&1 &
 bg_pid=$!
-trap 'kill -- -"$bg_pid" 2>/dev/null || true' EXIT
-ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
+trap 'kill -- -"$bg_pid" 2>/dev/null || true; summary' EXIT
+# (--test-output-size-passed: the whole output of a passing test, in which the summary looks for
+# the skips inside it: a gtest binary run as one test, a script's "SKIP: ..." lines)
+ctest_rc=0
+ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600 \
+  --output-junit "$PWD/build/ctest-junit.xml" --test-output-size-passed 1048576 || ctest_rc=$?
+record ctest "ctest: every test of the release build" build/ctest-junit.xml
+((ctest_rc == 0)) || exit "$ctest_rc"
 
 # The GPU check's steps that need no GPU, on the release build (already built: nothing is
 # rebuilt): its step table within the 8-minute budget, the build of its targets, the CUDA
 # resource check, the GPU tests' commands.
 if ((${#cuda_flag[@]})); then
   step "GPU check, dry run (tests/gpu/run.sh --dry-run)"
-  BUILD=build OUT=build/gpu-check-dry tests/gpu/run.sh --dry-run
+  counted "GPU check, dry run" env BUILD=build OUT=build/gpu-check-dry tests/gpu/run.sh --dry-run
 fi
 
 step "sanitizer build (address, undefined) + unit tests"
 if ! wait "$bg_pid"; then
   tail -50 "$bg_log"
   echo "the sanitizer or fuzzer build failed (above)" >&2
+  record command "sanitizer and fuzzer builds" 1
   exit 1
 fi
-trap - EXIT
+trap summary EXIT
 rm -f "$bg_log"
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+asan_json=()
 for b in "${asan_bins[@]}"; do
   echo "-- $b"
-  build-asan/bin/"$b" --gtest_brief=1
+  # (the whole output in a log, for the reasons of skips; failures are printed from it)
+  rc=0
+  build-asan/bin/"$b" --gtest_output=json:build-asan/"$b".json >build-asan/"$b".log 2>&1 || rc=$?
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) \]|Failure$|ERROR: AddressSanitizer|runtime error' \
+    build-asan/"$b".log | head -40 || true
+  if ((rc != 0)); then
+    tail -60 build-asan/"$b".log
+    [[ -f build-asan/"$b".json ]] || record command "sanitizer: $b" "$rc"
+    [[ -f build-asan/"$b".json ]] && record gtest "sanitizer (address, undefined): $b" \
+      build-asan/"$b".json --log build-asan/"$b".log
+    exit "$rc"
+  fi
+  asan_json+=(build-asan/"$b".json --log build-asan/"$b".log)
 done
-build-asan/bin/moerun_fuzz_replay tests/fuzz/corpus/safetensors_header
-build-asan/bin/moerun_fuzz_replay_frame tests/fuzz/corpus/frame
+record gtest "sanitizer (address, undefined): unit tests" "${asan_json[@]}"
+counted "sanitizer: safetensors header corpus replay" \
+  build-asan/bin/moerun_fuzz_replay tests/fuzz/corpus/safetensors_header
+counted "sanitizer: frame corpus replay" \
+  build-asan/bin/moerun_fuzz_replay_frame tests/fuzz/corpus/frame
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
 step "libFuzzer: safetensors header parser and serving frames, ${fuzz_seconds}s each"
-scripts/fuzz.sh "$fuzz_seconds"
+counted "libFuzzer, ${fuzz_seconds} s per target" scripts/fuzz.sh "$fuzz_seconds"
 
 step "format check"
-scripts/format.sh --check
-
-echo
-echo "all tests passed in $((SECONDS - started)) s"
+counted "format check (clang-format)" scripts/format.sh --check

@@ -117,11 +117,8 @@ TEST_F(NcclSelfTest, InvalidOffsetsAreRejectedAndLeaveItUsable) {
   EXPECT_TRUE(s.ok()) << s.ToString();
 }
 
-TEST(NcclTwoRanksTest, NeedsTwoGpus) {
-  GTEST_SKIP() << "not possible in one process on one GPU: NCCL refuses two ranks of one "
-                  "communicator on one GPU (\"Duplicate GPU detected\"); run two ranks on a "
-                  "machine with two GPUs under mpirun";
-}
+// (Two ranks need two GPUs: NCCL refuses two ranks of one communicator on one GPU, "Duplicate
+// GPU detected". tests/transport's transport_conformance_nccl_np2 runs them under mpirun.)
 
 // Without a GPU, Create fails with a clear error instead of crashing or hanging.
 TEST(NcclNoGpuTest, CreateFailsCleanly) {
