@@ -131,9 +131,19 @@ def read_allow(path):
     return rules
 
 
-def allowed(name, rules):
+def allowed(step, name, rules):
+    """The reason a rule gives for skipping `name` in `step`, or None. A rule "[STEP] NAME"
+    holds only in the steps STEP matches."""
     base = name.split(": ", 1)[0]
     for pattern, reason in rules:
+        m = re.match(r"^\[([^\]]+)\]\s*(.*)$", pattern + " " + reason)
+        if pattern.startswith("["):
+            if not m:
+                continue
+            step_pattern, rest = m.group(1), m.group(2).split(None, 1)
+            if len(rest) < 2 or not fnmatch.fnmatchcase(step, step_pattern):
+                continue
+            pattern, reason = rest
         if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(base, pattern):
             return reason
     return None
@@ -156,7 +166,7 @@ def report(ledger, allow_path):
     if skips:
         print(f"\nskips ({len(skips)}):")
     for step, name, why in skips:
-        ok = allowed(name, rules)
+        ok = allowed(step, name, rules)
         print(f"  {'allowed' if ok else 'NOT ALLOWED'}: {name}: {why}"
               + (f"  [{ok}]" if ok else ""))
         if not ok:
