@@ -112,7 +112,9 @@ attempt() {
   if [[ "$SIGNAL" == STOP ]]; then
     grep -iq "deadline" "$WORK/log" || fail "the output does not mention the deadline"
   fi
-  # The deadline is 3 s: the error must come within it (plus the job's teardown).
+  # The deadline is 3 s: the error must come within it (plus the job's teardown). The bound is
+  # 4x the deadline, a margin a loaded machine does not close; a job that hung would take the
+  # whole timeout.
   awk -v t="$took" 'BEGIN { exit !(t < 12) }' || fail "the job took ${took} s to end after SIG$SIGNAL"
   echo "--- mpirun output:"; cat "$WORK/log"
   echo "PASS frozen_rank ($TRANSPORT, SIG$SIGNAL): $tokens tokens, mpirun exit $rc ${took} s after the signal; rank 2 named"

@@ -320,7 +320,8 @@ TEST_F(ClientTlsTest, PlainClientOfTlsServerFailsWithinItsDeadline) {
   InferRequest back;
   const Status st = (*c)->Receive(&back, deadline);
   EXPECT_FALSE(st.ok());
-  EXPECT_LT(SteadyClock::now() - t0, std::chrono::milliseconds(3500)) << st.ToString();
+  // Within its deadline (3 s), with a 3x margin for a loaded machine; at once in fact (below).
+  EXPECT_LT(SteadyClock::now() - t0, std::chrono::seconds(9)) << st.ToString();
   // The server refused the bytes as a handshake, at once (an alert or the end of the stream).
   EXPECT_NE(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
 }
@@ -332,7 +333,8 @@ TEST_F(ClientTlsTest, TlsClientOfPlainServerFailsWithinConnectTimeout) {
   const auto t0 = SteadyClock::now();
   auto c = ServeConnection::Connect(server.target(), o);
   ASSERT_FALSE(c.ok());
-  EXPECT_LT(SteadyClock::now() - t0, std::chrono::milliseconds(2500));
+  // Within the connect timeout (2 s), with a 3x margin for a loaded machine.
+  EXPECT_LT(SteadyClock::now() - t0, std::chrono::milliseconds(6000));
   EXPECT_NE(c.status().message().find("connect to " + server.target() + ": TLS handshake failed"),
             std::string::npos)
       << c.status().message();
