@@ -1,6 +1,7 @@
 #include "launch/moebench/floor.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <set>
 
 namespace moerun::bench {
@@ -31,6 +32,26 @@ Floor ComputeFloor(const FloorInput& in, const FloorRates& rates) {
   f.compute_ms = rates.flops_per_s > 0 ? f.flops / rates.flops_per_s * 1e3 : 0;
   f.ms = std::max(f.memory_ms, f.compute_ms);
   return f;
+}
+
+bool IsFloorFault(double x_floor) { return !(x_floor >= kFloorFaultBelow); }
+
+std::string FloorFaultReason(double x_floor, bool memory_bound, double our_rate,
+                             double floor_rate) {
+  char line[256];
+  if (memory_bound) {
+    std::snprintf(line, sizeof line,
+                  "x_floor %.2f < %.2f: the layer read its weights at %.1f GB/s, faster than the "
+                  "floor's measured memory read bandwidth %.1f GB/s: the floor under-reads this "
+                  "machine",
+                  x_floor, kFloorFaultBelow, our_rate, floor_rate);
+  } else {
+    std::snprintf(line, sizeof line,
+                  "x_floor %.2f < %.2f: the layer ran at %.1f GFLOP/s, faster than the floor's "
+                  "measured compute rate %.1f GFLOP/s: the floor under-rates this machine",
+                  x_floor, kFloorFaultBelow, our_rate, floor_rate);
+  }
+  return line;
 }
 
 int64_t CountActiveExperts(const std::vector<int32_t>& ids) {

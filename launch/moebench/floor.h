@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace moerun::bench {
@@ -50,6 +51,19 @@ double LayerFlops(const FloorInput& in);
 // times their element sizes.
 double LayerWeightBytes(const FloorInput& in);
 Floor ComputeFloor(const FloorInput& in, const FloorRates& rates = {});
+
+// A floor is what the machine cannot beat, so x_floor (our time / floor) below this is a floor
+// fault: the floor under-reads the machine (a bandwidth or rate measured too low) and the ratio
+// flatters us. 0.95, not 1, leaves room for timing noise between the two measurements.
+inline constexpr double kFloorFaultBelow = 0.95;
+
+// Whether `x_floor` is a floor fault: below kFloorFaultBelow, or NaN (no comparison is no
+// success).
+bool IsFloorFault(double x_floor);
+
+// One line saying why a floor fault is one: the ratio, and our rate against the floor's measured
+// rate (memory-bound: GB/s of weights read; else GFLOP/s).
+std::string FloorFaultReason(double x_floor, bool memory_bound, double our_rate, double floor_rate);
 
 // Distinct expert ids in a routing ([tokens * k] ids; negative ids, if any, are not counted).
 int64_t CountActiveExperts(const std::vector<int32_t>& ids);

@@ -1,5 +1,6 @@
 #include "launch/moebench/layer_bench.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -12,6 +13,7 @@
 #include "base/log.h"
 #include "base/thread_pool.h"
 #include "launch/moebench/cuda_layer_bench.h"
+#include "launch/moebench/floor.h"
 #include "launch/moebench/memory_bandwidth.h"
 #include "launch/moebench/sgemm_baseline.h"
 #include "launch/moebench/timing.h"
@@ -231,17 +233,37 @@ int RunLayerBench(const LayerBenchFlags& f) {
   report["results"] = json::array();
   // The physical floor of a batch: the larger of reading its experts' weights once at the
   // measured read bandwidth, and its FLOPs at the best sgemm rate measured here.
-  const double read_bps = MeasureReadBandwidth(&pool);
+  const ReadBandwidth read = MeasureReadBandwidth(&pool);
+  const double read_bps = read.bytes_per_s;
   report["memory_read_gbps"] = read_bps / 1e9;
+  json read_gbps;
+  for (const ReadVariantRate& v : read.variants) read_gbps[IsaName(v.isa)] = v.bytes_per_s / 1e9;
+  report["floor_read"] = {{"what", "best pass of each read kernel on every thread of the run"},
+                          {"gbps", read_gbps},
+                          {"used", IsaName(read.best)},
+                          {"threads", read.threads},
+                          {"buffer_bytes", read.buffer_bytes},
+                          {"reps", read.reps},
+                          {"sums_agree", read.sums_agree}};
+  std::fprintf(stderr, "layer: floor read bandwidth %.1f GB/s (%s kernel, %d threads)\n",
+               read_bps / 1e9, IsaName(read.best), read.threads);
+  bool any_floor_fault = false;
 
   // The sgemm baseline of every T first (its shape is the same for every weight type). Its best
   // rate in the run is the compute floor's rate: at small T sgemm's rate is bound by reading its
-  // own f32 matrices, which is no floor for narrower weights.
+  // own f32 matrices (and by call overheads), which is no floor, so a run without a T of at
+  // least 1024 times sgemm at 1024 too, for the compute floor alone.
   std::map<int64_t, json> sgemm;
   double peak_gflops = 0;
   if (f.sgemm) {
     const std::vector<std::string> coretypes = CandidateCoreTypes();
-    for (int64_t t : f.tokens) {
+    std::vector<int64_t> sgemm_tokens = f.tokens;
+    constexpr int64_t kComputeBoundTokens = 1024;
+    if (f.tokens.empty() ||
+        *std::max_element(f.tokens.begin(), f.tokens.end()) < kComputeBoundTokens) {
+      sgemm_tokens.push_back(kComputeBoundTokens);
+    }
+    for (int64_t t : sgemm_tokens) {
       sgemm[t] = SgemmBaseline(w0, t, pool.size(), f.min_seconds, coretypes);
       if (!sgemm[t].is_null()) {
         peak_gflops = std::max(peak_gflops, sgemm[t]["best"]["gflops"].get<double>());
@@ -319,6 +341,16 @@ int RunLayerBench(const LayerBenchFlags& f) {
                     {"compute_ms", compute_floor_ms},
                     {"ms", floor_ms}};
       r["x_floor"] = ours.median_ms / floor_ms;
+      // Below the floor is no success: the floor under-reads the machine (exit code stays 0).
+      r["floor_fault"] = IsFloorFault(r["x_floor"].get<double>());
+      if (r["floor_fault"].get<bool>()) {
+        const bool memory_bound = read_floor_ms >= compute_floor_ms;
+        r["floor_fault_reason"] = FloorFaultReason(
+            r["x_floor"].get<double>(), memory_bound,
+            memory_bound ? r["weight_read_gbps"].get<double>() : r["gflops"].get<double>(),
+            memory_bound ? read_bps / 1e9 : peak_gflops);
+        any_floor_fault = true;
+      }
       const std::string what =
           several ? fmt::format("{} {}", IsaName(*isa), DTypeName(w.dtype)) : IsaName(*isa);
       std::fprintf(stderr,
@@ -328,6 +360,10 @@ int RunLayerBench(const LayerBenchFlags& f) {
                    r["tokens_per_s"].get<double>(), r["gflops"].get<double>(),
                    r["weight_read_gbps"].get<double>(), sgemm_line.c_str(),
                    r["x_floor"].get<double>(), r["speedup_vs_reference"].get<double>());
+      if (r["floor_fault"].get<bool>()) {
+        std::fprintf(stderr, "layer %s T=%lld: FLOOR FAULT: %s\n", what.c_str(),
+                     static_cast<long long>(t), r["floor_fault_reason"].get<std::string>().c_str());
+      }
       rows.push_back(std::move(r));
     }
     // Each type against F32 and BF16 of the same run and T (types narrower than the baseline).
@@ -348,6 +384,7 @@ int RunLayerBench(const LayerBenchFlags& f) {
     }
     for (json& r : rows) report["results"].push_back(std::move(r));
   }
+  report["floor_fault"] = any_floor_fault;
   if (f.json) {
     std::printf("%s\n", report.dump(2).c_str());
   }
