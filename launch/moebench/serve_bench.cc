@@ -131,6 +131,8 @@ std::string CheckAnswer(const Workload& w, const v1::InferResponse& r, int input
   return "";
 }
 
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
 // One thread's counts; merged at the end.
 struct Stats {
   int64_t requests = 0;
@@ -139,23 +141,33 @@ struct Stats {
   std::map<std::string, int64_t> errors;
   std::map<std::string, std::string> first_error;
   std::vector<double> latency_ms;
+  // How long each failed request took to fail (from when it was due to when its failure was
+  // known): a bound on a deadline must hold for the answers that failed, too.
+  std::vector<double> failed_latency_ms;
   std::vector<std::pair<Clock::time_point, double>> ok_at;  // completion, latency ms
   std::vector<Clock::time_point> error_at;
   Clock::time_point last_done{};  // of a measured request
   int64_t warmup_requests = 0;
   int64_t warmup_errors = 0;
   std::string first_warmup_error;
+  // Of warmup_errors, the answers that differ from the local layer.
+  int64_t warmup_mismatches = 0;
   int64_t failovers = 0;  // moves to another router (closed loop, several targets)
   int64_t retried = 0;    // requests sent again after their router's connection broke
 
-  void Error(bool measured, const std::string& kind, const std::string& why) {
+  // A failed request, due at `since` (its latency is from then to now).
+  void Error(bool measured, const std::string& kind, const std::string& why,
+             Clock::time_point since) {
     if (!measured) {
       ++warmup_requests;
+      if (kind == "mismatch") ++warmup_mismatches;
       if (warmup_errors++ == 0) first_warmup_error = kind + ": " + why;
       return;
     }
     ++requests;
-    error_at.push_back(Clock::now());
+    const auto now = Clock::now();
+    error_at.push_back(now);
+    failed_latency_ms.push_back(Ms(now - since));
     if (errors[kind]++ == 0) first_error[kind] = why;
   }
   void Ok(bool measured, bool verified_answer, double ms, Clock::time_point done) {
@@ -179,12 +191,15 @@ struct Stats {
     for (const auto& [k, n] : o.errors) errors[k] += n;
     for (const auto& [k, why] : o.first_error) first_error.emplace(k, why);
     latency_ms.insert(latency_ms.end(), o.latency_ms.begin(), o.latency_ms.end());
+    failed_latency_ms.insert(failed_latency_ms.end(), o.failed_latency_ms.begin(),
+                             o.failed_latency_ms.end());
     ok_at.insert(ok_at.end(), o.ok_at.begin(), o.ok_at.end());
     error_at.insert(error_at.end(), o.error_at.begin(), o.error_at.end());
     last_done = std::max(last_done, o.last_done);
     warmup_requests += o.warmup_requests;
     if (warmup_errors == 0) first_warmup_error = o.first_warmup_error;
     warmup_errors += o.warmup_errors;
+    warmup_mismatches += o.warmup_mismatches;
   }
 };
 
@@ -193,8 +208,6 @@ struct Schedule {
   Clock::time_point measure;  // start + warmup
   Clock::time_point end;      // measure + duration: no send at or after it
 };
-
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 uint64_t RequestId(int conn, uint64_t seq) { return (static_cast<uint64_t>(conn + 1) << 40) | seq; }
 int InputOf(const Workload& w, int conn, uint64_t seq) {
@@ -222,7 +235,7 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
     if (!client->connected()) {
       const Status cs = client->Connect();
       if (!cs.ok()) {
-        st->Error(measured, "connect", cs.message());
+        st->Error(measured, "connect", cs.message(), t0);
         std::this_thread::sleep_for(kReconnectPause);
         continue;
       }
@@ -238,7 +251,7 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
     st->retried = static_cast<int64_t>(client->retried());
     if (!status.ok()) {
       st->Error(measured, status.code() == StatusCode::kDeadlineExceeded ? "client_timeout" : "io",
-                status.message());
+                status.message(), t0);
       client->Drop();  // a late answer must not be taken for the next request's
       continue;
     }
@@ -248,7 +261,7 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
     if (kind.empty()) {
       st->Ok(measured, !w.expected.empty(), Ms(done - t0), done);
     } else {
-      st->Error(measured, kind, why);
+      st->Error(measured, kind, why, t0);
     }
   }
 }
@@ -297,7 +310,7 @@ class OpenLoopConnection {
       std::this_thread::sleep_until(at);
       const bool measured = at >= s_.measure;
       if (broken_.load()) {
-        st->Error(measured, "io", "connection lost: " + BrokenWhy());
+        st->Error(measured, "io", "connection lost: " + BrokenWhy(), at);
         continue;
       }
       const uint64_t id = RequestId(c_, seq);
@@ -306,7 +319,7 @@ class OpenLoopConnection {
         std::lock_guard<std::mutex> lock(mu_);
         if (in_flight_.size() >= kMaxInFlightPerConnection) {
           st->Error(measured, "client_backlog",
-                    std::to_string(kMaxInFlightPerConnection) + " requests in flight");
+                    std::to_string(kMaxInFlightPerConnection) + " requests in flight", at);
           continue;
         }
         in_flight_[id] = Pending{at, input, measured};
@@ -322,7 +335,7 @@ class OpenLoopConnection {
         }
         st->Error(measured,
                   status.code() == StatusCode::kDeadlineExceeded ? "client_timeout" : "io",
-                  status.message());
+                  status.message(), at);
         broken_ = true;
         conn_->Shutdown();  // wakes the receiver
       }
@@ -337,7 +350,7 @@ class OpenLoopConnection {
 
   void FailAllInFlight(Stats* st, const std::string& kind, const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [id, p] : in_flight_) st->Error(p.measured, kind, why);
+    for (const auto& [id, p] : in_flight_) st->Error(p.measured, kind, why, p.scheduled);
     in_flight_.clear();
   }
 
@@ -378,7 +391,7 @@ class OpenLoopConnection {
       }
       if (!p) {
         st->Error(done >= s_.measure, "io",
-                  "answer for id " + std::to_string(resp.id()) + ", which is not in flight");
+                  "answer for id " + std::to_string(resp.id()) + ", which is not in flight", done);
         continue;
       }
       std::string why;
@@ -386,7 +399,7 @@ class OpenLoopConnection {
       if (kind.empty()) {
         st->Ok(p->measured, !w_.expected.empty(), Ms(done - p->scheduled), done);
       } else {
-        st->Error(p->measured, kind, why);
+        st->Error(p->measured, kind, why, p->scheduled);
       }
     }
   }
@@ -409,6 +422,20 @@ double Percentile(const std::vector<double>& sorted, double q) {
   if (sorted.empty()) return 0;
   const size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(sorted.size())));
   return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+// Percentiles, max, mean and count of `ms` (sorted in place).
+json LatencyJson(std::vector<double>* ms) {
+  std::sort(ms->begin(), ms->end());
+  double mean = 0;
+  for (double v : *ms) mean += v;
+  if (!ms->empty()) mean /= static_cast<double>(ms->size());
+  return {{"p50", Percentile(*ms, 0.50)},
+          {"p90", Percentile(*ms, 0.90)},
+          {"p99", Percentile(*ms, 0.99)},
+          {"max", ms->empty() ? 0.0 : ms->back()},
+          {"mean", mean},
+          {"count", ms->size()}};
 }
 
 }  // namespace
@@ -620,19 +647,11 @@ int RunServeBench(const ServeBenchFlags& f) {
 
   Stats all;
   for (const auto& st : stats) all.Merge(st);
-  std::sort(all.latency_ms.begin(), all.latency_ms.end());
   const double wall_s =
       std::chrono::duration<double>(std::max(all.last_done, s.end) - s.measure).count();
   int64_t error_count = 0;
   for (const auto& [k, n] : all.errors) error_count += n;
-  double mean = 0;
-  for (double v : all.latency_ms) mean += v;
-  if (!all.latency_ms.empty()) mean /= static_cast<double>(all.latency_ms.size());
-  const json latency = {{"p50", Percentile(all.latency_ms, 0.50)},
-                        {"p90", Percentile(all.latency_ms, 0.90)},
-                        {"p99", Percentile(all.latency_ms, 0.99)},
-                        {"max", all.latency_ms.empty() ? 0.0 : all.latency_ms.back()},
-                        {"mean", mean}};
+  const json latency = LatencyJson(&all.latency_ms);
   // Per second of the measured run: answers, errors and latency of what completed in it (what a
   // fault's recovery looks like over time).
   json timeline = json::array();
@@ -684,9 +703,13 @@ int RunServeBench(const ServeBenchFlags& f) {
   report["requests_per_s"] = rps;
   report["tokens_per_s"] = tps;
   report["latency_ms"] = latency;
+  // (the requests that failed: from when each was due to when its failure was known)
+  report["failed_latency_ms"] = LatencyJson(&all.failed_latency_ms);
   report["verify"] = f.verify;
   report["verified"] = all.verified;
-  report["warmup"] = {{"requests", all.warmup_requests}, {"errors", all.warmup_errors}};
+  report["warmup"] = {{"requests", all.warmup_requests},
+                      {"errors", all.warmup_errors},
+                      {"mismatches", all.warmup_mismatches}};
   report["targets"] = w.targets;
   report["failovers"] = all.failovers;
   report["retried"] = all.retried;
@@ -703,7 +726,8 @@ int RunServeBench(const ServeBenchFlags& f) {
       f.dtype.c_str(), static_cast<long long>(all.requests), static_cast<long long>(all.ok),
       static_cast<long long>(error_count), rps, tps, latency["p50"].get<double>(),
       latency["p90"].get<double>(), latency["p99"].get<double>(), latency["max"].get<double>(),
-      mean, f.verify ? fmt::format(" | verified {}/{} bitwise", all.verified, all.ok).c_str() : "");
+      latency["mean"].get<double>(),
+      f.verify ? fmt::format(" | verified {}/{} bitwise", all.verified, all.ok).c_str() : "");
   int rc = 0;
   if (!f.plot.empty()) {
     if (Status ps = plot::WriteSvg(f.plot, TimelineSvg(f, w, timeline, rps, tps)); !ps.ok()) {
@@ -712,19 +736,34 @@ int RunServeBench(const ServeBenchFlags& f) {
       std::fprintf(stderr, "serve: plot written to %s\n", f.plot.c_str());
     }
   }
+  // Wrong answers alone (every failure, warmup included, an answer that differs from the local
+  // layer) exit kExitAnswersDiffer, so that a test expecting them can tell them from a bench that
+  // failed for another reason (a refused connection, a timeout), which exits 1.
+  bool other_failure = false;
+  int64_t mismatches = all.warmup_mismatches;
   for (const auto& [kind, n] : all.errors) {
     std::fprintf(stderr, "serve: %lld %s errors (first: %s)\n", static_cast<long long>(n),
                  kind.c_str(), all.first_error[kind].c_str());
-    rc = 1;
+    if (kind == "mismatch") {
+      mismatches += n;
+    } else {
+      other_failure = true;
+    }
   }
   if (all.warmup_errors > 0) {
     std::fprintf(stderr, "serve: %lld errors during the warmup (first: %s)\n",
                  static_cast<long long>(all.warmup_errors), all.first_warmup_error.c_str());
-    rc = 1;
+    if (all.warmup_errors > all.warmup_mismatches) other_failure = true;
   }
   if (all.requests == 0) {
     std::fprintf(stderr, "serve: no request was measured (duration too short?)\n");
-    rc = 1;
+    other_failure = true;
+  }
+  if (other_failure || (mismatches > 0 && !f.verify)) return 1;
+  if (rc == 0 && mismatches > 0) {
+    std::fprintf(stderr, "serve: %lld answers differ from the local layer (exit %d)\n",
+                 static_cast<long long>(mismatches), kExitAnswersDiffer);
+    return kExitAnswersDiffer;
   }
   return rc;
 }

@@ -131,7 +131,16 @@ python3 - "$WORK/frozen.json" <<'P' || fail "a request outlived its deadline dur
 import json, sys
 r = json.load(open(sys.argv[1]))
 assert r["requests"] > 0
-assert r["latency_ms"]["max"] <= 1500 + 500 or r["ok"] == 0, r
+# Every request, answered or failed, ends by its 1500 ms deadline: the server says why (an
+# error reply), the client never has to give up on it (it would at 6500 ms, a client_timeout).
+# moebench times the failed requests too (failed_latency_ms); the bound is 3x the deadline, a
+# margin a loaded machine does not close, and below the client's own limit.
+f = r["failed_latency_ms"]
+assert f["count"] == r["error_count"] > 0, r
+assert r["errors"].get("client_timeout", 0) == 0, r
+assert max(f["max"], r["latency_ms"]["max"]) <= 3 * 1500, r
+print(f"frozen: {r['error_count']} failed, slowest failure {f['max']:.0f} ms; "
+      f"{r['ok']} answered, slowest {r['latency_ms']['max']:.0f} ms")
 P
 kill -CONT "$pid2"
 t0=$SECONDS
