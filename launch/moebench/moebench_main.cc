@@ -134,7 +134,9 @@ int main(int argc, char** argv) {
     serve->add_option("--hidden", sf.hidden, "Hidden size (required without --verify)");
     serve->add_option("--inputs", sf.inputs, "Distinct request inputs")->default_val(64);
     serve->add_option("--seed-inputs", sf.seed_inputs, "Seed of the inputs")->default_val(1);
-    serve->add_flag("--verify", sf.verify, "Check every answer bitwise against the local layer");
+    serve->add_flag("--verify", sf.verify,
+                    "Check every answer bitwise against the local layer (exit 3 when the only "
+                    "failures are answers that differ from it)");
     auto* serve_model = serve->add_option("--model", sf.layer.model, "--verify: model folder");
     auto* serve_preset = serve->add_option("--preset", sf.layer.preset, "--verify: preset name");
     serve_model->excludes(serve_preset);

@@ -15,7 +15,8 @@
 // during the warmup are left out of the statistics (their errors still fail the run).
 // With --tls-ca-file every connection speaks TLS (the handshake is not part of a request's
 // latency: connections are made before the run).
-// Exit code: 0 all answers OK (and verified), 1 any error or mismatch, 2 bad flags.
+// Exit code: 0 all answers OK (and verified); 3 (kExitAnswersDiffer) with --verify when every
+// failure is an answer that differs from the local layer; 1 any other error; 2 bad flags.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,9 @@
 #include "launch/layer_flags.h"
 
 namespace moerun::bench {
+
+// moebench serve --verify's exit code when the only failures are wrong answers.
+inline constexpr int kExitAnswersDiffer = 3;
 
 struct ServeBenchFlags {
   std::string target;              // --target HOST:PORT[,HOST:PORT...] (failover)
