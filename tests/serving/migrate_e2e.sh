@@ -4,8 +4,12 @@
 #   1. `moectl rebalance --redundant 1 --wait` moves experts (every answer must stay bitwise
 #      right, none may fail), and the window's balancedness rises;
 #   2. `moectl expert update --canary 20` puts new weights (tests/serving/make_expert_file.py)
-#      beside the hottest expert: the share of its rows they compute is 20% (+-1 point) and
-#      answers change; `moectl expert rollback`: answers are bitwise right again;
+#      beside the hottest expert: the share of its rows they compute is 20% (+-1 point); a bench
+#      without --verify gets every answer (none fails), and one with --verify exits 3, moebench's
+#      code for answers that differ from the reference, with mismatches counted in its JSON and no
+#      other error; `moectl expert rollback`: answers are bitwise right again (the unit test
+#      ExpertUpdateTest.CanaryShareRollbackAndPromote checks the canary's answers bitwise against
+#      single-process layers);
 #   3. bad requests (a placement for another job, a missing file, promote without an update)
 #      are refused with exit 1 and a reason, and the job keeps serving;
 #   4. one SIGTERM to rank 0 drains both routers (router 0 tells router 1) and the job exits 0.
@@ -105,11 +109,20 @@ python3 "$HERE/make_expert_file.py" --family qwen3 --layer "$LAYER" --expert 0 -
 "$MOECTL" "${CTL[@]}" expert update --layer "$LAYER" --expert 0 \
   --from "$WORK/expert0.safetensors" --canary 20 --wait >"$WORK/update.txt" 2>&1 ||
   { cat "$WORK/update.txt" >&2; fail "moectl expert update"; }
-bench canary 0 6   # no --verify: a fifth of expert 0's rows now differ
-bench canary_check 0 2 --verify && fail "answers did not change under the canary"
+# No --verify (so no --preset: --hidden instead): every request must be answered. (This bench
+# once carried the --verify flags without --verify, exited 2 on its command line and was ignored.)
+"$MOEBENCH" serve --target "127.0.0.1:$PORT" --duration 6 --concurrency 2 --tokens-per-request 16 \
+  --hidden 2048 --json >"$WORK/canary.json" 2>"$WORK/canary.log" ||
+  { tail -5 "$WORK/canary.log" >&2; fail "moebench (no --verify) failed under the canary"; }
+# --verify against the old weights: a fifth of expert 0's rows now differ, so moebench must exit 3
+# (answers differ from the reference), not 1 (anything else failed) nor 0.
+bench canary_check 0 2 --verify
+rc=$?
+[[ $rc -eq 3 ]] || { tail -5 "$WORK/canary_check.log" >&2;
+  fail "moebench --verify under the canary exited $rc (want 3: answers differ)"; }
 sleep 1.5          # router 0 asks the expert ranks for their counts once a second
-"$MOECTL" "${CTL[@]}" expert status --layer "$LAYER" --expert 0 --json >"$WORK/canary.json" ||
-  fail "moectl expert status"
+"$MOECTL" "${CTL[@]}" expert status --layer "$LAYER" --expert 0 --json \
+  >"$WORK/canary_status.json" || fail "moectl expert status"
 "$MOECTL" "${CTL[@]}" expert rollback --layer "$LAYER" --expert 0 >"$WORK/rollback.txt" 2>&1 ||
   { cat "$WORK/rollback.txt" >&2; fail "moectl expert rollback"; }
 for _ in $(seq 1 50); do
@@ -143,10 +156,13 @@ def j(n): return json.load(open(f"{w}/{n}"))
 m = j("migration.json")
 before = j("before.status")["layers"][0]["window_balancedness"]
 after = j("after.status")["layers"][0]["window_balancedness"]
-canary = j("canary.json")["variants"][0]
+canary = j("canary_status.json")["variants"][0]
 rolled = j("rolled_status.json")["variants"][0]
 share = int(canary["canary_rows"]) / max(1, int(canary["rows"]))
 benches = [j(f"{n}.json") for n in ("during0", "during1", "after0", "rolled", "final")]
+verified = benches + [j(f"{n}.json") for n in ("steady0", "steady1")]
+bench_canary, check = j("canary.json"), j("canary_check.json")
+mismatched = int(check.get("errors", {}).get("mismatch", 0))
 out = {
     "migration_state": m["state"], "migration_s": round(m["elapsed_s"], 2),
     "bytes_loaded": int(m["bytes_loaded"]), "bytes_freed": int(m.get("bytes_freed", 0)),
@@ -156,12 +172,22 @@ out = {
     "latency_ms_max_during": max(b["latency_ms"]["max"] for b in benches[:2]),
     "canary_rows": int(canary["canary_rows"]), "rows": int(canary["rows"]),
     "canary_share": round(share, 4), "rollback_state": rolled["state"],
+    "canary_bench_ok": bench_canary.get("ok", 0), "canary_bench_errors": bench_canary.get("error_count"),
+    "canary_check_ok": check.get("ok", 0), "canary_check_mismatched": mismatched,
+    "canary_check_errors": check.get("errors"),
 }
 print(json.dumps(out))
 ok = (m["state"] == "done" and j("after.status")["migration"]["state"] == "done" and after > before and abs(share - 0.20) <= 0.01
       and int(canary["rows"]) > 0 and rolled["state"] == "rolled back"
       and all(b.get("error_count", 1) == 0 and b.get("verified", -1) == b.get("ok", -2)
-              and b.get("ok", 0) > 0 for b in benches))
+              and b.get("ok", 0) > 0 for b in verified)
+      # The canary bench (no --verify): every request answered, none checked.
+      and bench_canary.get("ok", 0) > 0 and bench_canary.get("error_count", 1) == 0
+      and bench_canary.get("verify") is False and bench_canary.get("verified", -1) == 0
+      # The canary check (--verify): wrong answers counted, and nothing else failed.
+      and check.get("verify") is True and mismatched > 0
+      and check.get("error_count", -1) == mismatched and check.get("verified", -1) == check.get("ok", -2)
+      and check.get("warmup", {}).get("errors", -1) == check.get("warmup", {}).get("mismatches", -2))
 sys.exit(0 if ok else 1)
 PY
 rc=$?
