@@ -36,6 +36,7 @@
 #include <memory>
 #include <vector>
 
+#include "transport/registry.h"
 #include "transport/transport.h"
 
 namespace moerun {
@@ -63,17 +64,11 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(std::unique_ptr<Transport>
 // the joiner in with ReplacePeer(rank, address()) before it sends them anything (what reaches
 // them earlier from its rank number is dropped as the old process's). Its options must be the
 // job's: both sides choose eager or put by the same put_min.
-class UcxJoiner {
- public:
-  virtual ~UcxJoiner() = default;
-  virtual const std::vector<uint8_t>& address() const = 0;
-  // The transport of rank `rank` among addresses.size() ranks (addresses[rank] is ignored), with
-  // endpoints to every peer whose address is not empty; a peer without one is failed from the
-  // start (peer_failed is true, its requests fail with kUnavailable). No bootstrap transport:
-  // Abort ends the process; Barrier is not meant to be used. Consumes the joiner.
-  virtual Result<std::unique_ptr<Transport>> Connect(
-      int rank, const std::vector<std::vector<uint8_t>>& addresses) = 0;
-};
+// It is the registry's TransportJoiner (registry.h), whose Connect here gives the transport of
+// rank `rank` with endpoints to every peer whose address is not empty; a peer without one is
+// failed from the start (peer_failed is true, its requests fail with kUnavailable). No bootstrap
+// transport: Abort ends the process; Barrier is not meant to be used.
+using UcxJoiner = TransportJoiner;
 // Same environment settings (and log lines) as CreateUcxTransport.
 Result<std::unique_ptr<UcxJoiner>> CreateUcxJoiner(UcxOptions options = {});
 
