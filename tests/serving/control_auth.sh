@@ -147,7 +147,9 @@ for i in 1 2 3 4 5; do
 done
 wait $FLOOD || fail "the flood client failed"
 echo "flood: $(cat "$WORK/flood.json"); worst moectl status during it: $worst ms"
-((worst < 2000)) || fail "moectl status took $worst ms during the flood"
+# Served during the flood, not starved: each status within a third of moectl's own 10 s timeout
+# (a bound with a 3x margin, which only a control endpoint that let the flood queue it fails).
+((worst < 3333)) || fail "moectl status took $worst ms during the flood"
 python3 - "$WORK/flood.json" <<'PY' || fail "no back-off: $(cat "$WORK/flood.json")"
 import json, sys
 s = json.load(open(sys.argv[1]))
