@@ -1,13 +1,13 @@
 #include "base/metrics.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <system_error>
+
+#include "base/resident_memory.h"
 
 namespace moerun {
 
@@ -345,14 +345,8 @@ std::vector<double> LatencyBuckets() {
 }
 
 double ProcessResidentBytes() {
-  std::FILE* f = std::fopen("/proc/self/statm", "r");
-  if (f == nullptr) return 0;
-  unsigned long long size = 0, resident = 0;  // NOLINT(runtime/int): matches %llu
-  int n = std::fscanf(f, "%llu %llu", &size, &resident);
-  std::fclose(f);
-  long page = sysconf(_SC_PAGESIZE);  // NOLINT(runtime/int)
-  if (n != 2 || page <= 0) return 0;
-  return static_cast<double>(resident) * static_cast<double>(page);
+  const Result<size_t> r = ResidentBytes();
+  return r.ok() ? static_cast<double>(*r) : 0;  // a gauge has no error: 0 (see metrics.h)
 }
 
 }  // namespace moerun

@@ -105,7 +105,10 @@ class MetricsRegistry {
 // Default latency buckets in seconds: 50 us .. 60 s, roughly x2 apart.
 std::vector<double> LatencyBuckets();
 
-// This process's resident set size in bytes (from /proc/self/statm), 0 if unreadable.
+// This process's resident set size in bytes (from /proc/self/statm), 0 if unreadable: for the
+// resident-memory gauge and the probes' pong only, which have no way to report an error. Whatever
+// checks memory (a load's log line, a test) uses ResidentBytes() (base/resident_memory.h), whose
+// failure is an error.
 double ProcessResidentBytes();
 
 // A number as the text format writes it: integral values with |v| < 2^53 as plain integers,

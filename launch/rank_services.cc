@@ -213,6 +213,9 @@ void RankServices::Attach(ExpertRank* host) {
     m.AddCallbackCounter("moerun_expert_cache_evictions_total",
                          "Experts evicted from the expert cache",
                          [st] { return static_cast<double>(st->evictions.load()); });
+    m.AddCallbackCounter("moerun_expert_cache_spill_reads_total",
+                         "Expert loads the expert cache served from its spill file",
+                         [st] { return static_cast<double>(st->spill_reads.load()); });
     m.AddCallbackCounter("moerun_expert_cache_loaded_bytes_total",
                          "Bytes of expert weights the expert cache loaded",
                          [st] { return static_cast<double>(st->loaded_bytes.load()); });

@@ -50,7 +50,7 @@ Result<std::shared_ptr<MoeLayerWeights>> LoadWeights(const WeightSource& src, co
                                                      const std::string& what,
                                                      const LoadThrottle& throttle) {
   if (!src.model.empty()) {
-    const size_t resident_before = ResidentBytes();
+    const Result<size_t> resident_before = ResidentBytes();
     std::shared_ptr<MoeLayerWeights> w;
     {
       MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(src.model));
@@ -62,12 +62,22 @@ Result<std::shared_ptr<MoeLayerWeights>> LoadWeights(const WeightSource& src, co
       MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights lw, LoadLayer(*ckpt, spec, kernels, o));
       w = std::make_shared<MoeLayerWeights>(std::move(lw));
     }  // the checkpoint's mapping goes here: its pages no longer count as ours
-    spdlog::info(
-        "{}: experts held as {}, {:.1f} MiB; resident {:.1f} MiB before loading, {:.1f} "
-        "MiB after",
-        what, HeldTypeName(w->dtype), static_cast<double>(w->ExpertBytes()) / (1 << 20),
-        static_cast<double>(resident_before) / (1 << 20),
-        static_cast<double>(ResidentBytes()) / (1 << 20));
+    // What the weights cost, as the process's resident memory before and after (tests read
+    // this line); a failed read says so instead of numbers that would look like no growth.
+    const Result<size_t> resident_after = ResidentBytes();
+    if (resident_before.ok() && resident_after.ok()) {
+      spdlog::info(
+          "{}: experts held as {}, {:.1f} MiB; resident {:.1f} MiB before loading, {:.1f} "
+          "MiB after",
+          what, HeldTypeName(w->dtype), static_cast<double>(w->ExpertBytes()) / (1 << 20),
+          static_cast<double>(*resident_before) / (1 << 20),
+          static_cast<double>(*resident_after) / (1 << 20));
+    } else {
+      spdlog::warn(
+          "{}: experts held as {}, {:.1f} MiB; resident memory unknown: {}", what,
+          HeldTypeName(w->dtype), static_cast<double>(w->ExpertBytes()) / (1 << 20),
+          (resident_before.ok() ? resident_after.status() : resident_before.status()).ToString());
+    }
     return w;
   }
   PresetOptions o;

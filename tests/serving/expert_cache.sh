@@ -3,7 +3,9 @@
 # whose expert ranks each hold ~25% of the experts they host, under moebench serve --verify:
 # every answer bitwise right; moectl status shows each expert rank's cache (budget, resident
 # set, hits and misses); /metrics has the moerun_expert_cache_* series; resident bytes stay within
-# the budget. Then the bad configs: a budget smaller than one expert, pinned experts over the
+# the budget; experts evicted and needed again were read back from the spill file
+# (moerun_expert_cache_spill_reads_total > 0), so the bitwise answers cover spill reads too.
+# Then the bad configs: a budget smaller than one expert, pinned experts over the
 # budget, an unknown policy, each a clear one-line error and exit 2.
 #
 #   expert_cache.sh MOERUN MOECTL MOEBENCH
@@ -91,15 +93,19 @@ for r in (1, 2, 3):
             series.setdefault(name.split("{")[0], []).append(float(value))
 for name in ("moerun_expert_cache_hits_total", "moerun_expert_cache_misses_total",
              "moerun_expert_cache_evictions_total", "moerun_expert_cache_loaded_bytes_total",
-             "moerun_expert_cache_resident_bytes", "moerun_expert_cache_wait_seconds_count"):
+             "moerun_expert_cache_resident_bytes", "moerun_expert_cache_wait_seconds_count",
+             "moerun_expert_cache_spill_reads_total"):
     assert name in series and len(series[name]) == 3, (name, series.get(name))
 assert sum(series["moerun_expert_cache_misses_total"]) > 0, series
+# Evicted experts came back from the spill file (each is loaded from the preset once, then read).
+assert sum(series["moerun_expert_cache_spill_reads_total"]) > 0, series
 assert all(v <= budget for v in series["moerun_expert_cache_resident_bytes"]), series
 hits = sum(series["moerun_expert_cache_hits_total"])
 misses = sum(series["moerun_expert_cache_misses_total"])
 print(json.dumps({"verified": b["verified"], "tokens_per_s": round(b["tokens_per_s"], 1),
                   "plan_hit_rate": [p["layers"][0]["hit_rate_before"], p["layers"][0]["hit_rate_after"]],
-                  "hit_rate": round(hits / (hits + misses), 3), "misses": misses}))
+                  "hit_rate": round(hits / (hits + misses), 3), "misses": misses,
+                  "spill_reads": sum(series["moerun_expert_cache_spill_reads_total"])}))
 PY
 
 # Loads slower than half the expert-parallel deadline (expert_cache_load_mib_s: 64 MiB/s, a 9 MiB

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <memory>
 #include <thread>
 
 #include "base/log.h"
@@ -24,6 +26,20 @@ namespace moerun {
 namespace {
 
 using namespace moerun::testing;
+
+// The counter counts in this binary too (operator new and the C allocator), so the zero below
+// can fail; tests/unit/alloc_test.cc checks every kind of allocation.
+void* (*volatile g_malloc)(size_t) = std::malloc;
+
+TEST(ServingAllocationTest, TheCounterCountsNewAndMalloc) {
+  StartCountingAllocations();
+  auto p = std::make_unique<int>(1);
+  EXPECT_EQ(StopCountingAllocations(), 1u);
+  StartCountingAllocations();
+  void* q = g_malloc(32);
+  EXPECT_EQ(StopCountingAllocations(), 1u);
+  std::free(q);
+}
 
 // A port nothing listens on now (the kernel's choice for port 0).
 uint16_t FreePort() {

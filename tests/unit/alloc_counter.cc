@@ -1,4 +1,4 @@
-// The replacements below pair malloc/aligned_alloc with free on purpose.
+// The replacements below pair glibc's malloc/memalign with free on purpose.
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 
 #include "tests/unit/alloc_counter.h"
@@ -6,6 +6,8 @@
 #include <execinfo.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -18,17 +20,19 @@ thread_local bool t_not_counted = false;  // a test's client threads
 const int g_trace =
     std::getenv("MOERUN_ALLOC_TRACE") ? std::atoi(std::getenv("MOERUN_ALLOC_TRACE")) : 0;
 std::atomic<int> g_traced{0};
+thread_local bool t_in_trace = false;  // backtrace's own first allocations are not counted
 void Trace() {
-  static thread_local bool in_trace = false;
-  if (in_trace || g_traced.fetch_add(1) >= g_trace) return;
-  in_trace = true;
+  if (g_traced.fetch_add(1) >= g_trace) return;
+  t_in_trace = true;
   void* frames[24];
   const int n = backtrace(frames, 24);
   std::fprintf(stderr, "--- counted allocation %d\n", g_traced.load());
   backtrace_symbols_fd(frames, n, 2);
-  in_trace = false;
+  t_in_trace = false;
 }
-bool Counted() { return g_counting.load(std::memory_order_relaxed) && !t_not_counted; }
+bool Counted() {
+  return g_counting.load(std::memory_order_relaxed) && !t_not_counted && !t_in_trace;
+}
 void Count() {
   g_allocations.fetch_add(1);
   if (g_trace > 0) Trace();
@@ -51,24 +55,68 @@ void SetThreadNotCounted(bool not_counted) { t_not_counted = not_counted; }
 
 }  // namespace moerun::testing
 
+// The C allocator, interposed: a definition here (in the executable) takes the place of libc's for
+// every library the binary loads, libc's own callers included (strdup, fopen, ...). Each counts
+// and forwards to glibc's allocator under its internal names, which glibc exports for exactly
+// this (no dlsym: dlsym itself allocates). Memory from any of them may be freed by any free.
+extern "C" {
+void* __libc_malloc(size_t n);  // NOLINT: glibc's names
+void* __libc_calloc(size_t n, size_t m);
+void* __libc_realloc(void* p, size_t n);
+void* __libc_memalign(size_t align, size_t n);
+void __libc_free(void* p);
+
+void* malloc(size_t n) noexcept {
+  if (Counted()) Count();
+  return __libc_malloc(n);
+}
+void* calloc(size_t n, size_t m) noexcept {
+  if (Counted()) Count();
+  return __libc_calloc(n, m);
+}
+void* realloc(void* p, size_t n) noexcept {
+  if (Counted()) Count();
+  return __libc_realloc(p, n);
+}
+void free(void* p) noexcept { __libc_free(p); }
+void* aligned_alloc(size_t align, size_t n) noexcept {
+  if (Counted()) Count();
+  return __libc_memalign(align, n);
+}
+void* memalign(size_t align, size_t n) noexcept {
+  if (Counted()) Count();
+  return __libc_memalign(align, n);
+}
+int posix_memalign(void** out, size_t align, size_t n) noexcept {
+  if (align < sizeof(void*) || (align & (align - 1)) != 0) return EINVAL;
+  if (Counted()) Count();
+  void* p = __libc_memalign(align, n);
+  if (p == nullptr) return ENOMEM;
+  *out = p;
+  return 0;
+}
+}  // extern "C"
+
+// operator new counts once and takes its memory from glibc directly (not through the malloc
+// above, which would count it twice).
 void* operator new(std::size_t n) {
   if (Counted()) Count();
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  if (void* p = __libc_malloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t n) { return operator new(n); }
 void* operator new(std::size_t n, std::align_val_t a) {
   if (Counted()) Count();
   const size_t align = static_cast<size_t>(a);
-  if (void* p = std::aligned_alloc(align, (n + align - 1) / align * align)) return p;
+  if (void* p = __libc_memalign(align, n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t n, std::align_val_t a) { return operator new(n, a); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept { __libc_free(p); }
+void operator delete[](void* p) noexcept { __libc_free(p); }
+void operator delete(void* p, std::size_t) noexcept { __libc_free(p); }
+void operator delete[](void* p, std::size_t) noexcept { __libc_free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { __libc_free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { __libc_free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { __libc_free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { __libc_free(p); }

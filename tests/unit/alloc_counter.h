@@ -1,6 +1,8 @@
-// Test helper: counts heap allocations (every operator new, on every thread) while counting is
-// on. A binary that links alloc_counter.cc has operator new replaced; threads that drive a test
-// (its clients) mark themselves NotCounted. MOERUN_ALLOC_TRACE=N prints the call stacks of the
+// Test helper: counts heap allocations (every operator new, and every malloc, calloc, realloc,
+// aligned_alloc, memalign and posix_memalign, on every thread and from every library) while
+// counting is on. A binary that links alloc_counter.cc has operator new replaced and the C
+// allocator interposed (glibc: they forward to __libc_malloc and its kin); threads that drive a
+// test (its clients) mark themselves NotCounted. MOERUN_ALLOC_TRACE=N prints the call stacks of the
 // first N counted allocations, to find them (symbolize with addr2line).
 #pragma once
 
