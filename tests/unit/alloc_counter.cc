@@ -55,6 +55,7 @@ void SetThreadNotCounted(bool not_counted) { t_not_counted = not_counted; }
 
 }  // namespace moerun::testing
 
+#if MOERUN_ALLOC_COUNTS_MALLOC
 // The C allocator, interposed: a definition here (in the executable) takes the place of libc's for
 // every library the binary loads, libc's own callers included (strdup, fopen, ...). Each counts
 // and forwards to glibc's allocator under its internal names, which glibc exports for exactly
@@ -96,27 +97,45 @@ int posix_memalign(void** out, size_t align, size_t n) noexcept {
   return 0;
 }
 }  // extern "C"
+#endif  // MOERUN_ALLOC_COUNTS_MALLOC
 
-// operator new counts once and takes its memory from glibc directly (not through the malloc
-// above, which would count it twice).
+// Where operator new takes its memory: glibc's allocator directly when the C allocator is
+// interposed above (not through that malloc, which would count it twice), the sanitizer's
+// malloc otherwise.
+namespace {
+#if MOERUN_ALLOC_COUNTS_MALLOC
+void* RawAlloc(std::size_t n) { return __libc_malloc(n); }
+void* RawAlignedAlloc(std::size_t align, std::size_t n) { return __libc_memalign(align, n); }
+void RawFree(void* p) { __libc_free(p); }
+#else
+void* RawAlloc(std::size_t n) { return std::malloc(n); }
+void* RawAlignedAlloc(std::size_t align, std::size_t n) {
+  void* p = nullptr;
+  return posix_memalign(&p, align < sizeof(void*) ? sizeof(void*) : align, n) == 0 ? p : nullptr;
+}
+void RawFree(void* p) { std::free(p); }
+#endif
+}  // namespace
+
+// operator new counts once and takes its memory from RawAlloc (above).
 void* operator new(std::size_t n) {
   if (Counted()) Count();
-  if (void* p = __libc_malloc(n == 0 ? 1 : n)) return p;
+  if (void* p = RawAlloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t n) { return operator new(n); }
 void* operator new(std::size_t n, std::align_val_t a) {
   if (Counted()) Count();
   const size_t align = static_cast<size_t>(a);
-  if (void* p = __libc_memalign(align, n == 0 ? 1 : n)) return p;
+  if (void* p = RawAlignedAlloc(align, n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t n, std::align_val_t a) { return operator new(n, a); }
-void operator delete(void* p) noexcept { __libc_free(p); }
-void operator delete[](void* p) noexcept { __libc_free(p); }
-void operator delete(void* p, std::size_t) noexcept { __libc_free(p); }
-void operator delete[](void* p, std::size_t) noexcept { __libc_free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { __libc_free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { __libc_free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { __libc_free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { __libc_free(p); }
+void operator delete(void* p) noexcept { RawFree(p); }
+void operator delete[](void* p) noexcept { RawFree(p); }
+void operator delete(void* p, std::size_t) noexcept { RawFree(p); }
+void operator delete[](void* p, std::size_t) noexcept { RawFree(p); }
+void operator delete(void* p, std::align_val_t) noexcept { RawFree(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { RawFree(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { RawFree(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { RawFree(p); }

@@ -8,6 +8,21 @@
 
 #include <cstdint>
 
+// Under a sanitizer the C allocator belongs to the sanitizer's runtime (it intercepts malloc,
+// strdup and their kin with an allocator of its own, which a free of ours must not meet): there
+// only operator new is counted, through malloc, and the C allocator is left alone.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define MOERUN_ALLOC_COUNTS_MALLOC 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(memory_sanitizer)
+#define MOERUN_ALLOC_COUNTS_MALLOC 0
+#endif
+#endif
+#ifndef MOERUN_ALLOC_COUNTS_MALLOC
+#define MOERUN_ALLOC_COUNTS_MALLOC 1
+#endif
+
 namespace moerun::testing {
 
 void StartCountingAllocations();     // resets the count
