@@ -595,7 +595,10 @@ TEST_P(TransportConformance, OverOneGiBMessagesKeepTheirBoundaries) {
       FillPayload(sixty_four.data(), 64, sender, receiver, 33);
       MOERUN_ASSERT_OK_AND_ASSIGN(reqs[1], t.Isend(receiver, kTag, eight.data(), 8));
       MOERUN_ASSERT_OK_AND_ASSIGN(reqs[2], t.Isend(receiver, kTag, sixty_four.data(), 64));
-      const Status st = t.WaitAll(reqs, DeadlineIn(milliseconds(20'000)), "send");
+      // (Patient: a deadline only against a hang. Moving 2 GiB through shared memory took over
+      // 20 s on a loaded 2-core machine, and a send withdrawn at its deadline while the receiver
+      // still reads it crashes the reader.)
+      const Status st = t.WaitAll(reqs, Patient(), "send");
       EXPECT_NE(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
     } else if (me == receiver) {
       std::vector<uint8_t> in(kBytes + GuardedBuffer::kGuard, GuardedBuffer::kFill);
@@ -604,7 +607,7 @@ TEST_P(TransportConformance, OverOneGiBMessagesKeepTheirBoundaries) {
       const double ms = MillisSince(t0);
       EXPECT_TRUE(PayloadIs(in.data(), kBytes, sender, receiver, 30));
       std::printf("[ info ] %s: 1 GiB + 4097 bytes in %.0f ms\n", t.name(), ms);
-      const Status st = t.Recv(sender, kTag, in.data(), kGiB + 8, DeadlineIn(milliseconds(10'000)));
+      const Status st = t.Recv(sender, kTag, in.data(), kGiB + 8, Patient());
       EXPECT_FALSE(st.ok()) << "a 1 GiB message was received where 1 GiB + 8 bytes were expected";
       EXPECT_NE(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
       std::printf("[ info ] %s: 1 GiB into 1 GiB + 8: %s\n", t.name(), st.ToString().c_str());
