@@ -24,7 +24,6 @@ ExpertServer::ExpertServer(Transport* transport, const Placement& placement,
                            ThreadPool* pool, ExpertServerOptions options,
                            ExpertControlPort* control)
     : t_(transport),
-      kernels_(kernels),
       opts_(options),
       ffn_(kernels, pool),
       header_bytes_(HeaderBytes(placement, layer_ids)),

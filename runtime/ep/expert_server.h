@@ -99,7 +99,6 @@ class ExpertServer {
   }
   // Computes on a device instead of the CPU kernels, if set before Serve.
   void set_compute(ExpertCompute f) { compute_ = std::move(f); }
-  bool has_compute() const { return static_cast<bool>(compute_); }
   // Seconds each microbatch that missed the cache waited for its loads (e.g. a histogram).
   void set_cache_wait_observer(std::function<void(double)> f) { cache_wait_ = std::move(f); }
 
@@ -169,7 +168,6 @@ class ExpertServer {
   void RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in, float* out);
 
   Transport* t_;
-  const CpuKernels& kernels_;
   ExpertServerOptions opts_;
   GroupedFfn ffn_;
   size_t header_bytes_ = 0;
