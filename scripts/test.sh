@@ -119,9 +119,11 @@ for b in "${asan_bins[@]}"; do
     build-asan/"$b".log | head -40 || true
   if ((rc != 0)); then
     tail -60 build-asan/"$b".log
-    [[ -f build-asan/"$b".json ]] || record command "sanitizer: $b" "$rc"
-    [[ -f build-asan/"$b".json ]] && record gtest "sanitizer (address, undefined): $b" \
-      build-asan/"$b".json --log build-asan/"$b".log
+    if [[ -f build-asan/"$b".json ]]; then
+      record gtest "sanitizer (address, undefined): $b" build-asan/"$b".json --log build-asan/"$b".log
+    else  # (it ended before gtest wrote its report: a crash)
+      record command "sanitizer: $b" "$rc"
+    fi
     exit "$rc"
   fi
   asan_json+=(build-asan/"$b".json --log build-asan/"$b".log)

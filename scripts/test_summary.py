@@ -118,32 +118,26 @@ def from_gtest(args):
 
 
 def read_allow(path):
-    """[(pattern, reason)] from the allow file: "<pattern>  <reason>" lines, # comments."""
+    """[(step pattern or None, name pattern, reason)] from the allow file: "[STEP] NAME REASON"
+    lines ("[STEP] " optional: the rule then holds in the steps STEP matches), # comments."""
     rules = []
     for line in open(path, encoding="utf-8"):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        parts = line.split(None, 1)
-        if len(parts) < 2:
+        m = re.match(r"^(?:\[([^\]]+)\]\s+)?(\S+)\s+(.+)$", line)
+        if not m:
             sys.exit(f"test_summary: {path}: '{line}' has no reason")
-        rules.append((parts[0], parts[1]))
+        rules.append(m.groups())
     return rules
 
 
 def allowed(step, name, rules):
-    """The reason a rule gives for skipping `name` in `step`, or None. A rule "[STEP] NAME"
-    holds only in the steps STEP matches."""
+    """The reason a rule gives for skipping `name` in `step`, or None."""
     base = name.split(": ", 1)[0]
-    for pattern, reason in rules:
-        m = re.match(r"^\[([^\]]+)\]\s*(.*)$", pattern + " " + reason)
-        if pattern.startswith("["):
-            if not m:
-                continue
-            step_pattern, rest = m.group(1), m.group(2).split(None, 1)
-            if len(rest) < 2 or not fnmatch.fnmatchcase(step, step_pattern):
-                continue
-            pattern, reason = rest
+    for step_pattern, pattern, reason in rules:
+        if step_pattern and not fnmatch.fnmatchcase(step, step_pattern):
+            continue
         if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(base, pattern):
             return reason
     return None
