@@ -1,8 +1,8 @@
 // moebench: benchmarks that compare moerun against a baseline measured in the same run and
 // print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm; on CUDA
 // vs its floor and torch._grouped_mm), transport (dispatch + combine vs MPI_Alltoallv), serve
-// (load on a router's serving endpoint), and sgemm (the baseline's child process). Bad flags exit
-// with 2.
+// (load on a router's serving endpoint), replay (placements judged on recorded routing), and sgemm
+// (the baseline's child process). Bad flags exit with 2.
 #include <CLI/CLI.hpp>
 #include <sstream>
 
@@ -11,6 +11,7 @@
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "launch/moebench/layer_bench.h"
+#include "launch/moebench/replay_bench.h"
 #include "launch/moebench/serve_bench.h"
 #include "launch/moebench/sgemm_baseline.h"
 #include "launch/moebench/transport_bench.h"
@@ -168,6 +169,40 @@ int main(int argc, char** argv) {
       }
     });
 
+    moerun::bench::ReplayBenchFlags rf;
+    CLI::App* replay = app.add_subcommand(
+        "replay", "Placements judged on recorded routing: window and per-batch balance, nodes");
+    replay
+        ->add_option("--trace", rf.traces,
+                     "Recorded routing: .json (SGLang, OLMoE), .csv, .npy, .jsonl (repeatable)")
+        ->required();
+    replay->add_option("--ranks", rf.ranks, "Expert ranks, a list")->default_val(rf.ranks);
+    replay->add_option("--redundant", rf.redundant,
+                       "Redundant slots: one value, or one per --ranks value (default: = ranks)");
+    replay->add_option("--nodes", rf.nodes, "Nodes the expert ranks span")->default_val(1);
+    replay->add_option("--routers-per-node", rf.routers_per_node, "Routers on each node")
+        ->default_val(1);
+    replay->add_option("--groups", rf.groups, "Expert groups (EPLB hierarchical)")->default_val(1);
+    replay->add_option("--batch", rf.batch, "Tokens per batch, a list")->default_val(rf.batch);
+    replay->add_option("--policies", rf.policies, "Planner policies, a list")
+        ->default_val(rf.policies);
+    replay
+        ->add_option("--plan-fraction", rf.plan_fraction,
+                     "Plan on this first part of a token-level trace, judge on the rest (0: all)")
+        ->default_val(0.0);
+    replay->add_option("--split", rf.split, "How --plan-fraction cuts: tokens or streams")
+        ->default_val(rf.split);
+    replay->add_option("--experts", rf.experts,
+                       "The model's expert count for .npy/.jsonl (default: max id + 1)");
+    replay->add_option("--timing-runs", rf.timing_runs, "Planner runs (the median is reported)")
+        ->default_val(3);
+    replay->add_flag("--json", rf.json, "Print the JSON report on stdout");
+    replay->callback([&rf] {
+      if (const moerun::Status s = moerun::bench::Validate(rf); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+
     std::string shapes;
     int threads = 0;
     double min_time = 1.0;
@@ -203,6 +238,7 @@ int main(int argc, char** argv) {
     }
     if (transport->parsed()) return moerun::bench::RunTransportBench(tf);
     if (serve->parsed()) return moerun::bench::RunServeBench(sf);
+    if (replay->parsed()) return moerun::bench::RunReplayBench(rf);
     if (sgemm->parsed()) {
       auto s = moerun::bench::ShapesFromArg(shapes);
       if (!s.ok()) {

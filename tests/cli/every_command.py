@@ -35,6 +35,7 @@ VALID = {
     ("moebench", "transport"): ["--tokens", "8"],
     ("moebench", "serve"): ["--target", "127.0.0.1:1", "--hidden", "8"],
     ("moebench", "sgemm"): ["--shapes", "1x1x1"],
+    ("moebench", "replay"): ["--trace", os.path.join(TMP, "t.npy")],
     ("moectl",): ["status"],
     ("moectl", "status"): [],
     ("moectl", "stats"): [],
