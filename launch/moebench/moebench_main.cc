@@ -1,8 +1,9 @@
 // moebench: benchmarks that compare moerun against a baseline measured in the same run and
 // print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm; on CUDA
 // vs its floor and torch._grouped_mm), transport (dispatch + combine vs MPI_Alltoallv), serve
-// (load on a router's serving endpoint), replay (placements judged on recorded routing), and sgemm
-// (the baseline's child process). Bad flags exit with 2.
+// (load on a router's serving endpoint), replay (placements judged on recorded routing),
+// cache-replay (the expert cache over recorded routing, against Belady's optimum), and sgemm (the
+// baseline's child process). Bad flags exit with 2.
 #include <CLI/CLI.hpp>
 #include <sstream>
 
@@ -10,6 +11,7 @@
 #include "launch/cli_options.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
+#include "launch/moebench/cache_replay.h"
 #include "launch/moebench/layer_bench.h"
 #include "launch/moebench/replay_bench.h"
 #include "launch/moebench/serve_bench.h"
@@ -169,6 +171,40 @@ int main(int argc, char** argv) {
       }
     });
 
+    moerun::bench::CacheReplayFlags cf;
+    CLI::App* cache_replay = app.add_subcommand(
+        "cache-replay",
+        "The expert cache's policies over recorded token-level routing, against Belady's optimum");
+    cache_replay
+        ->add_option("--trace", cf.traces,
+                     "Token-level routing: a .npy batch or .jsonl decode traces (repeatable)")
+        ->required();
+    cache_replay->add_option("--ranks", cf.ranks, "Expert ranks (linear placement), a list")
+        ->delimiter(',');
+    cache_replay
+        ->add_option("--budget", cf.budgets,
+                     "Cache budgets: fractions of a rank's hosted experts over all layers, a list")
+        ->delimiter(',');
+    cache_replay->add_option("--batch", cf.batches, "Tokens a batch (of one stream), a list")
+        ->delimiter(',');
+    cache_replay
+        ->add_option("--policies", cf.policies, "Eviction policies: lfu, lru, cycle, a list")
+        ->delimiter(',');
+    cache_replay
+        ->add_option("--lookahead", cf.lookahead,
+                     "0: a step's Need after the previous Done; 1: before it (the next header)")
+        ->delimiter(',');
+    cache_replay
+        ->add_option("--half-life", cf.half_lives,
+                     "lfu/cycle half-lives in microbatches, a list (default: the cache's)")
+        ->delimiter(',');
+    cache_replay->add_flag("--json", cf.json, "Print the JSON report on stdout");
+    cache_replay->callback([&cf] {
+      if (const moerun::Status s = moerun::bench::Validate(cf); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+
     moerun::bench::ReplayBenchFlags rf;
     CLI::App* replay = app.add_subcommand(
         "replay", "Placements judged on recorded routing: window and per-batch balance, nodes");
@@ -239,6 +275,7 @@ int main(int argc, char** argv) {
     if (transport->parsed()) return moerun::bench::RunTransportBench(tf);
     if (serve->parsed()) return moerun::bench::RunServeBench(sf);
     if (replay->parsed()) return moerun::bench::RunReplayBench(rf);
+    if (cache_replay->parsed()) return moerun::bench::RunCacheReplay(cf);
     if (sgemm->parsed()) {
       auto s = moerun::bench::ShapesFromArg(shapes);
       if (!s.ok()) {

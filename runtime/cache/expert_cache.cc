@@ -9,13 +9,22 @@
 namespace moerun {
 
 const char* EvictionPolicyName(EvictionPolicy p) {
-  return p == EvictionPolicy::kLru ? "lru" : "lfu";
+  switch (p) {
+    case EvictionPolicy::kLru:
+      return "lru";
+    case EvictionPolicy::kCycle:
+      return "cycle";
+    case EvictionPolicy::kLfu:
+      break;
+  }
+  return "lfu";
 }
 
 Result<EvictionPolicy> ParseEvictionPolicy(const std::string& name) {
   if (name == "lfu") return EvictionPolicy::kLfu;
   if (name == "lru") return EvictionPolicy::kLru;
-  return Status::InvalidArgument("unknown expert cache policy '" + name + "' (lfu or lru)");
+  if (name == "cycle") return EvictionPolicy::kCycle;
+  return Status::InvalidArgument("unknown expert cache policy '" + name + "' (lfu, lru or cycle)");
 }
 
 ExpertCache::ExpertCache(ExpertCacheOptions options, ExpertFetch fetch,
@@ -151,15 +160,53 @@ void ExpertCache::Touch(Entry& e) {
   e.last = tick_;
 }
 
-double ExpertCache::Score(const Entry& e) const {
+double ExpertCache::Score(int layer, const Entry& e) const {
   if (opts_.policy == EvictionPolicy::kLru) return static_cast<double>(e.last);
-  const double age = static_cast<double>(tick_ - std::min(tick_, e.last));
-  return e.uses * std::exp2(-age / opts_.half_life);
+  if (opts_.policy == EvictionPolicy::kLfu) {
+    const double age = static_cast<double>(tick_ - std::min(tick_, e.last));
+    return e.uses * std::exp2(-age / opts_.half_life);
+  }
+  // cycle: minus the expected ticks until the next use.
+  const auto it = turns_.find(layer);
+  const LayerTurn t = it == turns_.end() ? LayerTurn{} : it->second;
+  // A layer not seen twice yet: the others' mean period, or before any, the layers seen so far.
+  const double period =
+      t.period > 0 ? static_cast<double>(t.period)
+                   : (mean_period_ > 0 ? mean_period_
+                                       : std::max<double>(1.0, static_cast<double>(turns_.size())));
+  const double since = t.seen ? static_cast<double>(tick_ - std::min(tick_, t.last)) : 0.0;
+  const double wait = std::max(0.0, period - since);
+  // The decayed count as of the layer's last turn; in steady state a use probability p per turn
+  // gives p / (1 - 2^(-period / half_life)).
+  const double age = t.seen ? static_cast<double>(t.last - std::min(t.last, e.last)) : 0.0;
+  const double f = e.uses * std::exp2(-age / opts_.half_life);
+  const double p = std::min(1.0, f * (1.0 - std::exp2(-period / opts_.half_life)));
+  if (!(p > 0)) return -std::numeric_limits<double>::max();
+  return -(wait + period * (1.0 / p - 1.0));
 }
 
 void ExpertCache::Need(int layer, int expert) {
   Entry* e = Find(layer, expert);
   if (e == nullptr || !e->hosted) return;  // the caller reports experts it does not host
+  if (opts_.policy == EvictionPolicy::kCycle) {
+    LayerTurn& t = turns_[layer];
+    if (!t.seen || t.last != tick_) {  // the layer's first Need of this microbatch
+      if (t.seen && tick_ > t.last) {
+        t.period = tick_ - t.last;
+        double sum = 0;
+        int n = 0;
+        for (const auto& [l, u] : turns_) {
+          if (u.period > 0) {
+            sum += static_cast<double>(u.period);
+            ++n;
+          }
+        }
+        mean_period_ = n > 0 ? sum / n : 0;
+      }
+      t.last = tick_;
+      t.seen = true;
+    }
+  }
   ++e->held;
   Touch(*e);
   if (e->state == State::kResident) {
@@ -235,7 +282,7 @@ bool ExpertCache::MakeRoom(size_t need, bool strict) {
       for (size_t x = 0; x < ents.size(); ++x) {
         const Entry& e = ents[x];
         if (e.state != State::kResident || e.pinned || e.held > 0) continue;
-        const double s = Score(e);
+        const double s = Score(layer, e);
         if (s <= best) {
           best = s;
           best_layer = layer;

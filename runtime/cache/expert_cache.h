@@ -18,6 +18,15 @@
 //        cache replays the gate's routing through both policies; see docs/operator-guide.md, "the
 //        expert cache").
 //   lru:  the least recently used.
+//   cycle: for an expert rank that serves the layers in turn (every batch goes through layer 0,
+//        1, ..., so an expert of layer l is needed again no sooner than layer l's next turn):
+//        evicts the expert whose next use is expected furthest away, estimated as the ticks until
+//        its layer's next turn (each layer's period: the ticks between its last two microbatches)
+//        plus (1/p - 1) periods, p the expert's use probability per turn of its layer (its use
+//        count decayed over `half_life` as in lfu, but aged only from its layer's last turn, so
+//        that experts are not judged by where their layer sits in the cycle). lfu and lru favour
+//        the layers just served, whose turn is furthest away: on real routing replayed through
+//        all layers they evict what the next layers need (moebench cache-replay).
 // Resident bytes stay within the budget, except while the experts held by microbatches in flight
 // need more (then the rank holds exactly those, and says so once in the log). With a spill file,
 // up to `loaders` evicted experts' buffers are kept for the next reads (no new allocation and no
@@ -48,8 +57,8 @@
 
 namespace moerun {
 
-enum class EvictionPolicy { kLfu, kLru };
-const char* EvictionPolicyName(EvictionPolicy p);  // "lfu", "lru"
+enum class EvictionPolicy { kLfu, kLru, kCycle };
+const char* EvictionPolicyName(EvictionPolicy p);  // "lfu", "lru", "cycle"
 Result<EvictionPolicy> ParseEvictionPolicy(const std::string& name);
 
 struct ExpertCacheOptions {
@@ -57,7 +66,7 @@ struct ExpertCacheOptions {
   int loaders = 1;                // loads in parallel
   size_t max_inflight_bytes = 0;  // bytes of loads in flight; 0: two experts' worth
   EvictionPolicy policy = EvictionPolicy::kLfu;
-  double half_life = 256;  // lfu: microbatches over which a use counts half
+  double half_life = 256;  // lfu, cycle: microbatches over which a use counts half
   // Bandwidth of the loads in all (every loader, spill reads too), in bytes/s; 0: unlimited.
   // A load of B bytes finishes no sooner than B / rate after the previous one did (or after it
   // started): a shared disk or network filesystem keeps room for the rest of the machine.
@@ -160,7 +169,8 @@ class ExpertCache {
   const Entry* Find(int layer, int expert) const;
   void Queue(int layer, int expert, bool warm);
   void Touch(Entry& e);
-  double Score(const Entry& e) const;
+  // Eviction order: the lowest score goes first.
+  double Score(int layer, const Entry& e) const;
   // Evicts until `need` more bytes fit in the budget (`strict`: evicts nothing, only says whether
   // they fit); false if the experts left cannot go.
   bool MakeRoom(size_t need, bool strict);
@@ -177,6 +187,15 @@ class ExpertCache {
   std::map<int, std::vector<ExpertWeights>*> layers_;
   std::map<int, std::vector<Entry>> entries_;
   std::map<int, size_t> expert_bytes_;
+  // cycle: per layer, the tick of its last microbatch and the ticks between its last two (0:
+  // not yet seen twice).
+  struct LayerTurn {
+    uint64_t last = 0;
+    uint64_t period = 0;
+    bool seen = false;
+  };
+  std::map<int, LayerTurn> turns_;
+  double mean_period_ = 0;         // of the layers seen twice (a layer not yet seen twice uses it)
   std::deque<Key> demand_, warm_;  // loads not started yet
   uint64_t tick_ = 0;
   uint64_t resident_bytes_ = 0;

@@ -36,6 +36,7 @@ VALID = {
     ("moebench", "serve"): ["--target", "127.0.0.1:1", "--hidden", "8"],
     ("moebench", "sgemm"): ["--shapes", "1x1x1"],
     ("moebench", "replay"): ["--trace", os.path.join(TMP, "t.npy")],
+    ("moebench", "cache-replay"): ["--trace", os.path.join(TMP, "t.npy")],
     ("moectl",): ["status"],
     ("moectl", "status"): [],
     ("moectl", "stats"): [],

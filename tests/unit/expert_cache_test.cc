@@ -295,7 +295,62 @@ TEST(ExpertCacheTest, SpillFileInAFolderThatIsNotThere) {
 TEST(ExpertCacheTest, PolicyNames) {
   EXPECT_EQ(*ParseEvictionPolicy("lfu"), EvictionPolicy::kLfu);
   EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
+  EXPECT_EQ(*ParseEvictionPolicy("cycle"), EvictionPolicy::kCycle);
+  EXPECT_STREQ(EvictionPolicyName(EvictionPolicy::kCycle), "cycle");
   EXPECT_FALSE(ParseEvictionPolicy("fifo").ok());
+}
+
+// Hits over `cycles` turns through `layers` layers that each need their expert 0 (one expert's
+// worth of tiny weights each), with room for `budget` experts.
+uint64_t CyclicHits(EvictionPolicy policy, int layers, int budget, int cycles) {
+  auto tiny = [] {
+    ExpertWeights w;
+    w.w13 = PackedMatrix(DType::kF32, 16, 8, 8);
+    w.w2 = PackedMatrix(DType::kF32, 8, 8, 8);
+    return w;
+  };
+  std::vector<std::vector<ExpertWeights>> experts(static_cast<size_t>(layers));
+  std::map<int, std::vector<ExpertWeights>*> map;
+  for (int l = 0; l < layers; ++l) {
+    experts[static_cast<size_t>(l)].resize(2);
+    map[l] = &experts[static_cast<size_t>(l)];
+  }
+  ExpertCacheOptions o;
+  o.budget_bytes = tiny().bytes() * static_cast<size_t>(budget);
+  o.policy = policy;
+  ExpertCache cache(
+      o, [&](int, int, const std::string&) -> Result<ExpertWeights> { return tiny(); }, map);
+  for (int l = 0; l < layers; ++l) cache.Host(l, 0, true);
+  for (int c = 0; c < cycles; ++c) {
+    for (int l = 0; l < layers; ++l) {
+      cache.Tick();
+      cache.Need(l, 0);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!cache.resident(l, 0) && std::chrono::steady_clock::now() < until) {
+        EXPECT_TRUE(cache.Poll().ok());
+        cache.WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+      }
+      EXPECT_TRUE(cache.resident(l, 0)) << "layer " << l << " never loaded";
+      cache.Done(l, 0);
+      EXPECT_TRUE(cache.Poll().ok());
+      EXPECT_LE(cache.resident_bytes(), o.budget_bytes);
+    }
+  }
+  return cache.stats().hits.load();
+}
+
+TEST(ExpertCacheTest, CycleKeepsWhatTheNextLayersNeed) {
+  // Four layers in turn, room for three: lfu and lru always evict the expert of the layer that
+  // comes next (its use is the oldest), so nothing ever hits. cycle evicts the expert whose layer
+  // was served last (its turn is furthest away) or the least used: from the second turn on, at
+  // least two of every four hit (Belady's optimum: two of every three, in the long run).
+  EXPECT_EQ(CyclicHits(EvictionPolicy::kLfu, 4, 3, 6), 0u);
+  EXPECT_EQ(CyclicHits(EvictionPolicy::kLru, 4, 3, 6), 0u);
+  EXPECT_GE(CyclicHits(EvictionPolicy::kCycle, 4, 3, 6), 2u * 5);
+  // Room for every layer: all policies hit after the first turn.
+  for (EvictionPolicy p : {EvictionPolicy::kLfu, EvictionPolicy::kLru, EvictionPolicy::kCycle}) {
+    EXPECT_EQ(CyclicHits(p, 4, 4, 6), 4u * 5) << EvictionPolicyName(p);
+  }
 }
 
 // Whole jobs: 1 router and 3 expert ranks as threads; each expert rank hosts ~5 of the fixture's
