@@ -456,7 +456,7 @@ Result<RoutingTrace> ReadJsonl(const std::string& text, const std::string& path,
   const size_t L = t.layers.size();
   const size_t K = static_cast<size_t>(top_k);
   for (auto& s : t.streams) {
-    if (static_cast<double>(s.tokens) * static_cast<double>(L * K) > 4e9) {
+    if (static_cast<double>(s.tokens) * static_cast<double>(L * K) > 1e9) {
       return Bad(path, "stream " + s.name + " has an implausible token_idx (" +
                            std::to_string(s.tokens - 1) + ")");
     }

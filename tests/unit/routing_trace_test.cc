@@ -188,7 +188,7 @@ TEST(RoutingTraceTest, SmallNpyOfEveryDtypeAndVersion) {
   EXPECT_EQ(RtReadOk(dir.File("c.npy")).streams[0].ids, t.streams[0].ids);
 }
 
-// Each malformed file: an InvalidArgument that names the file and says what is wrong.
+// Each malformed file (34 cases): an InvalidArgument that names the file and says what is wrong.
 TEST(RoutingTraceTest, MalformedFilesAreClearErrors) {
   testing::TempDir dir;
   const std::string good_dict = "{'descr': '<i2', 'fortran_order': False, 'shape': (1, 2, 2), }";
@@ -248,6 +248,8 @@ TEST(RoutingTraceTest, MalformedFilesAreClearErrors) {
       {"neg_id.jsonl", "{\"layer\": 0, \"experts\": [1, -3], \"token_idx\": 0}\n", "expert id -3"},
       {"neg_token.jsonl", "{\"layer\": 0, \"experts\": [1, 3], \"token_idx\": -1}\n",
        "\"token_idx\" is -1"},
+      {"huge_token.jsonl", "{\"layer\": 0, \"experts\": [1, 3], \"token_idx\": 4000000000}\n",
+       "implausible token_idx"},
       {"empty.jsonl", "", "is empty"},
       {"counts.txt", "1,2\n", "unknown routing format"},
   };
