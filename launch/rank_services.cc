@@ -443,6 +443,7 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
   moerun::v1::PlanResponse r;
   r.set_policy(rep.policy);
   r.set_slots_per_rank(rep.slots_per_rank);
+  r.set_plan_ms_per_layer(rep.plan_ms_per_layer);
   for (const LayerPlanReport& l : rep.layers) {
     moerun::v1::LayerPlan* lp = r.add_layers();
     lp->set_layer(l.layer);
@@ -479,6 +480,9 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   }
   o.groups = request.groups() > 0 ? request.groups() : gate_groups_;
   o.nodes = request.nodes() > 0 ? request.nodes() : 1;
+  o.incremental = request.incremental();
+  o.max_moves = request.max_moves();
+  o.target_balance = request.target_balance();
   const int routers = Current()->num_routers();  // (takes mu_)
   const int64_t one = expert_bytes_.load();
   {

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <set>
 
@@ -202,6 +203,52 @@ std::string SlotsJson(const LayerPlacement& lp, const std::vector<int>& live, in
   return json;
 }
 
+// Incremental mode: each layer's current placement improved within the budget (the live ranks
+// are all the expert ranks: no exclusions here).
+Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<double>>& loads,
+                                                const Placement& current,
+                                                const PlanOptions& options, int ranks) {
+  if (!options.exclude.empty()) {
+    return Status::InvalidArgument(fmt::format(
+        "plan: --incremental starts from the running placement, which uses rank(s) {} (left out: "
+        "dead); plan without --incremental",
+        fmt::join(options.exclude, ",")));
+  }
+  if (loads.empty()) return Status::InvalidArgument("plan: no layer to plan");
+  const int experts = current.num_experts();
+  double total = 0;
+  std::vector<LayerMaps> plan;
+  for (const auto& [layer, l] : loads) {
+    const LayerPlacement* lp = current.Layer(layer);
+    if (lp == nullptr) {
+      return Status::InvalidArgument(fmt::format("plan: the placement has no layer {}", layer));
+    }
+    if (static_cast<int>(l.size()) != experts) {
+      return Status::InvalidArgument(fmt::format(
+          "plan: layer {} has loads for {} experts, the placement {}", layer, l.size(), experts));
+    }
+    MOERUN_ASSIGN_OR_RETURN(LayerMaps maps, FromLayerPlacement(*lp, current.num_routers()));
+    const int slots = static_cast<int>(maps.phy2log.size());
+    if (options.redundant != 0 && slots != experts + options.redundant) {
+      return Status::InvalidArgument(fmt::format(
+          "plan: --incremental keeps the placement's {} slots of layer {} ({} redundant), not {} "
+          "redundant",
+          slots, layer, slots - experts, options.redundant));
+    }
+    for (double v : l) total += v;
+    IncrementalOptions io;
+    io.max_moves = options.max_moves;
+    io.target_balance = options.target_balance;
+    MOERUN_ASSIGN_OR_RETURN(IncrementalPlan p, PlanIncremental(l, maps, ranks, io));
+    plan.push_back(std::move(p.maps));
+  }
+  if (!(total > 0)) {
+    return Status::InvalidArgument(
+        "plan: no load measured yet (send traffic first, or give --loads FILE)");
+  }
+  return plan;
+}
+
 }  // namespace
 
 Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
@@ -214,20 +261,31 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
       options.exclude.empty()
           ? std::string()
           : fmt::format(" (rank(s) {} left out: dead)", fmt::join(options.exclude, ","));
-  MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
-                          PlannerInputFor(loads, current, options, ranks, left_out));
-  MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan, PlanPlacement(in, options.policy));
-  // With expert caches, keep hot experts resident where that does not raise the max rank load.
   const std::vector<int> cache = LiveCaches(live, routers, options.cache_experts);
-  if (AnyCache(cache)) {
-    for (size_t k = 0; k < plan.size(); ++k) {
-      plan[k] = ImproveForCache(in.load[k], plan[k], ranks, cache);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<LayerMaps> plan;
+  if (options.incremental) {
+    MOERUN_RETURN_IF_ERROR(CheckCacheExperts(options.cache_experts, current.num_ranks() - routers,
+                                             "plan: cache_experts"));
+    MOERUN_ASSIGN_OR_RETURN(plan, IncrementalPlans(loads, current, options, ranks));
+  } else {
+    MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
+                            PlannerInputFor(loads, current, options, ranks, left_out));
+    MOERUN_ASSIGN_OR_RETURN(plan, PlanPlacement(in, options.policy));
+    // With expert caches, keep hot experts resident where that does not raise the max rank load.
+    if (AnyCache(cache)) {
+      for (size_t k = 0; k < plan.size(); ++k) {
+        plan[k] = ImproveForCache(in.load[k], plan[k], ranks, cache);
+      }
     }
   }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 
   PlanReport report;
-  report.policy = PlannerPolicyName(options.policy);
-  report.slots_per_rank = in.num_slots / ranks;
+  report.policy = options.incremental ? "incremental" : PlannerPolicyName(options.policy);
+  report.slots_per_rank = static_cast<int>(plan[0].phy2log.size()) / ranks;
+  report.plan_ms_per_layer = ms / static_cast<double>(plan.size());
   const ReportContext ctx{live, cache, report.slots_per_rank, routers, expert_bytes, options};
   std::string layers_json;
   size_t i = 0;

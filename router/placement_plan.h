@@ -29,6 +29,13 @@ struct PlanOptions {
   // each layer its expert cache holds; empty, missing or 0 for a rank: no cache (everything it
   // hosts is resident). Longer than the expert ranks, or negative: InvalidArgument.
   std::vector<int> cache_experts;
+  // Incremental mode (router/planner.h PlanIncremental): start from the current placement of each
+  // layer (its slots: `redundant`, if not 0, must match them) and improve it by single moves, at
+  // most max_moves expert copies loaded per layer (0: no limit), until target_balance (0: none).
+  // No expert-cache refinement (it would load copies outside the budget); no excluded ranks.
+  bool incremental = false;
+  int max_moves = 0;
+  double target_balance = 0;
 };
 
 struct LayerPlanReport {
@@ -53,8 +60,9 @@ struct LayerPlanReport {
 };
 
 struct PlanReport {
-  std::string policy;
+  std::string policy;  // the policy's name, or "incremental"
   int slots_per_rank = 0;
+  double plan_ms_per_layer = 0;  // wall time of the planner (and cache refinement) ÷ layers
   std::vector<LayerPlanReport> layers;
   std::string placement_json;  // the new "moerun-placement-v1" table (version + 1)
   std::string note;            // why there is no table, when there is none

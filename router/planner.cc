@@ -9,6 +9,8 @@
 #include <set>
 #include <utility>
 
+#include "router/local_search.h"
+
 namespace moerun {
 namespace {
 
@@ -157,20 +159,6 @@ LayerMaps EplbLayer(const std::vector<double>& load, int num_phy, int num_groups
   return maps;
 }
 
-// Maps from phy2log alone: log2phy in slot order.
-LayerMaps MapsOf(std::vector<int> phy2log, int num_log) {
-  LayerMaps maps;
-  maps.log2phy.resize(static_cast<size_t>(num_log));
-  maps.logcnt.assign(static_cast<size_t>(num_log), 0);
-  for (size_t s = 0; s < phy2log.size(); ++s) {
-    const size_t e = static_cast<size_t>(phy2log[s]);
-    maps.log2phy[e].push_back(static_cast<int>(s));
-    ++maps.logcnt[e];
-  }
-  maps.phy2log = std::move(phy2log);
-  return maps;
-}
-
 std::vector<double> RankLoads(const std::vector<double>& load, const std::vector<int>& phy2log,
                               const std::vector<int>& cnt, int num_ranks) {
   std::vector<double> rank_load(static_cast<size_t>(num_ranks), 0.0);
@@ -180,138 +168,6 @@ std::vector<double> RankLoads(const std::vector<double>& load, const std::vector
     rank_load[s / per_rank] += load[e] / cnt[e];
   }
   return rank_load;
-}
-
-struct Key {
-  double max = 0, sumsq = 0;
-  bool operator<(const Key& o) const {
-    return max < o.max || (max == o.max && sumsq < o.sumsq * (1 - 1e-12));
-  }
-};
-
-Key KeyOf(const std::vector<double>& rank_load) {
-  Key k;
-  for (double v : rank_load) k.max = std::max(k.max, v), k.sumsq += v * v;
-  return k;
-}
-
-// The default policy's local search (see planner.h).
-LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
-  const int num_log = static_cast<int>(load.size());
-  std::vector<int> p2l = start.phy2log;
-  const size_t slots = p2l.size();
-  const size_t per_rank = slots / static_cast<size_t>(num_ranks);
-  std::vector<int> cnt(static_cast<size_t>(num_log), 0);
-  for (int e : p2l) ++cnt[static_cast<size_t>(e)];
-  std::vector<int> holds(static_cast<size_t>(num_ranks) * static_cast<size_t>(num_log));
-  auto held = [&](size_t r, int e) -> int& {
-    return holds[r * static_cast<size_t>(num_log) + static_cast<size_t>(e)];
-  };
-  for (size_t iter = 0; iter < 50 * slots; ++iter) {
-    std::fill(holds.begin(), holds.end(), 0);
-    for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
-    std::vector<double> rank_load = RankLoads(load, p2l, cnt, num_ranks);
-    const Key now = KeyOf(rank_load);
-    const size_t a = static_cast<size_t>(std::max_element(rank_load.begin(), rank_load.end()) -
-                                         rank_load.begin());
-    Key best = now;
-    int kind = 0;  // 0: none, 1: swap i <-> j, 2: slot j becomes expert e
-    size_t bi = 0, bj = 0;
-    int be = -1;
-    for (size_t i = a * per_rank; i < (a + 1) * per_rank; ++i) {
-      const int ei = p2l[i];
-      const double wi = load[static_cast<size_t>(ei)] / cnt[static_cast<size_t>(ei)];
-      for (size_t j = 0; j < slots; ++j) {
-        const size_t b = j / per_rank;
-        const int ej = p2l[j];
-        if (b == a || ei == ej || held(b, ei) > 0 || held(a, ej) > 0) continue;
-        const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
-        std::vector<double> trial = rank_load;
-        trial[a] += wj - wi;
-        trial[b] += wi - wj;
-        const Key k = KeyOf(trial);
-        if (k < best) best = k, kind = 1, bi = i, bj = j;
-      }
-    }
-    // Re-assign a slot whose expert has several replicas: a slot of rank a to any expert, or any
-    // slot to an expert of rank a.
-    std::vector<bool> on_a(static_cast<size_t>(num_log), false);
-    for (size_t i = a * per_rank; i < (a + 1) * per_rank; ++i)
-      on_a[static_cast<size_t>(p2l[i])] = true;
-    for (size_t j = 0; j < slots; ++j) {
-      const int f = p2l[j];
-      const size_t b = j / per_rank;
-      if (cnt[static_cast<size_t>(f)] < 2) continue;
-      for (int e = 0; e < num_log; ++e) {
-        if (e == f || held(b, e) > 0 || (b != a && !on_a[static_cast<size_t>(e)])) continue;
-        std::vector<int> trial_p2l = p2l;
-        trial_p2l[j] = e;
-        std::vector<int> trial_cnt = cnt;
-        ++trial_cnt[static_cast<size_t>(e)];
-        --trial_cnt[static_cast<size_t>(f)];
-        const Key k = KeyOf(RankLoads(load, trial_p2l, trial_cnt, num_ranks));
-        if (k < best) best = k, kind = 2, bj = j, be = e;
-      }
-    }
-    if (kind == 0) break;
-    if (kind == 1) {
-      std::swap(p2l[bi], p2l[bj]);
-    } else {
-      --cnt[static_cast<size_t>(p2l[bj])];
-      ++cnt[static_cast<size_t>(be)];
-      p2l[bj] = be;
-    }
-  }
-  // Then lift replicas held twice by one rank, by the swap or re-assignment that keeps the max
-  // rank load lowest, never raising it.
-  for (size_t iter = 0; iter < slots; ++iter) {
-    std::fill(holds.begin(), holds.end(), 0);
-    for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
-    size_t i = slots;
-    for (size_t s = 0; s < slots && i == slots; ++s) {
-      if (held(s / per_rank, p2l[s]) > 1) i = s;
-    }
-    if (i == slots) break;
-    const std::vector<double> rank_load = RankLoads(load, p2l, cnt, num_ranks);
-    const Key now = KeyOf(rank_load);
-    const size_t a = i / per_rank;
-    const int e = p2l[i];
-    Key best{std::numeric_limits<double>::infinity(), 0};
-    size_t bj = slots;
-    int bg = -1;
-    for (size_t j = 0; j < slots; ++j) {  // swap i <-> j
-      const size_t b = j / per_rank;
-      const int ej = p2l[j];
-      if (b == a || ej == e || held(b, e) > 0 || held(a, ej) > 0) continue;
-      std::vector<double> trial = rank_load;
-      const double wi = load[static_cast<size_t>(e)] / cnt[static_cast<size_t>(e)];
-      const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
-      trial[a] += wj - wi;
-      trial[b] += wi - wj;
-      const Key k = KeyOf(trial);
-      if (k.max <= now.max && k < best) best = k, bj = j, bg = -1;
-    }
-    for (int g = 0; g < num_log; ++g) {  // slot i becomes expert g
-      if (held(a, g) > 0) continue;
-      std::vector<int> trial_p2l = p2l;
-      trial_p2l[i] = g;
-      std::vector<int> trial_cnt = cnt;
-      ++trial_cnt[static_cast<size_t>(g)];
-      --trial_cnt[static_cast<size_t>(e)];
-      const Key k = KeyOf(RankLoads(load, trial_p2l, trial_cnt, num_ranks));
-      if (k.max <= now.max && k < best) best = k, bj = slots, bg = g;
-    }
-    if (bg >= 0) {
-      --cnt[static_cast<size_t>(e)];
-      ++cnt[static_cast<size_t>(bg)];
-      p2l[i] = bg;
-    } else if (bj < slots) {
-      std::swap(p2l[i], p2l[bj]);
-    } else {
-      break;
-    }
-  }
-  return MapsOf(std::move(p2l), num_log);
 }
 
 // Whether a rank holds two slots of one expert.
@@ -355,7 +211,7 @@ LayerMaps Repair(const std::vector<double>& load, const LayerMaps& start, int nu
       seen.insert(best);
     }
   }
-  return MapsOf(std::move(p2l), num_log);
+  return MapsFromSlots(std::move(p2l), num_log);
 }
 
 Status CheckInput(const PlannerInput& in, PlannerPolicy policy) {
@@ -428,52 +284,105 @@ PlannerPolicy EplbAutoPolicy(const PlannerInput& input) {
              : PlannerPolicy::kEplbGlobal;
 }
 
+namespace {
+
+// The default policy's full local search from one start (see local_search.h).
+LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
+  return LocalSearch(load, start, num_ranks, SearchLimits{}).maps;
+}
+
+// kDefault on one layer (see planner.h): the EPLB plans, each improved, the best that the
+// placement table can hold.
+LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) {
+  std::vector<LayerMaps> candidates;
+  if (in.num_groups % in.num_nodes == 0) {
+    candidates.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
+  }
+  candidates.push_back(EplbLayer(load, in.num_slots, 1, 1, in.num_ranks));
+  const size_t eplb_plans = candidates.size();
+  for (size_t c = 0; c < eplb_plans; ++c) {
+    candidates.push_back(Improve(load, candidates[c], in.num_ranks));
+  }
+  // Plans that hold an expert twice on a rank cannot be applied: add their repaired forms.
+  const size_t plans = candidates.size();
+  for (size_t c = 0; c < plans; ++c) {
+    if (HoldsTwice(candidates[c], in.num_ranks)) {
+      LayerMaps fixed = Repair(load, candidates[c], in.num_ranks);
+      if (!HoldsTwice(fixed, in.num_ranks)) {
+        candidates.push_back(Improve(load, fixed, in.num_ranks));
+      }
+    }
+  }
+  // The best plan the table can hold; only if there is none, the best of all.
+  size_t best = 0;
+  double best_b = PredictedBalancedness(load, candidates[0], in.num_ranks);
+  bool best_twice = HoldsTwice(candidates[0], in.num_ranks);
+  for (size_t c = 1; c < candidates.size(); ++c) {
+    const double b = PredictedBalancedness(load, candidates[c], in.num_ranks);
+    const bool twice = HoldsTwice(candidates[c], in.num_ranks);
+    if ((best_twice && !twice) || (twice == best_twice && b > best_b)) {
+      best = c, best_b = b, best_twice = twice;
+    }
+  }
+  return std::move(candidates[best]);
+}
+
+}  // namespace
+
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
   MOERUN_RETURN_IF_ERROR(CheckInput(in, policy));
   std::vector<LayerMaps> plan;
+  plan.reserve(in.load.size());
   for (const std::vector<double>& load : in.load) {
-    if (policy == PlannerPolicy::kEplbHierarchical) {
-      plan.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
-      continue;
+    switch (policy) {
+      case PlannerPolicy::kEplbHierarchical:
+        plan.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
+        break;
+      case PlannerPolicy::kEplbGlobal:
+        plan.push_back(EplbLayer(load, in.num_slots, 1, 1, in.num_ranks));
+        break;
+      case PlannerPolicy::kDefault:
+        plan.push_back(DefaultLayer(load, in));
+        break;
     }
-    LayerMaps global = EplbLayer(load, in.num_slots, 1, 1, in.num_ranks);
-    if (policy == PlannerPolicy::kEplbGlobal) {
-      plan.push_back(std::move(global));
-      continue;
-    }
-    std::vector<LayerMaps> candidates;
-    if (in.num_groups % in.num_nodes == 0) {
-      candidates.push_back(
-          EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
-    }
-    candidates.push_back(std::move(global));
-    const size_t eplb_plans = candidates.size();
-    for (size_t c = 0; c < eplb_plans; ++c) {
-      candidates.push_back(Improve(load, candidates[c], in.num_ranks));
-    }
-    // Plans that hold an expert twice on a rank cannot be applied: add their repaired forms.
-    const size_t plans = candidates.size();
-    for (size_t c = 0; c < plans; ++c) {
-      if (HoldsTwice(candidates[c], in.num_ranks)) {
-        LayerMaps fixed = Repair(load, candidates[c], in.num_ranks);
-        if (!HoldsTwice(fixed, in.num_ranks)) {
-          candidates.push_back(Improve(load, fixed, in.num_ranks));
-        }
-      }
-    }
-    // The best plan the table can hold; only if there is none, the best of all.
-    size_t best = 0;
-    double best_b = PredictedBalancedness(load, candidates[0], in.num_ranks);
-    bool best_twice = HoldsTwice(candidates[0], in.num_ranks);
-    for (size_t c = 1; c < candidates.size(); ++c) {
-      const double b = PredictedBalancedness(load, candidates[c], in.num_ranks);
-      const bool twice = HoldsTwice(candidates[c], in.num_ranks);
-      if ((best_twice && !twice) || (twice == best_twice && b > best_b)) {
-        best = c, best_b = b, best_twice = twice;
-      }
-    }
-    plan.push_back(std::move(candidates[best]));
   }
+  return plan;
+}
+
+Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const LayerMaps& current,
+                                        int num_ranks, const IncrementalOptions& options) {
+  const size_t slots = current.phy2log.size();
+  if (num_ranks < 1 || slots == 0 || slots % static_cast<size_t>(num_ranks) != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "planner: {} slots do not spread evenly over {} expert ranks", slots, num_ranks));
+  }
+  for (size_t e = 0; e < load.size(); ++e) {
+    if (!(load[e] >= 0) || !std::isfinite(load[e])) {
+      return Status::InvalidArgument(fmt::format(
+          "planner: expert {}: load {} is not a finite non-negative number", e, load[e]));
+    }
+  }
+  if (options.max_moves < 0) {
+    return Status::InvalidArgument("planner: the incremental move budget must be 0 or more");
+  }
+  if (!(options.target_balance >= 0 && options.target_balance <= 1)) {
+    return Status::InvalidArgument(
+        fmt::format("planner: target balancedness {} is not in [0, 1]", options.target_balance));
+  }
+  MOERUN_RETURN_IF_ERROR(ToLayerPlacement(current, num_ranks, 0).status());
+  if (current.log2phy.size() != load.size()) {
+    return Status::InvalidArgument(fmt::format("planner: {} expert loads for a placement of {}",
+                                               load.size(), current.log2phy.size()));
+  }
+  SearchLimits limits;
+  limits.max_copies = options.max_moves > 0 ? options.max_moves : -1;
+  limits.target_balance = options.target_balance;
+  limits.lift_twice = false;
+  SearchResult r = LocalSearch(load, current, num_ranks, limits);
+  IncrementalPlan plan;
+  plan.maps = std::move(r.maps);
+  plan.moves = r.moves;
+  plan.experts_moved = r.copies;
   return plan;
 }
 
@@ -553,7 +462,7 @@ Result<LayerMaps> FromLayerPlacement(const LayerPlacement& placement, int num_ro
     }
     for (int s : rs) phy2log.push_back(placement.slots[static_cast<size_t>(s)].expert);
   }
-  return MapsOf(std::move(phy2log), static_cast<int>(placement.replicas.size()));
+  return MapsFromSlots(std::move(phy2log), static_cast<int>(placement.replicas.size()));
 }
 
 Result<Placement> ToPlacement(const std::vector<LayerMaps>& plan, int num_ranks, int num_routers,

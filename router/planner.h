@@ -12,18 +12,24 @@
 //    the first pack of least weight). tests/data/eplb holds the maps eplb.py gives, which
 //    the port reproduces exactly.
 //  - kDefault: per layer, both EPLB plans (hierarchical only where num_groups % num_nodes == 0),
-//    each then improved by a deterministic local search, and the best of the four by
-//    PredictedBalancedness (ties: EPLB hierarchical, EPLB global, improved hierarchical, improved
-//    global). So it is never worse than EPLB. The local search repeats, while it finds one, the
-//    move that most lowers (max rank load, then the sum of squared rank loads):
+//    each then improved by a deterministic local search (router/local_search.h), and the best of
+//    the four by PredictedBalancedness (ties: EPLB hierarchical, EPLB global, improved
+//    hierarchical, improved global). So it is never worse than EPLB. The local search repeats,
+//    while it finds one, the move that most lowers (max rank load, then the sum of squared rank
+//    loads):
 //      * swap the contents of a slot of the most loaded rank with a slot of another rank;
 //      * re-assign a slot of an expert that has several replicas (it gets one fewer, the other
 //        expert one more): a slot of the most loaded rank to any expert, or any slot to an expert
 //        of the most loaded rank;
 //    never placing an expert on a rank that already holds it. It stops after 50 × slots moves.
+//    Each candidate move is evaluated incrementally (O(1) for a swap, O(replicas) for a
+//    re-assignment), about 1 ms per layer at 64 ranks × 5 slots for 256 experts.
 //    EPLB plans may hold two replicas of one expert on a rank, which a placement table cannot;
 //    the search then lifts such replicas (by a swap or a re-assignment) where that does not raise
 //    the max rank load, and among equally balanced candidates the choice prefers one without.
+//  - PlanIncremental (not a policy: it needs the running placement): the same moves from the
+//    running placement of a layer, within a budget of expert copies to load, until a target
+//    balance is reached or no move helps.
 //
 // Slots: physical slot s lives on expert rank s / (num_slots / num_ranks); expert ranks come after
 // the router ranks in the job (ToLayerPlacement adds the offset).
@@ -66,6 +72,26 @@ PlannerPolicy EplbAutoPolicy(const PlannerInput& input);
 // dividing the experts, num_nodes not dividing num_ranks, kEplbHierarchical where num_groups %
 // num_nodes != 0). Deterministic.
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& input, PlannerPolicy policy);
+
+struct IncrementalOptions {
+  int64_t max_moves = 0;      // expert copies (rank, expert) the plan may load; 0: no limit
+  double target_balance = 0;  // stop once PredictedBalancedness reaches this; 0: no target
+};
+
+struct IncrementalPlan {
+  LayerMaps maps;             // the same slot count as the running placement
+  int64_t moves = 0;          // swaps and re-assignments made
+  int64_t experts_moved = 0;  // = BytesToMove(current, maps, num_ranks, 1)
+};
+
+// The running placement `current` of one layer (a placement table's: no expert twice on a rank;
+// num_ranks divides its slots) improved by the default policy's moves (a swap loads up to two
+// expert copies, a re-assignment one), the best move first, until the balance reaches
+// options.target_balance, no move within the budget lowers (max rank load, then the sum of
+// squared rank loads), or the budget is spent. Never lowers the balance; from a placement no move
+// improves, the same placement. InvalidArgument on bad loads, options or placement. Deterministic.
+Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const LayerMaps& current,
+                                        int num_ranks, const IncrementalOptions& options);
 
 // Each expert's load split evenly over its slots; mean ÷ max of the ranks' loads (1 = perfect;
 // 1 where all loads are zero).

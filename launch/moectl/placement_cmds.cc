@@ -35,6 +35,9 @@ struct PlannerFlags {
   int redundant = 0;  // --redundant
   std::string policy = "default";
   int groups = 0, nodes = 0;
+  bool incremental = false;  // --incremental [--max-moves N] [--target-balance X]
+  int max_moves = 0;
+  double target_balance = 0;
 };
 
 struct PlanFlags {  // placement plan
@@ -61,6 +64,9 @@ void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   pr->set_policy(f.policy);
   pr->set_groups(f.groups);
   pr->set_nodes(f.nodes);
+  pr->set_incremental(f.incremental);
+  pr->set_max_moves(f.max_moves);
+  pr->set_target_balance(f.target_balance);
 }
 
 // --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
@@ -217,6 +223,9 @@ int PlanOffline(const PlanFlags& f) {
   o.policy = *pol;
   o.groups = f.planner.groups > 0 ? f.planner.groups : 1;
   o.nodes = f.planner.nodes > 0 ? f.planner.nodes : 1;
+  o.incremental = f.planner.incremental;
+  o.max_moves = f.planner.max_moves;
+  o.target_balance = f.planner.target_balance;
   if (!f.cache_experts.empty()) {
     auto cache = ParseCacheExperts(f.cache_experts);
     if (!cache.ok())
@@ -251,6 +260,25 @@ int RunPlan(const Session& s, const PlanFlags& f) {
   return FinishPlan(resp.plan(), f);
 }
 
+// --incremental, --max-moves, --target-balance (placement plan, apply --plan, rebalance).
+std::vector<CLI::Option*> AddIncrementalOptions(CLI::App* sub, PlannerFlags& f) {
+  CLI::Option* inc = sub->add_flag(
+      "--incremental", f.incremental,
+      "Improve the current placement by single moves (swaps, re-assigned slots) instead of "
+      "planning afresh: fewer experts to load");
+  CLI::Option* moves =
+      sub->add_option("--max-moves", f.max_moves,
+                      "With --incremental: expert copies to load per layer at most (0: no limit)")
+          ->check(kNonNegative)
+          ->needs(inc);
+  CLI::Option* target = sub->add_option("--target-balance", f.target_balance,
+                                        "With --incremental: stop once a layer's predicted "
+                                        "balancedness reaches this (0..1; 0: no target)")
+                            ->check(CLI::Range(0.0, 1.0))
+                            ->needs(inc);
+  return {inc, moves, target};
+}
+
 void AddPlanCommand(CLI::App& placement, Session& s) {
   auto f = std::make_shared<PlanFlags>();  // lives as long as the callback
   CLI::App* plan = placement.add_subcommand(
@@ -262,6 +290,7 @@ void AddPlanCommand(CLI::App& placement, Session& s) {
   plan->add_option("--groups", f->planner.groups,
                    "Expert groups (default: the model's gate groups)");
   plan->add_option("--nodes", f->planner.nodes, "Nodes the expert ranks span (default 1)");
+  AddIncrementalOptions(plan, f->planner);
   plan->add_option("--out", f->out, "Write the planned placement JSON to FILE");
   plan->add_option("--plot", f->plot,
                    "Also draw each expert rank's load, now and planned, per layer: an SVG FILE");
@@ -372,18 +401,21 @@ int RunProgress(const Session& s, const MigrateFlags& f) {
 
 // --redundant --policy --groups --nodes --min-gain of apply --plan and rebalance.
 std::vector<CLI::Option*> AddPlannerOptions(CLI::App* sub, MigrateFlags& f) {
-  return std::vector<CLI::Option*>{
-      sub->add_option("--redundant", f.planner.redundant, "Redundant expert slots per layer")
-          ->check(kNonNegative),
-      sub->add_option("--policy", f.planner.policy, "default, eplb-hierarchical or eplb-global"),
-      sub->add_option("--groups", f.planner.groups,
-                      "Expert groups (default: the model's gate groups)")
-          ->check(kNonNegative),
-      sub->add_option("--nodes", f.planner.nodes, "Nodes the expert ranks span (default 1)")
-          ->check(kNonNegative),
-      sub->add_option("--min-gain", f.min_gain,
-                      "Apply only if the predicted mean balancedness gains this much "
-                      "(else: skipped)")};
+  std::vector<CLI::Option*> options = AddIncrementalOptions(sub, f.planner);
+  options.insert(
+      options.end(),
+      {sub->add_option("--redundant", f.planner.redundant, "Redundant expert slots per layer")
+           ->check(kNonNegative),
+       sub->add_option("--policy", f.planner.policy, "default, eplb-hierarchical or eplb-global"),
+       sub->add_option("--groups", f.planner.groups,
+                       "Expert groups (default: the model's gate groups)")
+           ->check(kNonNegative),
+       sub->add_option("--nodes", f.planner.nodes, "Nodes the expert ranks span (default 1)")
+           ->check(kNonNegative),
+       sub->add_option("--min-gain", f.min_gain,
+                       "Apply only if the predicted mean balancedness gains this much "
+                       "(else: skipped)")});
+  return options;
 }
 
 void AddMigrationOptions(CLI::App* sub, MigrateFlags& f) {

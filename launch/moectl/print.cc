@@ -100,9 +100,11 @@ void PrintStats(const v1::StatsResponse& s) {
 
 void PrintPlan(const v1::PlanResponse& p) {
   std::printf(
-      "plan (%s policy, %d slots per expert rank%s): a dry run, nothing changed\n",
+      "plan (%s policy, %d slots per expert rank%s, planned in %.3f ms per layer): a dry run, "
+      "nothing changed\n",
       p.policy().c_str(), p.slots_per_rank(),
-      p.window_s() > 0 ? fmt::format(", loads of the last {:.0f} s", p.window_s()).c_str() : "");
+      p.window_s() > 0 ? fmt::format(", loads of the last {:.0f} s", p.window_s()).c_str() : "",
+      p.plan_ms_per_layer());
   // The predicted expert-cache hit rates, where any expert rank has a cache.
   bool cache = false;
   for (const auto& l : p.layers()) {

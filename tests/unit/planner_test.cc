@@ -3,14 +3,21 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "router/local_search.h"
+#include "router/placement_plan.h"
 
 namespace moerun {
 namespace {
@@ -332,6 +339,405 @@ TEST(PlannerTest, PlacementRoundTrip) {
   auto linear = Placement::Linear(3, 3, 1);  // ranks 1, 2 with 2 and 1 experts
   ASSERT_TRUE(linear.ok());
   EXPECT_FALSE(FromLayerPlacement(*linear->Layer(0), 1).ok());
+}
+
+// ---- The local search (router/local_search.h) against the simple reference, and the
+// incremental mode.
+
+// The default policy's local search as it was before router/local_search.cc (every candidate
+// re-evaluated from scratch): the reference the fast search is tested against.
+std::vector<double> RefRankLoads(const std::vector<double>& load, const std::vector<int>& phy2log,
+                                 const std::vector<int>& cnt, int num_ranks) {
+  std::vector<double> rank_load(static_cast<size_t>(num_ranks), 0.0);
+  const size_t per_rank = phy2log.size() / static_cast<size_t>(num_ranks);
+  for (size_t s = 0; s < phy2log.size(); ++s) {
+    const size_t e = static_cast<size_t>(phy2log[s]);
+    rank_load[s / per_rank] += load[e] / cnt[e];
+  }
+  return rank_load;
+}
+
+struct RefKey {
+  double max = 0, sumsq = 0;
+  bool operator<(const RefKey& o) const {
+    return max < o.max || (max == o.max && sumsq < o.sumsq * (1 - 1e-12));
+  }
+};
+
+RefKey RefKeyOf(const std::vector<double>& rank_load) {
+  RefKey k;
+  for (double v : rank_load) k.max = std::max(k.max, v), k.sumsq += v * v;
+  return k;
+}
+
+// The default policy's local search (see planner.h).
+LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
+  const int num_log = static_cast<int>(load.size());
+  std::vector<int> p2l = start.phy2log;
+  const size_t slots = p2l.size();
+  const size_t per_rank = slots / static_cast<size_t>(num_ranks);
+  std::vector<int> cnt(static_cast<size_t>(num_log), 0);
+  for (int e : p2l) ++cnt[static_cast<size_t>(e)];
+  std::vector<int> holds(static_cast<size_t>(num_ranks) * static_cast<size_t>(num_log));
+  auto held = [&](size_t r, int e) -> int& {
+    return holds[r * static_cast<size_t>(num_log) + static_cast<size_t>(e)];
+  };
+  for (size_t iter = 0; iter < 50 * slots; ++iter) {
+    std::fill(holds.begin(), holds.end(), 0);
+    for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
+    std::vector<double> rank_load = RefRankLoads(load, p2l, cnt, num_ranks);
+    const RefKey now = RefKeyOf(rank_load);
+    const size_t a = static_cast<size_t>(std::max_element(rank_load.begin(), rank_load.end()) -
+                                         rank_load.begin());
+    RefKey best = now;
+    int kind = 0;  // 0: none, 1: swap i <-> j, 2: slot j becomes expert e
+    size_t bi = 0, bj = 0;
+    int be = -1;
+    for (size_t i = a * per_rank; i < (a + 1) * per_rank; ++i) {
+      const int ei = p2l[i];
+      const double wi = load[static_cast<size_t>(ei)] / cnt[static_cast<size_t>(ei)];
+      for (size_t j = 0; j < slots; ++j) {
+        const size_t b = j / per_rank;
+        const int ej = p2l[j];
+        if (b == a || ei == ej || held(b, ei) > 0 || held(a, ej) > 0) continue;
+        const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
+        std::vector<double> trial = rank_load;
+        trial[a] += wj - wi;
+        trial[b] += wi - wj;
+        const RefKey k = RefKeyOf(trial);
+        if (k < best) best = k, kind = 1, bi = i, bj = j;
+      }
+    }
+    // Re-assign a slot whose expert has several replicas: a slot of rank a to any expert, or any
+    // slot to an expert of rank a.
+    std::vector<bool> on_a(static_cast<size_t>(num_log), false);
+    for (size_t i = a * per_rank; i < (a + 1) * per_rank; ++i)
+      on_a[static_cast<size_t>(p2l[i])] = true;
+    for (size_t j = 0; j < slots; ++j) {
+      const int f = p2l[j];
+      const size_t b = j / per_rank;
+      if (cnt[static_cast<size_t>(f)] < 2) continue;
+      for (int e = 0; e < num_log; ++e) {
+        if (e == f || held(b, e) > 0 || (b != a && !on_a[static_cast<size_t>(e)])) continue;
+        std::vector<int> trial_p2l = p2l;
+        trial_p2l[j] = e;
+        std::vector<int> trial_cnt = cnt;
+        ++trial_cnt[static_cast<size_t>(e)];
+        --trial_cnt[static_cast<size_t>(f)];
+        const RefKey k = RefKeyOf(RefRankLoads(load, trial_p2l, trial_cnt, num_ranks));
+        if (k < best) best = k, kind = 2, bj = j, be = e;
+      }
+    }
+    if (kind == 0) break;
+    if (kind == 1) {
+      std::swap(p2l[bi], p2l[bj]);
+    } else {
+      --cnt[static_cast<size_t>(p2l[bj])];
+      ++cnt[static_cast<size_t>(be)];
+      p2l[bj] = be;
+    }
+  }
+  // Then lift replicas held twice by one rank, by the swap or re-assignment that keeps the max
+  // rank load lowest, never raising it.
+  for (size_t iter = 0; iter < slots; ++iter) {
+    std::fill(holds.begin(), holds.end(), 0);
+    for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
+    size_t i = slots;
+    for (size_t s = 0; s < slots && i == slots; ++s) {
+      if (held(s / per_rank, p2l[s]) > 1) i = s;
+    }
+    if (i == slots) break;
+    const std::vector<double> rank_load = RefRankLoads(load, p2l, cnt, num_ranks);
+    const RefKey now = RefKeyOf(rank_load);
+    const size_t a = i / per_rank;
+    const int e = p2l[i];
+    RefKey best{std::numeric_limits<double>::infinity(), 0};
+    size_t bj = slots;
+    int bg = -1;
+    for (size_t j = 0; j < slots; ++j) {  // swap i <-> j
+      const size_t b = j / per_rank;
+      const int ej = p2l[j];
+      if (b == a || ej == e || held(b, e) > 0 || held(a, ej) > 0) continue;
+      std::vector<double> trial = rank_load;
+      const double wi = load[static_cast<size_t>(e)] / cnt[static_cast<size_t>(e)];
+      const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
+      trial[a] += wj - wi;
+      trial[b] += wi - wj;
+      const RefKey k = RefKeyOf(trial);
+      if (k.max <= now.max && k < best) best = k, bj = j, bg = -1;
+    }
+    for (int g = 0; g < num_log; ++g) {  // slot i becomes expert g
+      if (held(a, g) > 0) continue;
+      std::vector<int> trial_p2l = p2l;
+      trial_p2l[i] = g;
+      std::vector<int> trial_cnt = cnt;
+      ++trial_cnt[static_cast<size_t>(g)];
+      --trial_cnt[static_cast<size_t>(e)];
+      const RefKey k = RefKeyOf(RefRankLoads(load, trial_p2l, trial_cnt, num_ranks));
+      if (k.max <= now.max && k < best) best = k, bj = slots, bg = g;
+    }
+    if (bg >= 0) {
+      --cnt[static_cast<size_t>(e)];
+      ++cnt[static_cast<size_t>(bg)];
+      p2l[i] = bg;
+    } else if (bj < slots) {
+      std::swap(p2l[i], p2l[bj]);
+    } else {
+      break;
+    }
+  }
+  return MapsFromSlots(std::move(p2l), num_log);
+}
+
+// Window loads of the MoE layers of a DeepSeek-R1 statistics file ({"logical_count": [[...]]};
+// all-zero rows are dense layers).
+std::vector<std::vector<double>> DeepSeekLoads(const std::string& name) {
+  std::ifstream in(std::string(MOERUN_TEST_DATA) + "/routing/deepseek-r1/" + name);
+  EXPECT_TRUE(in.good()) << name;
+  std::vector<std::vector<double>> rows;
+  if (!in.good()) return rows;
+  const json j = json::parse(in);
+  for (const json& r : j["logical_count"]) {
+    std::vector<double> row = r.get<std::vector<double>>();
+    double sum = 0;
+    for (double v : row) sum += v;
+    if (sum > 0) rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+std::vector<double> RandomLoad(std::mt19937* rng, int experts) {
+  std::lognormal_distribution<double> skew(0.0, 1.2);
+  std::vector<double> load(static_cast<size_t>(experts));
+  for (double& v : load) v = std::floor(1000 * skew(*rng));
+  return load;
+}
+
+// The fast search reaches at least the reference's balance from the same start.
+void ExpectAtLeastReference(const std::vector<double>& load, const LayerMaps& start, int ranks) {
+  const LayerMaps ref = ReferenceImprove(load, start, ranks);
+  const SearchResult fast = LocalSearch(load, start, ranks, SearchLimits{});
+  const double b_ref = PredictedBalancedness(load, ref, ranks);
+  const double b_fast = PredictedBalancedness(load, fast.maps, ranks);
+  EXPECT_GE(b_fast, b_ref * (1 - 1e-12));
+  CheckMaps(fast.maps, load.size(), start.phy2log.size());
+}
+
+TEST(LocalSearchTest, AtLeastAsGoodAsReferenceOnRandomLoads) {
+  std::mt19937 rng(39);
+  const std::vector<std::array<int, 3>> shapes = {// experts, slots, ranks
+                                                  {16, 16, 4},
+                                                  {16, 24, 4},
+                                                  {32, 40, 8},
+                                                  {64, 80, 16},
+                                                  {48, 64, 8}};
+  for (const auto& [experts, slots, ranks] : shapes) {
+    for (int trial = 0; trial < 8; ++trial) {
+      SCOPED_TRACE(testing::Message() << experts << " experts, " << slots << " slots, " << ranks
+                                      << " ranks, trial " << trial);
+      PlannerInput in{{RandomLoad(&rng, experts)}, slots, 1, 1, ranks};
+      const auto global = Plan(in, PlannerPolicy::kEplbGlobal);
+      ASSERT_EQ(global.size(), 1u);
+      ExpectAtLeastReference(in.load[0], global[0], ranks);
+      // And the whole default plan never holds an expert twice, and is no worse than EPLB's
+      // where EPLB's can be applied (holds none twice either).
+      const auto def = Plan(in, PlannerPolicy::kDefault);
+      EXPECT_TRUE(ToLayerPlacement(def[0], ranks, 0).ok());
+      if (ToLayerPlacement(global[0], ranks, 0).ok()) {
+        EXPECT_GE(PredictedBalancedness(in.load[0], def[0], ranks),
+                  PredictedBalancedness(in.load[0], global[0], ranks));
+      }
+    }
+  }
+}
+
+// Real loads: a few DeepSeek-R1 layers at 32 expert ranks with 32 redundant slots, from both EPLB
+// plans (the hierarchical one holds experts twice on a rank: the lifting phase runs too).
+TEST(LocalSearchTest, AtLeastAsGoodAsReferenceOnDeepSeek) {
+  const auto rows = DeepSeekLoads("prefill_in1024.json");
+  ASSERT_EQ(rows.size(), 58u);
+  for (size_t l : {size_t{0}, size_t{29}, size_t{57}}) {
+    SCOPED_TRACE(testing::Message() << "layer " << l);
+    PlannerInput in{{rows[l]}, 256 + 32, 8, 4, 32};
+    ExpectAtLeastReference(rows[l], Plan(in, PlannerPolicy::kEplbGlobal)[0], 32);
+    ExpectAtLeastReference(rows[l], Plan(in, PlannerPolicy::kEplbHierarchical)[0], 32);
+  }
+}
+
+// The planner's time and balance on the DeepSeek-R1 files at 32 ranks (4 nodes) and 64 ranks
+// (8 nodes), 8 groups, as many redundant slots as ranks. Prints; asserts no time, only that the
+// default plans beat EPLB's and can be applied. Reproduce:
+//   build/bin/moerun_unit_tests --gtest_filter=LocalSearchTest.DeepSeekTimes
+TEST(LocalSearchTest, DeepSeekTimes) {
+  for (const char* name : {"prefill_in1024.json", "decode_in1000out1000.json"}) {
+    const auto rows = DeepSeekLoads(name);
+    ASSERT_FALSE(rows.empty());
+    for (const auto& [ranks, nodes] : {std::pair{32, 4}, std::pair{64, 8}}) {
+      PlannerInput in{rows, 256 + ranks, 8, nodes, ranks};
+      std::map<PlannerPolicy, std::vector<LayerMaps>> plans;
+      for (PlannerPolicy p : {PlannerPolicy::kDefault, PlannerPolicy::kEplbGlobal,
+                              PlannerPolicy::kEplbHierarchical}) {
+        const auto start = std::chrono::steady_clock::now();
+        plans[p] = Plan(in, p);
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                .count();
+        double low = 1, mean = 0;
+        for (size_t l = 0; l < rows.size(); ++l) {
+          const double b = PredictedBalancedness(rows[l], plans[p][l], ranks);
+          low = std::min(low, b);
+          mean += b / static_cast<double>(rows.size());
+        }
+        std::printf("%s %d ranks %-17s %8.3f ms/layer  balancedness min %.5f mean %.5f\n", name,
+                    ranks, PlannerPolicyName(p), ms / static_cast<double>(rows.size()), low, mean);
+      }
+      for (size_t l = 0; l < rows.size(); ++l) {
+        const LayerMaps& d = plans[PlannerPolicy::kDefault][l];
+        EXPECT_TRUE(ToLayerPlacement(d, ranks, 1).ok()) << l;
+        EXPECT_GE(PredictedBalancedness(rows[l], d, ranks),
+                  PredictedBalancedness(rows[l], plans[PlannerPolicy::kEplbGlobal][l], ranks))
+            << l;
+      }
+    }
+  }
+}
+
+// A linear placement's maps: experts in order, `slots` / `ranks` per rank, the redundant slots
+// (slots > experts) given to experts 0, 1, ... after rank-wise wrap.
+LayerMaps LinearMaps(int experts, int slots) {
+  std::vector<int> p2l(static_cast<size_t>(slots));
+  for (int s = 0; s < slots; ++s) p2l[static_cast<size_t>(s)] = s % experts;
+  return MapsFromSlots(std::move(p2l), experts);
+}
+
+TEST(IncrementalTest, StaysWithinTheBudgetAndNeverLowersBalance) {
+  const auto rows = DeepSeekLoads("decode_in1000out1000.json");
+  ASSERT_FALSE(rows.empty());
+  const int ranks = 32;
+  const LayerMaps start = LinearMaps(256, 256 + ranks);
+  ASSERT_TRUE(ToLayerPlacement(start, ranks, 0).ok());
+  for (size_t l : {size_t{3}, size_t{40}}) {
+    const double before = PredictedBalancedness(rows[l], start, ranks);
+    double last = before;
+    for (int budget : {1, 2, 3, 8, 32, 0}) {
+      SCOPED_TRACE(testing::Message() << "layer " << l << " budget " << budget);
+      IncrementalOptions o;
+      o.max_moves = budget;
+      auto r = PlanIncremental(rows[l], start, ranks, o);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      CheckMaps(r->maps, 256, start.phy2log.size());
+      ASSERT_TRUE(ToLayerPlacement(r->maps, ranks, 0).ok());
+      EXPECT_EQ(r->experts_moved, BytesToMove(start, r->maps, ranks, 1));
+      if (budget > 0) {
+        EXPECT_LE(r->experts_moved, budget);
+      }
+      EXPECT_GT(r->experts_moved, 0);  // a linear placement of skewed loads can be improved
+      const double after = PredictedBalancedness(rows[l], r->maps, ranks);
+      EXPECT_GE(after, before);
+      EXPECT_GE(after, last * (1 - 1e-12));  // a larger budget: no worse here
+      last = after;
+    }
+  }
+}
+
+TEST(IncrementalTest, BalancedPlacementMovesNothing) {
+  // Equal loads on a linear placement: every rank carries the same.
+  const std::vector<double> even(16, 5.0);
+  const LayerMaps linear = LinearMaps(16, 16);
+  auto r = PlanIncremental(even, linear, 4, IncrementalOptions{});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->maps.phy2log, linear.phy2log);
+  EXPECT_EQ(r->experts_moved, 0);
+  EXPECT_EQ(r->moves, 0);
+  // A placement the search left (no move helps): run again, nothing moves.
+  const auto rows = DeepSeekLoads("prefill_in1024.json");
+  ASSERT_FALSE(rows.empty());
+  auto first = PlanIncremental(rows[7], LinearMaps(256, 288), 32, IncrementalOptions{});
+  ASSERT_TRUE(first.ok());
+  auto again = PlanIncremental(rows[7], first->maps, 32, IncrementalOptions{});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->maps.phy2log, first->maps.phy2log);
+  EXPECT_EQ(again->experts_moved, 0);
+  // Already at the target: nothing moves.
+  IncrementalOptions target;
+  target.target_balance = PredictedBalancedness(rows[7], first->maps, 32) * 0.999;
+  auto reached = PlanIncremental(rows[7], first->maps, 32, target);
+  ASSERT_TRUE(reached.ok());
+  EXPECT_EQ(reached->experts_moved, 0);
+}
+
+TEST(IncrementalTest, StopsAtTheTarget) {
+  const auto rows = DeepSeekLoads("prefill_in1024.json");
+  ASSERT_FALSE(rows.empty());
+  const LayerMaps start = LinearMaps(256, 320);
+  IncrementalOptions full, target;
+  target.target_balance = 0.9;
+  auto all = PlanIncremental(rows[20], start, 64, full);
+  auto some = PlanIncremental(rows[20], start, 64, target);
+  ASSERT_TRUE(all.ok() && some.ok());
+  EXPECT_GE(PredictedBalancedness(rows[20], some->maps, 64), 0.9);
+  EXPECT_LT(some->experts_moved, all->experts_moved);
+}
+
+TEST(IncrementalTest, Errors) {
+  const LayerMaps linear = LinearMaps(4, 4);
+  const std::vector<double> load = {1, 2, 3, 4};
+  auto bad = [&](const std::vector<double>& l, const LayerMaps& m, int ranks,
+                 IncrementalOptions o) {
+    auto r = PlanIncremental(l, m, ranks, o);
+    EXPECT_FALSE(r.ok());
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    }
+  };
+  EXPECT_TRUE(PlanIncremental(load, linear, 2, IncrementalOptions{}).ok());
+  bad(load, linear, 3, {});                                // 4 slots on 3 ranks
+  bad({1, 2, 3}, linear, 2, {});                           // loads for 3 experts, 4 placed
+  bad({1, -2, 3, 4}, linear, 2, {});                       // negative load
+  bad(load, linear, 2, IncrementalOptions{-1, 0});         // negative budget
+  bad(load, linear, 2, IncrementalOptions{0, 1.5});        // target above 1
+  LayerMaps twice = MapsFromSlots({0, 0, 1, 2, 3, 3}, 4);  // rank 0 holds expert 0 twice
+  bad(load, twice, 2, {});
+}
+
+// moectl placement plan --incremental's path: the report's bytes are BytesToMove's, the budget
+// holds per layer, and the time is reported.
+TEST(IncrementalTest, MakePlanReportsTheBytesItMoves) {
+  const auto rows = DeepSeekLoads("decode_in1000out1000.json");
+  ASSERT_FALSE(rows.empty());
+  const LayerMaps linear = LinearMaps(256, 288);
+  auto current = ToPlacement({linear, linear}, 32, 1, 4);
+  ASSERT_TRUE(current.ok()) << current.status().ToString();
+  const std::map<int, std::vector<double>> loads = {{0, rows[5]}, {1, rows[6]}};
+  PlanOptions o;
+  o.incremental = true;
+  o.max_moves = 6;
+  auto rep = MakePlan(loads, *current, 1000, o);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  EXPECT_EQ(rep->policy, "incremental");
+  EXPECT_EQ(rep->slots_per_rank, 9);
+  EXPECT_GT(rep->plan_ms_per_layer, 0);
+  auto planned = Placement::FromJson(rep->placement_json, "plan");
+  ASSERT_TRUE(planned.ok()) << planned.status().ToString();
+  ASSERT_EQ(rep->layers.size(), 2u);
+  for (const LayerPlanReport& l : rep->layers) {
+    auto to = FromLayerPlacement(*planned->Layer(l.layer), 1);
+    ASSERT_TRUE(to.ok());
+    EXPECT_EQ(l.bytes_to_move, BytesToMove(linear, *to, 32, 1000));
+    EXPECT_EQ(l.bytes_to_move, 1000 * l.experts_to_load);
+    EXPECT_LE(l.experts_to_load, 6);
+    EXPECT_GT(l.experts_to_load, 0);
+    EXPECT_GT(l.balancedness_after, l.balancedness_before);
+  }
+  // What incremental mode cannot do: leave ranks out, or change the number of slots.
+  PlanOptions dead = o;
+  dead.exclude = {3};
+  EXPECT_EQ(MakePlan(loads, *current, 1000, dead).status().code(), StatusCode::kInvalidArgument);
+  PlanOptions more = o;
+  more.redundant = 64;
+  EXPECT_EQ(MakePlan(loads, *current, 1000, more).status().code(), StatusCode::kInvalidArgument);
+  more.redundant = 32;  // what the placement has: fine
+  EXPECT_TRUE(MakePlan(loads, *current, 1000, more).ok());
 }
 
 }  // namespace

@@ -1,0 +1,409 @@
+#include "router/local_search.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace moerun {
+namespace {
+
+// (max rank load, sum of squared rank loads), compared in that order. Both compare with a
+// relative tolerance of 1e-12: candidates are evaluated from kept sums, not re-summed from the
+// slots, so equal plans may differ in the last bits; a move must beat the rounding to count.
+struct Key {
+  double max = 0, sumsq = 0;
+  bool operator<(const Key& o) const {
+    const double tol = 1e-12 * std::max(max, o.max);
+    if (max < o.max - tol) return true;
+    if (max > o.max + tol) return false;
+    return sumsq < o.sumsq * (1 - 1e-12);
+  }
+  // Whether the max is no higher than `o`'s (within the tolerance).
+  bool MaxAtMost(const Key& o) const { return max <= o.max + 1e-12 * std::max(max, o.max); }
+};
+
+enum class Kind { kNone, kSwap, kAssign };
+
+// A move: kSwap exchanges the contents of slots i and j; kAssign makes slot j expert e.
+struct Move {
+  Kind kind = Kind::kNone;
+  int i = -1, j = -1, e = -1;
+};
+
+class Search {
+ public:
+  Search(const std::vector<double>& load, const std::vector<int>& p2l, int num_ranks)
+      : load_(load),
+        num_log_(static_cast<int>(load.size())),
+        slots_(static_cast<int>(p2l.size())),
+        ranks_(num_ranks),
+        per_rank_(slots_ / num_ranks),
+        p2l_(p2l),
+        cnt_(load.size(), 0),
+        held_(static_cast<size_t>(num_ranks) * load.size(), 0),
+        slots_of_(load.size()),
+        rank_load_(static_cast<size_t>(num_ranks), 0.0),
+        w_(load.size()),
+        w_less_(load.size()),
+        w_more_(load.size()),
+        w_min_(static_cast<size_t>(num_ranks)),
+        w_max_(static_cast<size_t>(num_ranks)),
+        delta_(static_cast<size_t>(num_ranks), 0.0),
+        mark_(static_cast<size_t>(num_ranks), 0) {
+    for (int s = 0; s < slots_; ++s) {
+      ++cnt_[Ex(p2l_[Sz(s)])];
+      ++Held(s / per_rank_, p2l_[Sz(s)]);
+    }
+    start_ = held_;
+    Refresh();
+  }
+
+  // Rounds of the best move (see local_search.h) until none helps or a limit is reached.
+  void Balance(const SearchLimits& limits) {
+    const int64_t rounds = limits.max_rounds > 0 ? limits.max_rounds : 50 * int64_t{slots_};
+    for (int64_t round = 0; round < rounds; ++round) {
+      if (limits.target_balance > 0 && Balancedness() >= limits.target_balance) break;
+      const Move m = BestMove(limits.max_copies);
+      if (m.kind == Kind::kNone) break;
+      Apply(m);
+    }
+  }
+
+  // Lifts replicas held twice on one rank (see local_search.h).
+  void LiftTwice() {
+    for (int round = 0; round < slots_; ++round) {
+      int i = slots_;
+      for (int s = 0; s < slots_ && i == slots_; ++s) {
+        if (Held(s / per_rank_, p2l_[Sz(s)]) > 1) i = s;
+      }
+      if (i == slots_) break;
+      const Move m = BestLift(i);
+      if (m.kind == Kind::kNone) break;
+      Apply(m);
+    }
+  }
+
+  SearchResult Result() const {
+    SearchResult r;
+    r.maps = MapsFromSlots(p2l_, num_log_);
+    r.moves = moves_;
+    r.copies = copies_;
+    return r;
+  }
+
+ private:
+  static size_t Sz(int i) { return static_cast<size_t>(i); }
+  static size_t Ex(int e) { return static_cast<size_t>(e); }
+  int& Held(int r, int e) { return held_[Sz(r) * Ex(num_log_) + Ex(e)]; }
+  int Held(int r, int e) const { return held_[Sz(r) * Ex(num_log_) + Ex(e)]; }
+  bool InStart(int r, int e) const { return start_[Sz(r) * Ex(num_log_) + Ex(e)] > 0; }
+
+  // Rank loads (summed as PredictedBalancedness sums them: each rank's slots in order), their
+  // order, the key, each expert's slots and loads per replica: from the slots, at the start.
+  void Refresh() {
+    for (auto& v : slots_of_) v.clear();
+    for (int s = 0; s < slots_; ++s) slots_of_[Ex(p2l_[Sz(s)])].push_back(s);
+    for (int e = 0; e < num_log_; ++e) ExpertChanged(e);
+    for (int r = 0; r < ranks_; ++r) RankChanged(r);
+    order_.resize(Sz(ranks_));
+    for (int r = 0; r < ranks_; ++r) order_[Sz(r)] = r;
+    Reorder();
+  }
+
+  void ExpertChanged(int e) {
+    const double l = load_[Ex(e)];
+    const int c = cnt_[Ex(e)];
+    w_[Ex(e)] = l / c;
+    w_less_[Ex(e)] = c > 1 ? l / (c - 1) : 0;
+    w_more_[Ex(e)] = l / (c + 1);
+  }
+
+  void RankChanged(int r) {
+    double load = 0, lo = std::numeric_limits<double>::infinity(), hi = -lo;
+    for (int s = r * per_rank_; s < (r + 1) * per_rank_; ++s) {
+      const int e = p2l_[Sz(s)];
+      const double w = load_[Ex(e)] / cnt_[Ex(e)];
+      load += w;
+      lo = std::min(lo, w);
+      hi = std::max(hi, w);
+    }
+    rank_load_[Sz(r)] = load;
+    w_min_[Sz(r)] = lo;
+    w_max_[Sz(r)] = hi;
+  }
+
+  // The key and the order of the ranks, after RankChanged (an insertion sort: few ranks move).
+  void Reorder() {
+    now_ = Key{};
+    total_ = 0;
+    for (double v : rank_load_) now_.max = std::max(now_.max, v), now_.sumsq += v * v, total_ += v;
+    auto before = [&](int x, int y) {
+      const double lx = rank_load_[Sz(x)], ly = rank_load_[Sz(y)];
+      return lx > ly || (lx == ly && x < y);
+    };
+    for (size_t k = 1; k < order_.size(); ++k) {
+      const int r = order_[k];
+      size_t m = k;
+      for (; m > 0 && before(r, order_[m - 1]); --m) order_[m] = order_[m - 1];
+      order_[m] = r;
+    }
+  }
+
+  // After a move: the slot lists, loads per replica and rank loads it changed.
+  void MoveSlot(int e, int from, int to) {
+    std::vector<int>& v = slots_of_[Ex(e)];
+    if (from >= 0) v.erase(std::find(v.begin(), v.end(), from));
+    if (to >= 0) v.insert(std::lower_bound(v.begin(), v.end(), to), to);
+  }
+
+  double Balancedness() const { return now_.max <= 0 ? 1.0 : total_ / ranks_ / now_.max; }
+
+  // The highest load among the ranks not marked with the current stamp (0 if all are).
+  double MaxUnmarked() const {
+    for (int r : order_) {
+      if (mark_[Sz(r)] != stamp_) return rank_load_[Sz(r)];
+    }
+    return 0;
+  }
+
+  void Touch(int r, double d) {
+    if (mark_[Sz(r)] != stamp_) {
+      mark_[Sz(r)] = stamp_;
+      delta_[Sz(r)] = 0;
+      touched_.push_back(r);
+    }
+    delta_[Sz(r)] += d;
+  }
+
+  // The key after the moves' changes gathered by Touch since the stamp was set.
+  Key KeyOfTouched() const {
+    Key k{MaxUnmarked(), now_.sumsq};
+    for (int r : touched_) {
+      const double old = rank_load_[Sz(r)], v = old + delta_[Sz(r)];
+      k.max = std::max(k.max, v);
+      k.sumsq += v * v - old * old;
+    }
+    return k;
+  }
+
+  void NewStamp() {
+    ++stamp_;
+    touched_.clear();
+  }
+
+  Key SwapKey(int i, int j) {
+    const int a = i / per_rank_, b = j / per_rank_;
+    const int ei = p2l_[Sz(i)], ej = p2l_[Sz(j)];
+    const double wi = w_[Ex(ei)], wj = w_[Ex(ej)];
+    const double na = rank_load_[Sz(a)] + wj - wi, nb = rank_load_[Sz(b)] + wi - wj;
+    double rest = 0;
+    for (int r : order_) {
+      if (r != a && r != b) {
+        rest = rank_load_[Sz(r)];
+        break;
+      }
+    }
+    const double oa = rank_load_[Sz(a)], ob = rank_load_[Sz(b)];
+    return Key{std::max({na, nb, rest}), now_.sumsq + na * na + nb * nb - oa * oa - ob * ob};
+  }
+
+  Key AssignKey(int j, int e) {
+    NewStamp();
+    const int f = p2l_[Sz(j)];
+    const double wf = w_[Ex(f)], wf2 = w_less_[Ex(f)];
+    const double we = w_[Ex(e)], we2 = w_more_[Ex(e)];
+    for (int s : slots_of_[Ex(f)]) Touch(s / per_rank_, s == j ? -wf : wf2 - wf);
+    for (int s : slots_of_[Ex(e)]) Touch(s / per_rank_, we2 - we);
+    Touch(j / per_rank_, we2);
+    return KeyOfTouched();
+  }
+
+  // (rank, expert) pairs the move adds that the start lacks, less those it removes.
+  int64_t CopiesDelta(const Move& m) const {
+    auto gain = [&](int r, int e) { return Held(r, e) == 0 && !InStart(r, e) ? 1 : 0; };
+    auto loss = [&](int r, int e) { return Held(r, e) == 1 && !InStart(r, e) ? 1 : 0; };
+    const int b = m.j / per_rank_, ej = p2l_[Sz(m.j)];
+    if (m.kind == Kind::kAssign) return gain(b, m.e) - loss(b, ej);
+    const int a = m.i / per_rank_, ei = p2l_[Sz(m.i)];
+    return gain(a, ej) + gain(b, ei) - loss(a, ei) - loss(b, ej);
+  }
+
+  // Whether a candidate with key k beats *best within the copy budget; if so it becomes *best.
+  bool Take(const Key& k, const Move& m, int64_t max_copies, Key* best, Move* best_move) const {
+    if (!(k < *best)) return false;
+    if (max_copies >= 0 && copies_ + CopiesDelta(m) > max_copies) return false;
+    *best = k;
+    *best_move = m;
+    return true;
+  }
+
+  // The new max a candidate may have and still beat `best` (a little over best.max: the key's
+  // tolerance), for the pruning bounds.
+  static double Bound(const Key& best) { return best.max * (1 + 1e-9); }
+
+  Move BestMove(int64_t max_copies) {
+    const int a = order_[0];
+    Key best = now_;
+    Move best_move;
+    for (int i = a * per_rank_; i < (a + 1) * per_rank_; ++i) {
+      const int ei = p2l_[Sz(i)];
+      const double wi = w_[Ex(ei)];
+      for (int b = 0; b < ranks_; ++b) {
+        if (b == a || Held(b, ei) > 0) continue;
+        // The lightest and heaviest slot of b bound every swap with it the same way.
+        if (rank_load_[Sz(b)] - (w_max_[Sz(b)] - wi) > Bound(best) ||
+            rank_load_[Sz(a)] + (w_min_[Sz(b)] - wi) > Bound(best)) {
+          continue;
+        }
+        for (int j = b * per_rank_; j < (b + 1) * per_rank_; ++j) {
+          const int ej = p2l_[Sz(j)];
+          // The new loads of ranks a and b bound the new max from below.
+          const double d = w_[Ex(ej)] - wi;
+          if (rank_load_[Sz(b)] - d > Bound(best) || rank_load_[Sz(a)] + d > Bound(best)) continue;
+          if (Held(a, ej) > 0) continue;
+          Take(SwapKey(i, j), Move{Kind::kSwap, i, j, -1}, max_copies, &best, &best_move);
+        }
+      }
+    }
+    // Re-assignments: a slot of rank a to any expert, any slot to an expert of rank a.
+    std::vector<int>& on_a = scratch_;
+    on_a.clear();
+    for (int i = a * per_rank_; i < (a + 1) * per_rank_; ++i) on_a.push_back(p2l_[Sz(i)]);
+    std::sort(on_a.begin(), on_a.end());
+    on_a.erase(std::unique(on_a.begin(), on_a.end()), on_a.end());
+    for (int j = 0; j < slots_; ++j) {
+      const int f = p2l_[Sz(j)], b = j / per_rank_;
+      if (cnt_[Ex(f)] < 2) continue;
+      // Bounds on the new max whatever e is: rank b's new load (less what b's other replicas of
+      // f gain), the new load of the rank r that gains most from f's lost replica (less what e's
+      // replicas lose, where r holds e: then no bound).
+      const double b_less_f = rank_load_[Sz(b)] - w_[Ex(f)];
+      int r_f = -1;
+      double r_f_load = 0;
+      for (int s : slots_of_[Ex(f)]) {
+        const int r = s / per_rank_;
+        const double v = rank_load_[Sz(r)] + w_less_[Ex(f)] - w_[Ex(f)];
+        if (s != j && r != b && (r_f < 0 || v > r_f_load)) r_f = r, r_f_load = v;
+      }
+      auto consider = [&](int e) {
+        if (e == f || Held(b, e) > 0 || b_less_f + w_more_[Ex(e)] > Bound(best)) return;
+        if (r_f >= 0 && r_f_load > Bound(best) && Held(r_f, e) == 0) return;
+        Take(AssignKey(j, e), Move{Kind::kAssign, -1, j, e}, max_copies, &best, &best_move);
+      };
+      if (b == a && r_f >= 0 && r_f_load > Bound(best)) {
+        // Only an expert that r_f holds can relieve r_f: those, in expert order.
+        std::vector<int>& on_r = scratch2_;
+        on_r.clear();
+        for (int s = r_f * per_rank_; s < (r_f + 1) * per_rank_; ++s) on_r.push_back(p2l_[Sz(s)]);
+        std::sort(on_r.begin(), on_r.end());
+        on_r.erase(std::unique(on_r.begin(), on_r.end()), on_r.end());
+        for (int e : on_r) consider(e);
+      } else if (b == a) {
+        for (int e = 0; e < num_log_; ++e) consider(e);
+      } else {
+        for (int e : on_a) consider(e);
+      }
+    }
+    return best_move;
+  }
+
+  // The move for slot i (its expert held twice on its rank) that keeps the max rank load lowest
+  // without raising it: a swap with another rank's slot, or slot i re-assigned.
+  Move BestLift(int i) {
+    const int a = i / per_rank_, e = p2l_[Sz(i)];
+    Key best{std::numeric_limits<double>::infinity(), 0};
+    Move best_move;
+    auto take = [&](const Key& k, const Move& m) {
+      if (k.MaxAtMost(now_) && k < best) best = k, best_move = m;
+    };
+    // As in BestMove, ranks a's and b's new loads bound the new max from below.
+    auto bound = [&] { return std::min(Bound(best), Bound(now_)); };
+    const double wi = w_[Ex(e)];
+    for (int j = 0; j < slots_; ++j) {
+      const int b = j / per_rank_, ej = p2l_[Sz(j)];
+      if (b == a || ej == e || Held(b, e) > 0 || Held(a, ej) > 0) continue;
+      const double d = w_[Ex(ej)] - wi;
+      if (rank_load_[Sz(b)] - d > bound() || rank_load_[Sz(a)] + d > bound()) continue;
+      take(SwapKey(i, j), Move{Kind::kSwap, i, j, -1});
+    }
+    const double a_less_e = rank_load_[Sz(a)] - wi;
+    for (int g = 0; g < num_log_; ++g) {
+      if (Held(a, g) > 0 || a_less_e + w_more_[Ex(g)] > bound()) continue;
+      take(AssignKey(i, g), Move{Kind::kAssign, -1, i, g});
+    }
+    return best_move;
+  }
+
+  void Apply(const Move& m) {
+    copies_ += CopiesDelta(m);
+    ++moves_;
+    const int b = m.j / per_rank_, ej = p2l_[Sz(m.j)];
+    if (m.kind == Kind::kSwap) {
+      const int a = m.i / per_rank_, ei = p2l_[Sz(m.i)];
+      --Held(a, ei), ++Held(a, ej), --Held(b, ej), ++Held(b, ei);
+      std::swap(p2l_[Sz(m.i)], p2l_[Sz(m.j)]);
+      MoveSlot(ei, m.i, m.j);
+      MoveSlot(ej, m.j, m.i);
+      RankChanged(a);
+      RankChanged(b);
+    } else {
+      --Held(b, ej), ++Held(b, m.e);
+      --cnt_[Ex(ej)], ++cnt_[Ex(m.e)];
+      p2l_[Sz(m.j)] = m.e;
+      MoveSlot(ej, m.j, -1);
+      MoveSlot(m.e, -1, m.j);
+      ExpertChanged(ej);
+      ExpertChanged(m.e);
+      for (int e : {ej, m.e}) {
+        for (int slot : slots_of_[Ex(e)]) RankChanged(slot / per_rank_);
+      }
+      RankChanged(b);
+    }
+    Reorder();
+  }
+
+  const std::vector<double>& load_;
+  const int num_log_, slots_, ranks_, per_rank_;
+  std::vector<int> p2l_, cnt_;
+  std::vector<int> held_, start_;  // [rank * experts + expert]: copies now, and at the start
+  std::vector<std::vector<int>> slots_of_;
+  std::vector<double> rank_load_;
+  // Per expert: its load per replica now, with one replica fewer (0 for a single one), one more.
+  std::vector<double> w_, w_less_, w_more_;
+  std::vector<double> w_min_, w_max_;  // per rank: its lightest and heaviest slot
+  std::vector<int> order_;             // ranks by load, highest first (ties: the lower rank)
+  Key now_;
+  double total_ = 0;
+  // Candidate evaluation: per rank, the change (valid where mark_ == stamp_), the ranks touched.
+  std::vector<double> delta_;
+  std::vector<int> mark_;
+  int stamp_ = 0;
+  std::vector<int> touched_, scratch_, scratch2_;
+  int64_t moves_ = 0, copies_ = 0;
+};
+
+}  // namespace
+
+LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log) {
+  LayerMaps maps;
+  maps.log2phy.resize(static_cast<size_t>(num_log));
+  maps.logcnt.assign(static_cast<size_t>(num_log), 0);
+  for (size_t s = 0; s < phy2log.size(); ++s) {
+    const size_t e = static_cast<size_t>(phy2log[s]);
+    maps.log2phy[e].push_back(static_cast<int>(s));
+    ++maps.logcnt[e];
+  }
+  maps.phy2log = std::move(phy2log);
+  return maps;
+}
+
+SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
+                         const SearchLimits& limits) {
+  Search search(load, start.phy2log, num_ranks);
+  search.Balance(limits);
+  if (limits.lift_twice) search.LiftTwice();
+  return search.Result();
+}
+
+}  // namespace moerun

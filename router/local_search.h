@@ -1,0 +1,55 @@
+// The planner's local search (router/planner.h, kDefault and the incremental mode): improves the
+// balance of one layer's slots by single moves, each evaluated incrementally.
+//
+// A move is
+//   * a swap of the contents of a slot of the most loaded rank with a slot of another rank, or
+//   * a re-assignment of a slot whose expert has several replicas (it gets one fewer, the other
+//     expert one more): a slot of the most loaded rank to any expert, or any slot to an expert
+//     of the most loaded rank;
+// never placing an expert on a rank that already holds it. Each round takes the move that most
+// lowers (max rank load, then the sum of squared rank loads), the first such in slot order (swaps
+// before re-assignments), so the search is deterministic. A candidate costs O(1) (a swap) or
+// O(replicas of the two experts) (a re-assignment): rank loads, the ranks in load order (the new
+// max of the ranks a move leaves alone) and the sum of squares are kept between moves and
+// recomputed from the slots after each one (no drift).
+//
+// Then, in the full search, replicas that a rank holds twice (EPLB plans may) are lifted, each by
+// the swap or re-assignment that keeps the max rank load lowest without raising it.
+//
+// Each rank's load: every expert's load split evenly over its slots; slot s on rank s / (slots per
+// rank). Not thread-safe per call's state only (no shared state: calls may run concurrently).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "router/planner.h"
+
+namespace moerun {
+
+struct SearchLimits {
+  // Expert copies the moves may add, counted against the start: (rank, expert) pairs of the
+  // result that the start does not have (a swap adds up to 2, a re-assignment up to 1). -1: none.
+  int64_t max_copies = -1;
+  // Stop once mean ÷ max of the rank loads reaches this (0: search until no move helps).
+  double target_balance = 0;
+  // Rounds at most; 0: 50 × slots.
+  int64_t max_rounds = 0;
+  // Lift replicas held twice on a rank afterwards (the full search; incremental starts hold none).
+  bool lift_twice = true;
+};
+
+struct SearchResult {
+  LayerMaps maps;
+  int64_t moves = 0;   // moves made
+  int64_t copies = 0;  // (rank, expert) pairs of the result that the start does not have
+};
+
+// The search from `start` (its phy2log; num_ranks divides its slots) on one layer's loads.
+SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
+                         const SearchLimits& limits);
+
+// Maps from phy2log alone: log2phy in slot order.
+LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log);
+
+}  // namespace moerun
