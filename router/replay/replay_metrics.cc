@@ -134,8 +134,10 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
       if (l >= s.ids.size()) continue;
       const std::vector<int32_t>& layer_ids = s.ids[l];
       const int64_t full = s.tokens / batch_tokens;
-      m.tokens_judged += full * batch_tokens;
-      m.tokens_left_out += s.tokens - full * batch_tokens;
+      if (l == 0) {  // per layer: the same in every layer
+        m.tokens_judged += full * batch_tokens;
+        m.tokens_left_out += s.tokens - full * batch_tokens;
+      }
       for (int64_t b = 0; b < full; ++b) {
         valid.clear();
         for (int64_t t = b * batch_tokens; t < (b + 1) * batch_tokens; ++t) {
