@@ -210,10 +210,11 @@ std::vector<std::vector<int>> TokenUnits(const RoutingSample& sample, int layer,
   return out;
 }
 
-Status CheckSample(const PlannerInput& in, const RoutingSample& s, const NodeAwareOptions& o) {
-  if (!(o.node_slack >= 0) || !std::isfinite(o.node_slack)) {
+Status CheckSample(const PlannerInput& in) {
+  const RoutingSample& s = in.sample;
+  if (!(in.node_slack >= 0) || !std::isfinite(in.node_slack)) {
     return Status::InvalidArgument(
-        fmt::format("planner: node slack {} must be a finite number ≥ 0", o.node_slack));
+        fmt::format("planner: node slack {} must be a finite number ≥ 0", in.node_slack));
   }
   if (s.ids.empty()) return Status::Ok();
   if (s.ids.size() != in.load.size() || s.top_k < 1) {
@@ -235,8 +236,7 @@ Status CheckSample(const PlannerInput& in, const RoutingSample& s, const NodeAwa
 }
 
 // The plan of one layer.
-Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const RoutingSample& sample,
-                            const NodeAwareOptions& opt) {
+Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
   const std::vector<double>& load = in.load[layer];
   const int experts = static_cast<int>(load.size());
   const bool by_group = in.num_groups > 1 && in.num_groups % in.num_nodes == 0;
@@ -250,8 +250,8 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const RoutingS
   const int max_size = by_group ? experts / in.num_nodes  // whole groups: as EPLB packs them
                                 : slots_per_node - (redundant_per_node + 3) / 4;
   NodePartition part(unit_load, std::vector<int>(static_cast<size_t>(units), group_size),
-                     TokenUnits(sample, static_cast<int>(layer), group_size), in.num_nodes,
-                     total / in.num_nodes * (1 + opt.node_slack) * (1 + 1e-12), max_size);
+                     TokenUnits(in.sample, static_cast<int>(layer), group_size), in.num_nodes,
+                     total / in.num_nodes * (1 + in.node_slack) * (1 + 1e-12), max_size);
   part.Start();
   part.Refine();
 
@@ -291,29 +291,9 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const RoutingS
 
 }  // namespace
 
-Result<std::vector<LayerMaps>> PlanNodeAware(const PlannerInput& in, const RoutingSample& sample,
-                                             const NodeAwareOptions& opt) {
-  // The planner's own checks first (shapes, slots, groups, nodes).
-  if (in.num_nodes <= 1) {
-    MOERUN_RETURN_IF_ERROR(CheckSample(in, sample, opt));
-    return PlanPlacement(in, PlannerPolicy::kDefault);
-  }
-  PlannerInput probe = in;
-  for (auto& row : probe.load) row.assign(row.size(), 1.0);
-  probe.load.resize(1);
-  MOERUN_RETURN_IF_ERROR(PlanPlacement(probe, PlannerPolicy::kEplbGlobal).status());
-  for (const auto& row : in.load) {
-    for (double v : row) {
-      if (!(v >= 0) || !std::isfinite(v)) {
-        return Status::InvalidArgument(
-            fmt::format("planner: load {} is not a finite non-negative number", v));
-      }
-      if (row.size() != in.load[0].size()) {
-        return Status::InvalidArgument("planner: the layers have different numbers of experts");
-      }
-    }
-  }
-  MOERUN_RETURN_IF_ERROR(CheckSample(in, sample, opt));
+Result<std::vector<LayerMaps>> PlanNodeAware(const PlannerInput& in) {
+  MOERUN_RETURN_IF_ERROR(CheckSample(in));
+  if (in.num_nodes <= 1) return PlanPlacement(in, PlannerPolicy::kDefault);
   const int experts = static_cast<int>(in.load[0].size());
   if (experts % in.num_nodes != 0) {
     return Status::InvalidArgument(fmt::format(
@@ -321,7 +301,7 @@ Result<std::vector<LayerMaps>> PlanNodeAware(const PlannerInput& in, const Routi
   }
   std::vector<LayerMaps> plan;
   for (size_t l = 0; l < in.load.size(); ++l) {
-    MOERUN_ASSIGN_OR_RETURN(LayerMaps maps, PlanLayer(in, l, sample, opt));
+    MOERUN_ASSIGN_OR_RETURN(LayerMaps maps, PlanLayer(in, l));
     plan.push_back(std::move(maps));
   }
   return plan;

@@ -44,21 +44,11 @@
 
 namespace moerun {
 
-// A sample of the routing: per layer, the top-k ids of the sampled tokens, ids[l][t * top_k + j]
-// (a token with any id < 0 is left out). Empty: only window counts are known.
-struct RoutingSample {
-  int top_k = 0;
-  std::vector<std::vector<int32_t>> ids;
-};
-
-struct NodeAwareOptions {
-  double node_slack = 0.05;  // a node's load may exceed the mean node load by this fraction
-};
-
-// The plan of every layer of `input` (the same checks as PlanPlacement, and: the sample's layers
-// match the load's, ids within the experts, node_slack ≥ 0). num_nodes = 1 gives kDefault's plan.
-Result<std::vector<LayerMaps>> PlanNodeAware(const PlannerInput& input, const RoutingSample& sample,
-                                             const NodeAwareOptions& options);
+// The plan of every layer of `input` by its sample and node_slack: PlanPlacement(kNodeAware)
+// calls this after its own checks of the input; this one checks the rest (the sample's layers
+// match the load's, ids within the experts, node_slack ≥ 0, the nodes divide the experts).
+// num_nodes = 1 gives kDefault's plan.
+Result<std::vector<LayerMaps>> PlanNodeAware(const PlannerInput& input);
 
 // The mean number of distinct nodes among each sampled token's experts under `maps` (slot s on
 // node (s / slots per rank) / ranks per node); 0 for an empty sample. Layer `layer` of the sample.

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "router/local_search.h"
+#include "router/node_planner.h"
 
 namespace moerun {
 namespace {
@@ -265,17 +266,20 @@ const char* PlannerPolicyName(PlannerPolicy policy) {
       return "eplb-global";
     case PlannerPolicy::kDefault:
       return "default";
+    case PlannerPolicy::kNodeAware:
+      return "node-aware";
   }
   return "?";
 }
 
 Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name) {
-  for (PlannerPolicy p :
-       {PlannerPolicy::kEplbHierarchical, PlannerPolicy::kEplbGlobal, PlannerPolicy::kDefault}) {
+  for (PlannerPolicy p : {PlannerPolicy::kEplbHierarchical, PlannerPolicy::kEplbGlobal,
+                          PlannerPolicy::kDefault, PlannerPolicy::kNodeAware}) {
     if (name == PlannerPolicyName(p)) return p;
   }
   return Status::InvalidArgument(fmt::format(
-      "unknown planner policy \"{}\" (eplb-hierarchical, eplb-global or default)", name));
+      "unknown planner policy \"{}\" (eplb-hierarchical, eplb-global, default or node-aware)",
+      name));
 }
 
 PlannerPolicy EplbAutoPolicy(const PlannerInput& input) {
@@ -331,6 +335,7 @@ LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) 
 
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
   MOERUN_RETURN_IF_ERROR(CheckInput(in, policy));
+  if (policy == PlannerPolicy::kNodeAware) return PlanNodeAware(in);
   std::vector<LayerMaps> plan;
   plan.reserve(in.load.size());
   for (const std::vector<double>& load : in.load) {
@@ -343,6 +348,8 @@ Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPoli
         break;
       case PlannerPolicy::kDefault:
         plan.push_back(DefaultLayer(load, in));
+        break;
+      case PlannerPolicy::kNodeAware:  // planned above
         break;
     }
   }

@@ -27,6 +27,10 @@
 //    EPLB plans may hold two replicas of one expert on a rank, which a placement table cannot;
 //    the search then lifts such replicas (by a swap or a re-assignment) where that does not raise
 //    the max rank load, and among equally balanced candidates the choice prefers one without.
+//  - kNodeAware: router/node_planner.h. Experts (or whole expert groups, where the model routes by
+//    group) go to nodes so that each sampled token's experts lie on few nodes, each node's load
+//    within (1 + node_slack) × the mean; then each node is planned alone by kDefault. Without a
+//    routing sample (window counts only), a balanced packing of the units onto the nodes.
 //  - PlanIncremental (not a policy: it needs the running placement): the same moves from the
 //    running placement of a layer, within a budget of expert copies to load, until a target
 //    balance is reached or no move helps.
@@ -44,11 +48,18 @@
 
 namespace moerun {
 
-enum class PlannerPolicy { kEplbHierarchical, kEplbGlobal, kDefault };
+enum class PlannerPolicy { kEplbHierarchical, kEplbGlobal, kDefault, kNodeAware };
 
-// "eplb-hierarchical", "eplb-global", "default".
+// "eplb-hierarchical", "eplb-global", "default", "node-aware".
 const char* PlannerPolicyName(PlannerPolicy policy);
 Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name);
+
+// A sample of the routing: per layer, the top-k ids of the sampled tokens, ids[l][t * top_k + j]
+// (a token with any id < 0 is left out). Empty: only window counts are known.
+struct RoutingSample {
+  int top_k = 0;
+  std::vector<std::vector<int32_t>> ids;
+};
 
 struct PlannerInput {
   std::vector<std::vector<double>> load;  // [layers][logical experts]: assignments in the window
@@ -56,6 +67,10 @@ struct PlannerInput {
   int num_groups = 1;  // expert groups (divides the experts)
   int num_nodes = 1;   // nodes (divides num_ranks)
   int num_ranks = 1;   // expert ranks (GPUs)
+  // kNodeAware only: the tokens whose experts it keeps on few nodes, and how far above the mean
+  // node load it may go for that (the knob between balance and locality).
+  RoutingSample sample;
+  double node_slack = 0.05;
 };
 
 struct LayerMaps {

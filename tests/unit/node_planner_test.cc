@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <utility>
 #include <vector>
 
 namespace moerun {
@@ -46,6 +47,12 @@ RoutingSample CliqueSample(int tokens, std::mt19937* rng) {
   return s;
 }
 
+Result<std::vector<LayerMaps>> PlanNodeAware(PlannerInput in, RoutingSample s, double slack) {
+  in.sample = std::move(s);
+  in.node_slack = slack;
+  return PlanPlacement(in, PlannerPolicy::kNodeAware);
+}
+
 std::vector<double> CountsOf(const RoutingSample& s, int experts) {
   std::vector<double> c(static_cast<size_t>(experts), 0.0);
   for (int e : s.ids[0]) c[static_cast<size_t>(e)] += 1;
@@ -60,7 +67,7 @@ TEST(NodePlannerTest, KeepsCoUsedExpertsOnOneNode) {
   in.num_slots = 24;  // 8 ranks of 3 slots, 2 ranks per node
   in.num_ranks = 8;
   in.num_nodes = 4;
-  auto plan = PlanNodeAware(in, s, NodeAwareOptions{0.05});
+  auto plan = PlanNodeAware(in, s, 0.05);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   // Every token's two experts share a node: one node per token.
   EXPECT_DOUBLE_EQ(MeanNodesPerToken(s, 0, (*plan)[0], 8, 4), 1.0);
@@ -92,7 +99,7 @@ TEST(NodePlannerTest, NodeLoadsStayWithinTheSlack) {
     in.num_slots = 80;
     in.num_ranks = 16;
     in.num_nodes = 4;
-    auto plan = PlanNodeAware(in, s, NodeAwareOptions{slack});
+    auto plan = PlanNodeAware(in, s, slack);
     ASSERT_TRUE(plan.ok()) << plan.status().ToString();
     const auto rank = RankLoads(in.load[0], (*plan)[0], 16);
     const double total = std::accumulate(rank.begin(), rank.end(), 0.0);
@@ -118,7 +125,7 @@ TEST(NodePlannerTest, GroupLimitedRoutingKeepsEachGroupOnOneNode) {
   in.num_ranks = 32;
   in.num_nodes = 4;
   in.num_groups = 8;
-  auto plan = PlanNodeAware(in, RoutingSample{}, NodeAwareOptions{});
+  auto plan = PlanNodeAware(in, RoutingSample{}, 0.05);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   for (const LayerMaps& m : *plan) {
     for (int g = 0; g < 8; ++g) {
@@ -137,7 +144,7 @@ TEST(NodePlannerTest, OneNodeIsTheDefaultPlan) {
   in.load = {{5, 1, 1, 1, 9, 2, 2, 3}};
   in.num_slots = 12;
   in.num_ranks = 4;
-  auto a = PlanNodeAware(in, RoutingSample{}, NodeAwareOptions{});
+  auto a = PlanNodeAware(in, RoutingSample{}, 0.05);
   auto b = PlanPlacement(in, PlannerPolicy::kDefault);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ((*a)[0].phy2log, (*b)[0].phy2log);
@@ -150,16 +157,15 @@ TEST(NodePlannerTest, BadInputIsAnErrorNotACrash) {
   in.num_ranks = 4;
   in.num_nodes = 2;
   RoutingSample s{2, {{0, 9}}};  // expert 9 of 8
-  EXPECT_EQ(PlanNodeAware(in, s, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanNodeAware(in, s, 0.05).status().code(), StatusCode::kInvalidArgument);
   s = RoutingSample{2, {{0, 1}, {2, 3}}};  // two layers of samples, one of load
-  EXPECT_EQ(PlanNodeAware(in, s, {}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanNodeAware(in, {}, NodeAwareOptions{-0.1}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanNodeAware(in, s, 0.05).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanNodeAware(in, {}, -0.1).status().code(), StatusCode::kInvalidArgument);
   in.num_nodes = 3;  // does not divide the ranks
-  EXPECT_EQ(PlanNodeAware(in, {}, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanNodeAware(in, {}, 0.05).status().code(), StatusCode::kInvalidArgument);
   in.num_nodes = 2;
   in.load[0][3] = -1;
-  EXPECT_EQ(PlanNodeAware(in, {}, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanNodeAware(in, {}, 0.05).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace
