@@ -415,8 +415,9 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "overrides expert_cache_mib)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--expert-cache-policy", flags->expert_cache_policy,
-                  "Expert cache eviction: lfu (decayed frequency) or lru")
-      ->check(CLI::IsMember({"lfu", "lru"}));
+                  "Expert cache eviction: lfu (decayed frequency), lru or cycle (the next use "
+                  "expected furthest away, layer by layer)")
+      ->check(CLI::IsMember({"lfu", "lru", "cycle"}));
   cmd->add_option("--expert-cache-spill-dir", flags->expert_cache_spill_dir,
                   "Folder for the expert cache's spill file: experts loaded once are written "
                   "there packed, later misses read them back (overrides expert_cache_spill_dir)")

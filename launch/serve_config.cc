@@ -361,12 +361,10 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
       {"expert_cache_policy",
        [](const Reader& r, C* c) {
          MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_policy", &c->expert_cache_policy));
-         if (c->expert_cache_policy == "lfu" || c->expert_cache_policy == "lru") {
-           return Status::Ok();
-         }
+         const std::string& p = c->expert_cache_policy;
+         if (p == "lfu" || p == "lru" || p == "cycle") return Status::Ok();
          return Status::InvalidArgument(r.Where("expert_cache_policy") +
-                                        " must be lfu or lru, not '" + c->expert_cache_policy +
-                                        "'");
+                                        " must be lfu, lru or cycle, not '" + p + "'");
        }},
       Number("expert_cache_loaders", &C::expert_cache_loaders, 1, 64),
       {"expert_cache_pinned", ReadPinned},

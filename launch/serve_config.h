@@ -80,9 +80,9 @@ struct ServeConfig {
   // (updates refused) for a preset.
   std::vector<std::string> files_allow;
   // Expert ranks: an expert cache of this many MiB each (0: every hosted expert resident), its
-  // eviction policy (lfu | lru), parallel loads, and experts (of every layer) that never leave.
+  // eviction policy (lfu | lru | cycle), parallel loads, and experts (of every layer) that never leave.
   int64_t expert_cache_mib = 0;
-  std::string expert_cache_policy = "lfu";
+  std::string expert_cache_policy = "cycle";
   int expert_cache_loaders = 2;
   std::vector<int> expert_cache_pinned;
   std::string expert_cache_spill_dir;  // spill file folder ("": misses load from the source)

@@ -65,7 +65,7 @@ struct ExpertCacheOptions {
   size_t budget_bytes = 0;        // resident expert weights of this rank (every layer)
   int loaders = 1;                // loads in parallel
   size_t max_inflight_bytes = 0;  // bytes of loads in flight; 0: two experts' worth
-  EvictionPolicy policy = EvictionPolicy::kLfu;
+  EvictionPolicy policy = EvictionPolicy::kCycle;
   double half_life = 256;  // lfu, cycle: microbatches over which a use counts half
   // Bandwidth of the loads in all (every loader, spill reads too), in bytes/s; 0: unlimited.
   // A load of B bytes finishes no sooner than B / rate after the previous one did (or after it
