@@ -8,19 +8,16 @@
 namespace moerun {
 namespace {
 
-// (max rank load, sum of squared rank loads), compared in that order. Both compare with a
-// relative tolerance of 1e-12: candidates are evaluated from kept sums, not re-summed from the
-// slots, so equal plans may differ in the last bits; a move must beat the rounding to count.
+// (max rank load, sum of squared rank loads), compared in that order, the sum of squares with a
+// relative tolerance of 1e-12 (a move must beat the rounding to count). Candidates' rank loads
+// and keys are computed with the arithmetic of a from-scratch evaluation (each rank summed over
+// its slots in order, the squares summed rank after rank), so the search makes the moves the
+// simple reference makes (tests/unit/planner_test.cc), bit for bit.
 struct Key {
   double max = 0, sumsq = 0;
   bool operator<(const Key& o) const {
-    const double tol = 1e-12 * std::max(max, o.max);
-    if (max < o.max - tol) return true;
-    if (max > o.max + tol) return false;
-    return sumsq < o.sumsq * (1 - 1e-12);
+    return max < o.max || (max == o.max && sumsq < o.sumsq * (1 - 1e-12));
   }
-  // Whether the max is no higher than `o`'s (within the tolerance).
-  bool MaxAtMost(const Key& o) const { return max <= o.max + 1e-12 * std::max(max, o.max); }
 };
 
 enum class Kind { kNone, kSwap, kAssign };
@@ -49,7 +46,7 @@ class Search {
         w_more_(load.size()),
         w_min_(static_cast<size_t>(num_ranks)),
         w_max_(static_cast<size_t>(num_ranks)),
-        delta_(static_cast<size_t>(num_ranks), 0.0),
+        new_load_(static_cast<size_t>(num_ranks), 0.0),
         mark_(static_cast<size_t>(num_ranks), 0) {
     for (int s = 0; s < slots_; ++s) {
       ++cnt_[Ex(p2l_[Sz(s)])];
@@ -167,24 +164,48 @@ class Search {
     return 0;
   }
 
-  void Touch(int r, double d) {
+  // Rank r's load after the candidate move is v.
+  void Touch(int r, double v) {
     if (mark_[Sz(r)] != stamp_) {
       mark_[Sz(r)] = stamp_;
-      delta_[Sz(r)] = 0;
       touched_.push_back(r);
     }
-    delta_[Sz(r)] += d;
+    new_load_[Sz(r)] = v;
   }
 
-  // The key after the moves' changes gathered by Touch since the stamp was set.
+  // The candidate's key from the touched ranks: the max exact, the sum of squares an estimate
+  // (the kept sum plus the touched ranks' changes; ExactSumsq gives it as a reference would).
   Key KeyOfTouched() const {
     Key k{MaxUnmarked(), now_.sumsq};
     for (int r : touched_) {
-      const double old = rank_load_[Sz(r)], v = old + delta_[Sz(r)];
+      const double old = rank_load_[Sz(r)], v = new_load_[Sz(r)];
       k.max = std::max(k.max, v);
       k.sumsq += v * v - old * old;
     }
     return k;
+  }
+
+  double ExactSumsq() const {
+    double sumsq = 0;
+    for (int r = 0; r < ranks_; ++r) {
+      const double v = mark_[Sz(r)] == stamp_ ? new_load_[Sz(r)] : rank_load_[Sz(r)];
+      sumsq += v * v;
+    }
+    return sumsq;
+  }
+
+  // Whether the candidate just evaluated (key k, from KeyOfTouched) beats `best` (whose sum of
+  // squares is exact); if so, k gets its exact sum of squares. The estimate decides where it is
+  // far from the threshold (1e-13 relative: rounding is ~1e-16), ExactSumsq otherwise.
+  bool Beats(Key* k, const Key& best) const {
+    if (k->max > best.max) return false;
+    const double threshold = best.sumsq * (1 - 1e-12), margin = 1e-13 * best.sumsq;
+    if (k->max == best.max) {
+      if (k->sumsq > threshold + margin) return false;
+      if (k->sumsq >= threshold - margin && !(ExactSumsq() < threshold)) return false;
+    }
+    k->sumsq = ExactSumsq();
+    return true;
   }
 
   void NewStamp() {
@@ -193,29 +214,31 @@ class Search {
   }
 
   Key SwapKey(int i, int j) {
+    NewStamp();
     const int a = i / per_rank_, b = j / per_rank_;
-    const int ei = p2l_[Sz(i)], ej = p2l_[Sz(j)];
-    const double wi = w_[Ex(ei)], wj = w_[Ex(ej)];
-    const double na = rank_load_[Sz(a)] + wj - wi, nb = rank_load_[Sz(b)] + wi - wj;
-    double rest = 0;
-    for (int r : order_) {
-      if (r != a && r != b) {
-        rest = rank_load_[Sz(r)];
-        break;
-      }
-    }
-    const double oa = rank_load_[Sz(a)], ob = rank_load_[Sz(b)];
-    return Key{std::max({na, nb, rest}), now_.sumsq + na * na + nb * nb - oa * oa - ob * ob};
+    const double wi = w_[Ex(p2l_[Sz(i)])], wj = w_[Ex(p2l_[Sz(j)])];
+    Touch(a, rank_load_[Sz(a)] + (wj - wi));
+    Touch(b, rank_load_[Sz(b)] + (wi - wj));
+    return KeyOfTouched();
   }
 
   Key AssignKey(int j, int e) {
     NewStamp();
     const int f = p2l_[Sz(j)];
-    const double wf = w_[Ex(f)], wf2 = w_less_[Ex(f)];
-    const double we = w_[Ex(e)], we2 = w_more_[Ex(e)];
-    for (int s : slots_of_[Ex(f)]) Touch(s / per_rank_, s == j ? -wf : wf2 - wf);
-    for (int s : slots_of_[Ex(e)]) Touch(s / per_rank_, we2 - we);
-    Touch(j / per_rank_, we2);
+    const double wf2 = w_less_[Ex(f)], we2 = w_more_[Ex(e)];
+    // Each rank of f, of e and j's rank, re-summed over its slots with the new counts.
+    auto resum = [&](int r) {
+      if (mark_[Sz(r)] == stamp_) return;
+      double v = 0;
+      for (int s = r * per_rank_; s < (r + 1) * per_rank_; ++s) {
+        const int x = s == j ? e : p2l_[Sz(s)];
+        v += x == f ? wf2 : x == e ? we2 : w_[Ex(x)];
+      }
+      Touch(r, v);
+    };
+    for (int s : slots_of_[Ex(f)]) resum(s / per_rank_);
+    for (int s : slots_of_[Ex(e)]) resum(s / per_rank_);
+    resum(j / per_rank_);
     return KeyOfTouched();
   }
 
@@ -230,16 +253,16 @@ class Search {
   }
 
   // Whether a candidate with key k beats *best within the copy budget; if so it becomes *best.
-  bool Take(const Key& k, const Move& m, int64_t max_copies, Key* best, Move* best_move) const {
-    if (!(k < *best)) return false;
+  bool Take(Key k, const Move& m, int64_t max_copies, Key* best, Move* best_move) const {
+    if (!Beats(&k, *best)) return false;
     if (max_copies >= 0 && copies_ + CopiesDelta(m) > max_copies) return false;
     *best = k;
     *best_move = m;
     return true;
   }
 
-  // The new max a candidate may have and still beat `best` (a little over best.max: the key's
-  // tolerance), for the pruning bounds.
+  // The new max a candidate may have and still beat `best` (a little over best.max, against
+  // rounding), for the pruning bounds.
   static double Bound(const Key& best) { return best.max * (1 + 1e-9); }
 
   Move BestMove(int64_t max_copies) {
@@ -272,9 +295,16 @@ class Search {
     for (int i = a * per_rank_; i < (a + 1) * per_rank_; ++i) on_a.push_back(p2l_[Sz(i)]);
     std::sort(on_a.begin(), on_a.end());
     on_a.erase(std::unique(on_a.begin(), on_a.end()), on_a.end());
+    // A slot of another rank becoming e lowers rank a by what e's replica there loses, at most:
+    // only the experts of a for which that can beat the best so far.
+    std::vector<int>& relieve_a = scratch3_;
+    relieve_a.clear();
+    for (int e : on_a) {
+      if (rank_load_[Sz(a)] - w_[Ex(e)] + w_more_[Ex(e)] <= Bound(best)) relieve_a.push_back(e);
+    }
     for (int j = 0; j < slots_; ++j) {
       const int f = p2l_[Sz(j)], b = j / per_rank_;
-      if (cnt_[Ex(f)] < 2) continue;
+      if (cnt_[Ex(f)] < 2 || (b != a && relieve_a.empty())) continue;
       // Bounds on the new max whatever e is: rank b's new load (less what b's other replicas of
       // f gain), the new load of the rank r that gains most from f's lost replica (less what e's
       // replicas lose, where r holds e: then no bound).
@@ -302,7 +332,7 @@ class Search {
       } else if (b == a) {
         for (int e = 0; e < num_log_; ++e) consider(e);
       } else {
-        for (int e : on_a) consider(e);
+        for (int e : relieve_a) consider(e);
       }
     }
     return best_move;
@@ -314,8 +344,8 @@ class Search {
     const int a = i / per_rank_, e = p2l_[Sz(i)];
     Key best{std::numeric_limits<double>::infinity(), 0};
     Move best_move;
-    auto take = [&](const Key& k, const Move& m) {
-      if (k.MaxAtMost(now_) && k < best) best = k, best_move = m;
+    auto take = [&](Key k, const Move& m) {
+      if (k.max <= now_.max && Beats(&k, best)) best = k, best_move = m;
     };
     // As in BestMove, ranks a's and b's new loads bound the new max from below.
     auto bound = [&] { return std::min(Bound(best), Bound(now_)); };
@@ -375,11 +405,12 @@ class Search {
   std::vector<int> order_;             // ranks by load, highest first (ties: the lower rank)
   Key now_;
   double total_ = 0;
-  // Candidate evaluation: per rank, the change (valid where mark_ == stamp_), the ranks touched.
-  std::vector<double> delta_;
+  // Candidate evaluation: per rank, its load after the move (valid where mark_ == stamp_), the
+  // ranks touched.
+  std::vector<double> new_load_;
   std::vector<int> mark_;
   int stamp_ = 0;
-  std::vector<int> touched_, scratch_, scratch2_;
+  std::vector<int> touched_, scratch_, scratch2_, scratch3_;
   int64_t moves_ = 0, copies_ = 0;
 };
 

@@ -7,17 +7,21 @@
 //     expert one more): a slot of the most loaded rank to any expert, or any slot to an expert
 //     of the most loaded rank;
 // never placing an expert on a rank that already holds it. Each round takes the move that most
-// lowers (max rank load, then the sum of squared rank loads), the first such in slot order (swaps
-// before re-assignments), so the search is deterministic. A candidate costs O(1) (a swap) or
-// O(replicas of the two experts) (a re-assignment): rank loads, the ranks in load order (the new
-// max of the ranks a move leaves alone) and the sum of squares are kept between moves and
-// recomputed from the slots after each one (no drift).
+// lowers (max rank load, then the sum of squared rank loads, the latter by more than 1e-12
+// relative), the first such in slot order (swaps before re-assignments), so the search is
+// deterministic. Rank loads, the ranks in load order (the new max of the ranks a move leaves
+// alone), each expert's slots and load per replica are kept between moves, updated where a move
+// changes them. A candidate costs O(1) (a swap: two new rank loads) or O(replicas × slots per
+// rank) (a re-assignment: the ranks of both experts re-summed), and most are cut before that by
+// lower bounds on their new max. Rank loads are summed as a from-scratch evaluation sums them and
+// a key's sum of squares is made exact (rank after rank) wherever it decides, so the moves are
+// those of the simple reference (tests/unit/planner_test.cc: ReferenceImprove), bit for bit.
 //
 // Then, in the full search, replicas that a rank holds twice (EPLB plans may) are lifted, each by
 // the swap or re-assignment that keeps the max rank load lowest without raising it.
 //
 // Each rank's load: every expert's load split evenly over its slots; slot s on rank s / (slots per
-// rank). Not thread-safe per call's state only (no shared state: calls may run concurrently).
+// rank). Pure: calls share no state and may run concurrently.
 #pragma once
 
 #include <cstdint>

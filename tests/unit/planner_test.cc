@@ -513,13 +513,16 @@ std::vector<double> RandomLoad(std::mt19937* rng, int experts) {
   return load;
 }
 
-// The fast search reaches at least the reference's balance from the same start.
+// The fast search reaches at least the reference's balance from the same start (in fact the same
+// plan).
 void ExpectAtLeastReference(const std::vector<double>& load, const LayerMaps& start, int ranks) {
   const LayerMaps ref = ReferenceImprove(load, start, ranks);
   const SearchResult fast = LocalSearch(load, start, ranks, SearchLimits{});
   const double b_ref = PredictedBalancedness(load, ref, ranks);
   const double b_fast = PredictedBalancedness(load, fast.maps, ranks);
   EXPECT_GE(b_fast, b_ref * (1 - 1e-12));
+  // It evaluates candidates with the reference's arithmetic: the same moves, the same plan.
+  EXPECT_EQ(fast.maps.phy2log, ref.phy2log);
   CheckMaps(fast.maps, load.size(), start.phy2log.size());
 }
 
