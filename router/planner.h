@@ -23,7 +23,7 @@
 //        of the most loaded rank;
 //    never placing an expert on a rank that already holds it. It stops after 50 × slots moves.
 //    Each candidate move is evaluated incrementally (O(1) for a swap, O(replicas) for a
-//    re-assignment), about 1 ms per layer at 64 ranks × 5 slots for 256 experts.
+//    re-assignment, router/local_search.h), the same moves as the from-scratch search it replaced.
 //    EPLB plans may hold two replicas of one expert on a rank, which a placement table cannot;
 //    the search then lifts such replicas (by a swap or a re-assignment) where that does not raise
 //    the max rank load, and among equally balanced candidates the choice prefers one without.
