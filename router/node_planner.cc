@@ -235,6 +235,86 @@ Status CheckSample(const PlannerInput& in) {
   return Status::Ok();
 }
 
+// Within one node's slots (out.phy2log[first, first + count), `per_rank` to a rank): swaps of
+// two slots of different ranks that lower the co-use of experts sharing a rank (pairs of a
+// sampled token's experts on one rank), keeping both ranks' loads at most the node's max rank
+// load; passes until none helps, at most 10. Co-used experts on one rank make its load per batch
+// burst together; spread over the node's ranks, the node keeps the locality and its ranks the
+// balance.
+void SpreadCoUsed(const std::vector<double>& load, const std::vector<double>& co, int experts,
+                  int first, int count, int per_rank, std::vector<int>* phy2log) {
+  std::vector<int>& p2l = *phy2log;
+  std::vector<int> cnt(static_cast<size_t>(experts), 0);
+  for (int e : p2l) ++cnt[static_cast<size_t>(e)];
+  auto w = [&](int e) { return load[static_cast<size_t>(e)] / cnt[static_cast<size_t>(e)]; };
+  auto c = [&](int a, int b) {
+    return co[static_cast<size_t>(a) * static_cast<size_t>(experts) + static_cast<size_t>(b)];
+  };
+  const int ranks = count / per_rank;
+  std::vector<double> rank_load(static_cast<size_t>(ranks), 0.0);
+  for (int s = 0; s < count; ++s) rank_load[static_cast<size_t>(s / per_rank)] += w(p2l[first + s]);
+  // Co-use of expert e with rank r's experts other than slot `skip`.
+  auto with_rank = [&](int e, int r, int skip) {
+    double sum = 0;
+    for (int s = r * per_rank; s < (r + 1) * per_rank; ++s) {
+      if (s != skip) sum += c(e, p2l[first + s]);
+    }
+    return sum;
+  };
+  auto holds = [&](int r, int e, int skip) {
+    for (int s = r * per_rank; s < (r + 1) * per_rank; ++s) {
+      if (s != skip && p2l[first + s] == e) return true;
+    }
+    return false;
+  };
+  for (int pass = 0; pass < 10; ++pass) {
+    bool changed = false;
+    const double max_load = *std::max_element(rank_load.begin(), rank_load.end());
+    for (int i = 0; i < count; ++i) {
+      for (int j = 0; j < count; ++j) {
+        const int a = i / per_rank, b = j / per_rank;
+        if (a >= b) continue;
+        const int x = p2l[first + i], y = p2l[first + j];
+        if (x == y || holds(a, y, i) || holds(b, x, j)) continue;
+        const double na = rank_load[static_cast<size_t>(a)] - w(x) + w(y);
+        const double nb = rank_load[static_cast<size_t>(b)] - w(y) + w(x);
+        if (na > max_load * (1 + 1e-12) || nb > max_load * (1 + 1e-12)) continue;
+        const double gain =
+            with_rank(x, a, i) + with_rank(y, b, j) - with_rank(y, a, i) - with_rank(x, b, j);
+        if (gain <= 1e-9) continue;
+        std::swap(p2l[first + i], p2l[first + j]);
+        rank_load[static_cast<size_t>(a)] = na;
+        rank_load[static_cast<size_t>(b)] = nb;
+        changed = true;
+      }
+    }
+    if (!changed) break;
+  }
+}
+
+// Co-use counts of one layer's sample: co[a * experts + b], tokens that chose both a and b.
+std::vector<double> CoUse(const RoutingSample& sample, int layer, int experts) {
+  std::vector<double> co;
+  if (sample.ids.empty() || sample.top_k < 1) return co;
+  co.assign(static_cast<size_t>(experts) * static_cast<size_t>(experts), 0.0);
+  const auto& ids = sample.ids[static_cast<size_t>(layer)];
+  const size_t k = static_cast<size_t>(sample.top_k);
+  for (size_t t = 0; t + k <= ids.size(); t += k) {
+    bool ok = true;
+    for (size_t j = 0; j < k; ++j) ok = ok && ids[t + j] >= 0;
+    if (!ok) continue;
+    for (size_t i = 0; i < k; ++i) {
+      for (size_t j = 0; j < k; ++j) {
+        if (i != j) {
+          co[static_cast<size_t>(ids[t + i]) * static_cast<size_t>(experts) +
+             static_cast<size_t>(ids[t + j])] += 1;
+        }
+      }
+    }
+  }
+  return co;
+}
+
 // The plan of one layer.
 Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
   const std::vector<double>& load = in.load[layer];
@@ -277,6 +357,13 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
     for (int s = 0; s < slots_per_node; ++s) {
       out.phy2log[static_cast<size_t>(n * slots_per_node + s)] =
           mine[static_cast<size_t>(plan[0].phy2log[static_cast<size_t>(s)])];
+    }
+  }
+  const std::vector<double> co = CoUse(in.sample, static_cast<int>(layer), experts);
+  if (!co.empty()) {
+    for (int n = 0; n < in.num_nodes; ++n) {
+      SpreadCoUsed(load, co, experts, n * slots_per_node, slots_per_node,
+                   in.num_slots / in.num_ranks, &out.phy2log);
     }
   }
   out.log2phy.resize(static_cast<size_t>(experts));

@@ -27,7 +27,10 @@
 //     (per sampled token, whether the old node loses it and the new one gains it), O(tokens of
 //     the unit); a pass is O(units² × tokens per unit).
 //  4. Within each node: its experts and its ranks' slots planned by PlanPlacement(kDefault) on
-//     the node's loads alone (replicas stay inside the node).
+//     the node's loads alone (replicas stay inside the node); then swaps of two slots of the
+//     node's ranks that lower the co-use of experts sharing a rank (pairs of a sampled token's
+//     experts on one rank), never raising the node's max rank load: co-used experts on one rank
+//     would make its load per batch burst together.
 //  With no sample (window counts only), step 3 has nothing to gain and the plan is a balanced
 //  packing of the units onto the nodes, then step 4.
 //

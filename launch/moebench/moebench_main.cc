@@ -232,6 +232,15 @@ int main(int argc, char** argv) {
                        "The model's expert count for .npy/.jsonl (default: max id + 1)");
     replay->add_option("--timing-runs", rf.timing_runs, "Planner runs (the median is reported)")
         ->default_val(3);
+    replay
+        ->add_option("--node-slack", rf.node_slack,
+                     "node-aware: how far above the mean node load a node may go (a fraction)")
+        ->default_val(rf.node_slack);
+    replay
+        ->add_option("--activated-batch", rf.activated_batch,
+                     "Plan on the expected experts used per batch of this many tokens instead of "
+                     "tokens (0: tokens)")
+        ->default_val(0);
     replay->add_flag("--json", rf.json, "Print the JSON report on stdout");
     replay->callback([&rf] {
       if (const moerun::Status s = moerun::bench::Validate(rf); !s.ok()) {

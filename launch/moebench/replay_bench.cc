@@ -10,6 +10,7 @@
 
 #include "base/exit_code.h"
 #include "base/log.h"
+#include "router/activation_load.h"
 #include "router/planner.h"
 #include "router/replay/replay_metrics.h"
 #include "router/replay/routing_trace.h"
@@ -96,6 +97,10 @@ Result<Parsed> Parse(const ReplayBenchFlags& f) {
     return Status::InvalidArgument("--split must be tokens or streams");
   }
   if (f.experts < 0) return Status::InvalidArgument("--experts must be >= 0");
+  if (!(f.node_slack >= 0 && f.node_slack <= 10)) {
+    return Status::InvalidArgument("--node-slack must be in [0, 10]");
+  }
+  if (f.activated_batch < 0) return Status::InvalidArgument("--activated-batch must be >= 0");
   if (f.timing_runs < 1 || f.timing_runs > 100) {
     return Status::InvalidArgument("--timing-runs must be in [1, 100]");
   }
@@ -126,11 +131,41 @@ json BatchJson(const BatchMetrics& m) {
   return j;
 }
 
+// node-aware's routing sample: every stream's tokens of the trace, layer by layer (window
+// counts: none).
+RoutingSample SampleOf(const RoutingTrace& t) {
+  RoutingSample s;
+  if (!t.token_level()) return s;
+  s.top_k = t.top_k;
+  s.ids.resize(static_cast<size_t>(t.num_layers()));
+  for (const RoutingTrace::Stream& st : t.streams) {
+    for (size_t l = 0; l < s.ids.size() && l < st.ids.size(); ++l) {
+      s.ids[l].insert(s.ids[l].end(), st.ids[l].begin(), st.ids[l].end());
+    }
+  }
+  return s;
+}
+
+// Tokens behind a trace's counts: the streams' tokens, or for window counts with a known top-k,
+// a layer's assignments ÷ k (0 where neither is known).
+double PlanTokens(const RoutingTrace& t) {
+  double tokens = 0;
+  for (const RoutingTrace::Stream& st : t.streams) tokens += static_cast<double>(st.tokens);
+  if (tokens > 0 || t.top_k < 1 || t.counts.empty()) return tokens;
+  for (double c : t.counts[0]) tokens += c;
+  return tokens / t.top_k;
+}
+
 // Why `policy` does not apply here (empty: it does).
 std::string NotApplicable(PlannerPolicy policy, const PlannerInput& in) {
   if (policy == PlannerPolicy::kEplbHierarchical && in.num_groups % in.num_nodes != 0) {
     return "groups (" + std::to_string(in.num_groups) + ") % nodes (" +
            std::to_string(in.num_nodes) + ") != 0";
+  }
+  const size_t experts = in.load.empty() ? 0 : in.load[0].size();
+  if (policy == PlannerPolicy::kNodeAware && experts % static_cast<size_t>(in.num_nodes) != 0) {
+    return "nodes (" + std::to_string(in.num_nodes) + ") do not divide the experts (" +
+           std::to_string(experts) + ")";
   }
   return "";
 }
@@ -209,7 +244,9 @@ int RunReplayBench(const ReplayBenchFlags& f) {
                    {"batch", p.batches},
                    {"plan_fraction", f.plan_fraction},
                    {"split", f.split},
-                   {"timing_runs", f.timing_runs}}},
+                   {"timing_runs", f.timing_runs},
+                   {"node_slack", f.node_slack},
+                   {"activated_batch", f.activated_batch}}},
                  {"results", json::array()}};
   // Every trace is read (and every configuration checked) before anything is planned, so a bad
   // file or number ends the run at once.
@@ -266,6 +303,14 @@ int RunReplayBench(const ReplayBenchFlags& f) {
       in.num_slots = static_cast<int>(trace.num_experts + p.redundant[ri]);
       in.num_nodes = f.nodes;
       in.num_groups = groups_fit ? f.groups : 1;
+      in.sample = SampleOf(*plan_on);
+      in.node_slack = f.node_slack;
+      if (f.activated_batch > 0) {
+        Result<std::vector<std::vector<double>>> act =
+            ActivationLoad(plan_on->counts, PlanTokens(*plan_on), f.activated_batch);
+        if (!act.ok()) return FailWith(act.status().WithContext(trace.source));
+        in.load = std::move(*act);
+      }
       ReplayTopology topo;
       topo.num_ranks = in.num_ranks;
       topo.num_nodes = f.nodes;
@@ -285,6 +330,10 @@ int RunReplayBench(const ReplayBenchFlags& f) {
                   {"routers_per_node", f.routers_per_node},
                   {"groups", in.num_groups},
                   {"policy", PlannerPolicyName(policy)},
+                  {"planned_for", f.activated_batch > 0
+                                      ? "experts used per batch of " +
+                                            std::to_string(f.activated_batch) + " tokens"
+                                      : std::string("tokens")},
                   {"planned_on", planned_on},
                   {"judged_on", judged_on}};
         std::string note;

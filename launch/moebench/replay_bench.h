@@ -12,8 +12,10 @@
 //     (layer, batch) as mean / p50 / p95 / max, the most distinct experts one rank computes per
 //     batch, the share of token copies sent off their router's node (per row, per (token, rank),
 //     per (token, node)) and the distinct nodes per token.
-// A policy that does not apply to a configuration (eplb-hierarchical where groups % nodes != 0)
-// is reported as not applicable. Prints a table (stdout; stderr with --json) and with --json a
+// node-aware plans with the planning part's tokens as its routing sample (window counts: none),
+// within --node-slack. A policy that does not apply to a configuration (eplb-hierarchical where
+// groups % nodes != 0, node-aware where the nodes do not divide the experts) is reported as not
+// applicable. Prints a table (stdout; stderr with --json) and with --json a
 // JSON report on stdout. Bad input (a missing or malformed file, bad numbers, slots that do not
 // divide over the ranks) ends with one line and exit 2.
 #pragma once
@@ -41,7 +43,11 @@ struct ReplayBenchFlags {
   std::string split = "tokens";  // --split tokens|streams: how --plan-fraction cuts
   int experts = 0;               // --experts: the model's expert count for token-level files
   int timing_runs = 3;           // --timing-runs: planner runs, the median is reported
-  bool json = false;             // --json
+  double node_slack = 0.05;      // --node-slack: node-aware's knob (router/node_planner.h)
+  // --activated-batch B: plan on ActivationLoad (router/activation_load.h) of the planning part at
+  // B tokens a batch (the experts a rank reads per batch) instead of its token counts; 0: tokens.
+  int64_t activated_batch = 0;
+  bool json = false;  // --json
 };
 
 // The flags' own checks (numbers, lists, ranges), no I/O.

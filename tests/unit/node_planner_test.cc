@@ -79,6 +79,36 @@ TEST(NodePlannerTest, KeepsCoUsedExpertsOnOneNode) {
   EXPECT_TRUE(ToLayerPlacement((*plan)[0], 8, 1).ok());
 }
 
+// Pairs (0,2), (1,3), (4,6), (5,7) in the sample; loads 300 for 0, 1, 4, 5 and 100 for the rest.
+// Node 0 gets {0, 2, 4, 6}, whose default plan (LPT: 0, 4, then 2, 6) puts each pair on one rank;
+// co-used experts there would burst together, and the spreading swaps 2 and 6 (loads stay equal).
+TEST(NodePlannerTest, CoUsedExpertsShareANodeNotARank) {
+  const int first[4] = {0, 1, 4, 5};
+  RoutingSample s;
+  s.top_k = 2;
+  s.ids.resize(1);
+  for (int t = 0; t < 400; ++t) {
+    const int a = first[t % 4];
+    s.ids[0].push_back(a);
+    s.ids[0].push_back(a + 2);
+  }
+  PlannerInput in;
+  in.load = {{300, 300, 100, 100, 300, 300, 100, 100}};
+  in.num_slots = 8;  // 2 nodes x 2 ranks x 2 slots
+  in.num_ranks = 4;
+  in.num_nodes = 2;
+  auto plan = PlanNodeAware(in, s, 0.0);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  const LayerMaps& m = (*plan)[0];
+  for (int pair = 0; pair < 4; ++pair) {
+    const int a = m.log2phy[static_cast<size_t>(first[pair])][0] / 2;  // ranks
+    const int b = m.log2phy[static_cast<size_t>(first[pair] + 2)][0] / 2;
+    EXPECT_EQ(a / 2, b / 2) << "pair " << pair << ": one node";
+    EXPECT_NE(a, b) << "pair " << pair << ": two ranks";
+  }
+  EXPECT_DOUBLE_EQ(PredictedBalancedness(in.load[0], m, 4), 1.0);
+}
+
 TEST(NodePlannerTest, NodeLoadsStayWithinTheSlack) {
   std::mt19937 rng(11);
   for (double slack : {0.0, 0.02, 0.1}) {
