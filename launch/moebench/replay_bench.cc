@@ -128,6 +128,7 @@ json BatchJson(const BatchMetrics& m) {
                          {"token_rank", Num(m.off_node_share_token_rank)},
                          {"token_node", Num(m.off_node_share_token_node)}};
   j["nodes_per_token"] = Num(m.nodes_per_token);
+  j["off_node_copies_per_token"] = Num(m.off_node_copies_per_token);
   return j;
 }
 
@@ -178,9 +179,9 @@ std::string Fixed(const json& v, int digits) {
 }
 
 void PrintTable(const json& report, std::FILE* out) {
-  std::fprintf(out, "%-34s %5s %5s %-18s %8s %8s %9s %6s %27s %9s %17s %6s\n", "trace", "ranks",
+  std::fprintf(out, "%-34s %5s %5s %-18s %8s %8s %9s %6s %27s %9s %17s %12s\n", "trace", "ranks",
                "slots", "policy", "win.mean", "win.min", "plan ms/L", "batch",
-               "imbalance mean/p50/p95/max", "experts", "off-node r/tr/tn", "nodes");
+               "imbalance mean/p50/p95/max", "experts", "off-node r/tr/tn", "nodes/x-node");
   for (const json& r : report["results"]) {
     std::string name = r["trace"].get<std::string>();
     if (name.size() > 34) name = "…" + name.substr(name.size() - 33);
@@ -195,7 +196,7 @@ void PrintTable(const json& report, std::FILE* out) {
     const std::string ms = Fixed(r["planner_ms_per_layer"], 2);
     auto line = [&](const std::string& batch, const std::string& imb, const std::string& ex,
                     const std::string& off, const std::string& nodes) {
-      std::fprintf(out, "%-34s %5d %5d %-18s %8s %8s %9s %6s %27s %9s %17s %6s\n", name.c_str(),
+      std::fprintf(out, "%-34s %5d %5d %-18s %8s %8s %9s %6s %27s %9s %17s %12s\n", name.c_str(),
                    r["ranks"].get<int>(), r["slots"].get<int>(),
                    r["policy"].get<std::string>().c_str(), win.c_str(), wmin.c_str(), ms.c_str(),
                    batch.c_str(), imb.c_str(), ex.c_str(), off.c_str(), nodes.c_str());
@@ -218,7 +219,7 @@ void PrintTable(const json& report, std::FILE* out) {
            Fixed(b["off_node_share"]["rows"], 3) + "/" +
                Fixed(b["off_node_share"]["token_rank"], 3) + "/" +
                Fixed(b["off_node_share"]["token_node"], 3),
-           Fixed(b["nodes_per_token"], 2));
+           Fixed(b["nodes_per_token"], 2) + "/" + Fixed(b["off_node_copies_per_token"], 2));
     }
   }
 }

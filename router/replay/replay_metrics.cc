@@ -95,6 +95,63 @@ double NearestRankPercentile(std::vector<double> v, double q) {
       std::clamp<int64_t>(rank - 1, 0, static_cast<int64_t>(v.size()) - 1))];
 }
 
+// Token copies of one router's plan, and where they go.
+struct Copies {
+  double rows = 0, rows_off = 0, token_ranks = 0, token_ranks_off = 0, token_nodes = 0,
+         token_nodes_off = 0, tokens = 0;
+};
+
+// Adds the copies of the `tokens` tokens of `dp` (a router on `node`) to *c.
+void CountCopies(const DispatchPlan& dp, int64_t tokens, size_t K, int node, int ranks_per_node,
+                 Copies* c) {
+  std::vector<int> dest_ranks, dest_nodes;
+  for (int64_t j = 0; j < tokens; ++j) {
+    dest_ranks.clear();
+    for (size_t k = 0; k < K; ++k) {
+      const int64_t r = dp.assignment_row[static_cast<size_t>(j) * K + k];
+      const auto it = std::upper_bound(dp.rank_offset.begin(), dp.rank_offset.end(), r);
+      dest_ranks.push_back(static_cast<int>(it - dp.rank_offset.begin()) - 1);
+    }
+    for (int d : dest_ranks) {
+      c->rows += 1;
+      if (d / ranks_per_node != node) c->rows_off += 1;
+    }
+    const size_t nr = Distinct(dest_ranks);
+    dest_nodes.clear();
+    for (size_t x = 0; x < nr; ++x) {
+      c->token_ranks += 1;
+      const int dn = dest_ranks[x] / ranks_per_node;
+      if (dn != node) c->token_ranks_off += 1;
+      dest_nodes.push_back(dn);
+    }
+    const size_t nn = Distinct(dest_nodes);
+    for (size_t x = 0; x < nn; ++x) {
+      c->token_nodes += 1;
+      if (dest_nodes[x] != node) c->token_nodes_off += 1;
+    }
+    c->tokens += 1;
+  }
+}
+
+// The most distinct logical experts one rank computes, from the rows of each slot.
+int MostExpertsOnARank(const LayerPlacement& lp, const std::vector<int64_t>& slot_rows,
+                       std::vector<int64_t>* expert_stamp, int64_t* stamp) {
+  int most = 0;
+  for (const std::vector<int>& rank_slots : lp.rank_slots) {
+    ++*stamp;
+    int distinct = 0;
+    for (int sl : rank_slots) {
+      const size_t e = static_cast<size_t>(lp.slots[static_cast<size_t>(sl)].expert);
+      if (slot_rows[static_cast<size_t>(sl)] > 0 && (*expert_stamp)[e] != *stamp) {
+        (*expert_stamp)[e] = *stamp;
+        ++distinct;
+      }
+    }
+    most = std::max(most, distinct);
+  }
+  return most;
+}
+
 Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector<LayerMaps>& plan,
                                     const ReplayTopology& topo, int64_t batch_tokens) {
   if (!trace.token_level()) {
@@ -115,8 +172,7 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
   BatchMetrics m;
   m.batch_tokens = batch_tokens;
   std::vector<double> imbalance, max_experts;
-  double rows = 0, rows_off = 0, token_ranks = 0, token_ranks_off = 0, token_nodes = 0,
-         token_nodes_off = 0, tokens_seen = 0;
+  Copies c;
 
   DispatchPlan dp;
   std::vector<double> load(static_cast<size_t>(R));
@@ -124,7 +180,6 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
   std::vector<int64_t> slot_rows;
   std::vector<int64_t> valid;
   std::vector<int32_t> ids;
-  std::vector<int> dest_ranks, dest_nodes;
   std::vector<int64_t> expert_stamp(static_cast<size_t>(E), -1);
   int64_t stamp = 0;
 
@@ -160,54 +215,15 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
           }
           std::fill(load.begin(), load.end(), 0.0);
           dp.Build(ids.data(), hi - lo, static_cast<int>(K), lp, load);
-          const int node = i / topo.routers_per_node;
           for (int d = 0; d < R; ++d) rank_rows[static_cast<size_t>(d)] += dp.rows_to(d);
           for (size_t sl = 0; sl < lp.slots.size(); ++sl) slot_rows[sl] += dp.slot_rows[sl];
-          for (int64_t j = 0; j < hi - lo; ++j) {
-            dest_ranks.clear();
-            for (size_t k = 0; k < K; ++k) {
-              const int64_t r = dp.assignment_row[static_cast<size_t>(j) * K + k];
-              const auto it = std::upper_bound(dp.rank_offset.begin(), dp.rank_offset.end(), r);
-              dest_ranks.push_back(static_cast<int>(it - dp.rank_offset.begin()) - 1);
-            }
-            for (int d : dest_ranks) {
-              rows += 1;
-              if (d / ranks_per_node != node) rows_off += 1;
-            }
-            const size_t nr = Distinct(dest_ranks);
-            dest_nodes.clear();
-            for (size_t x = 0; x < nr; ++x) {
-              token_ranks += 1;
-              const int dn = dest_ranks[x] / ranks_per_node;
-              if (dn != node) token_ranks_off += 1;
-              dest_nodes.push_back(dn);
-            }
-            const size_t nn = Distinct(dest_nodes);
-            for (size_t x = 0; x < nn; ++x) {
-              token_nodes += 1;
-              if (dest_nodes[x] != node) token_nodes_off += 1;
-            }
-            tokens_seen += 1;
-          }
+          CountCopies(dp, hi - lo, K, i / topo.routers_per_node, ranks_per_node, &c);
         }
         double sum = 0, max = 0;
         for (int64_t v : rank_rows) sum += static_cast<double>(v), max = std::max(max, double(v));
         const double mean = sum / R;
         imbalance.push_back(mean > 0 ? (max - mean) / mean : 0.0);
-        int most = 0;
-        for (int d = 0; d < R; ++d) {
-          ++stamp;
-          int distinct = 0;
-          for (int sl : lp.rank_slots[static_cast<size_t>(d)]) {
-            const int e = lp.slots[static_cast<size_t>(sl)].expert;
-            if (slot_rows[static_cast<size_t>(sl)] > 0 &&
-                expert_stamp[static_cast<size_t>(e)] != stamp) {
-              expert_stamp[static_cast<size_t>(e)] = stamp;
-              ++distinct;
-            }
-          }
-          most = std::max(most, distinct);
-        }
+        const int most = MostExpertsOnARank(lp, slot_rows, &expert_stamp, &stamp);
         max_experts.push_back(most);
       }
     }
@@ -223,10 +239,11 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
   m.imbalance_max = NearestRankPercentile(imbalance, 1.0);
   m.max_rank_experts_mean = esum / static_cast<double>(m.batches);
   m.max_rank_experts_max = *std::max_element(max_experts.begin(), max_experts.end());
-  m.off_node_share_rows = rows > 0 ? rows_off / rows : 0;
-  m.off_node_share_token_rank = token_ranks > 0 ? token_ranks_off / token_ranks : 0;
-  m.off_node_share_token_node = token_nodes > 0 ? token_nodes_off / token_nodes : 0;
-  m.nodes_per_token = tokens_seen > 0 ? token_nodes / tokens_seen : 0;
+  m.off_node_share_rows = c.rows > 0 ? c.rows_off / c.rows : 0;
+  m.off_node_share_token_rank = c.token_ranks > 0 ? c.token_ranks_off / c.token_ranks : 0;
+  m.off_node_share_token_node = c.token_nodes > 0 ? c.token_nodes_off / c.token_nodes : 0;
+  m.nodes_per_token = c.tokens > 0 ? c.token_nodes / c.tokens : 0;
+  m.off_node_copies_per_token = c.tokens > 0 ? c.token_nodes_off / c.tokens : 0;
   return m;
 }
 

@@ -78,6 +78,9 @@ struct BatchMetrics {
   double off_node_share_token_rank = 0;  // (token, destination rank) pairs
   double off_node_share_token_node = 0;  // (token, destination node) pairs
   double nodes_per_token = 0;            // distinct destination nodes per token
+  // (token, destination node) pairs off the token's node, per token: the network copies of a
+  // hierarchical dispatch (one per remote node).
+  double off_node_copies_per_token = 0;
 };
 
 // Percentile of `v` (q in [0, 1]): the value at rank ceil(q · n) of the sorted values (the

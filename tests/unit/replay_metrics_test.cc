@@ -86,6 +86,7 @@ TEST(ReplayMetricsTest, ImbalanceIsZeroWhenPerfectAndRanksMinusOneWhenOneRankTak
   EXPECT_EQ(m.off_node_share_rows, 0.0);
   EXPECT_EQ(m.off_node_share_token_node, 0.0);
   EXPECT_EQ(m.nodes_per_token, 1.0);
+  EXPECT_EQ(m.off_node_copies_per_token, 0.0);
 }
 
 TEST(ReplayMetricsTest, BatchesAreFullAndAPartialBatchIsLeftOut) {
@@ -144,7 +145,8 @@ TEST(ReplayMetricsTest, OffNodeSharesCountRowsRanksAndNodes) {
   EXPECT_DOUBLE_EQ(m.off_node_share_token_rank, 2.0 / 3);  // (t0, r1), (t1, r0) of 3 pairs
   EXPECT_DOUBLE_EQ(m.off_node_share_token_node, 2.0 / 3);  // (t0, n1), (t1, n0) of 3 pairs
   EXPECT_DOUBLE_EQ(m.nodes_per_token, 1.5);
-  EXPECT_DOUBLE_EQ(m.imbalance_mean, 0.5);  // rank loads 1, 3
+  EXPECT_DOUBLE_EQ(m.off_node_copies_per_token, 1.0);  // 2 remote (token, node) pairs, 2 tokens
+  EXPECT_DOUBLE_EQ(m.imbalance_mean, 0.5);             // rank loads 1, 3
   EXPECT_DOUBLE_EQ(m.max_rank_experts_max, 2.0);
   // 4 ranks on 2 nodes: a token's two rows to ranks 2 and 3 (both node 1) cost two (token,
   // rank) copies but one (token, node) copy.
