@@ -12,6 +12,9 @@
 #     namespace host behind a tbf-limited link; tests/serving/migrate_e2e.sh over ucx (online
 #     migration with 2 routers, canary update and rollback), and over mpi with FP8 experts and
 #     an FP8 update file (MOERUN_TEST_DTYPE=fp8)
+#   - placement and the expert cache on recorded routing (tests/data/routing): moebench replay
+#     (every policy, DeepSeek-R1 at 32 and 64 expert ranks, the Qwen3 batch at 4 nodes, Mixtral)
+#     and moebench cache-replay (Qwen3 and Mixtral against Belady), JSON in build/bench/
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
 #     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
 set -euo pipefail
@@ -80,4 +83,25 @@ for bytes in 1048576 16777216; do
     transport --transport mpi --bytes-per-peer "$bytes" --iters 20 --no-layer --json \
     > "build/bench/transport-mpi-$bytes.json"
 done
+R=tests/data/routing
+for f in $R/deepseek-r1/*.json; do
+  for rn in "32 4" "64 8"; do
+    set -- $rn
+    build/bin/moebench replay --trace "$f" --ranks "$1" --nodes "$2" --groups 8 \
+      --policies default,eplb-global,eplb-hierarchical,node-aware --json \
+      > "build/bench/replay-$(basename "$f" .json)-$1.json"
+  done
+done
+Q=$R/qwen3-30b-a3b/batch_8_topk_ids_layers48_x_tokens_x_top8.npy
+for frac in 0 0.5; do
+  build/bin/moebench replay --trace "$Q" --ranks 32 --nodes 4 --routers-per-node 2 \
+    --plan-fraction "$frac" --batch 64,256,1024 \
+    --policies default,eplb-global,node-aware --json > "build/bench/replay-qwen3-$frac.json"
+done
+build/bin/moebench replay --trace $R/mixtral-8x7b/gsm8k_2_routing.jsonl --ranks 4,8 --nodes 2 \
+  --batch 16,64 --policies default,eplb-global,node-aware --json > build/bench/replay-mixtral.json
+build/bin/moebench cache-replay --trace "$Q" --ranks 1,4 --batch 64,256 --policies lfu,lru,cycle \
+  --lookahead 0,1 --json > build/bench/cache-replay-qwen3.json
+build/bin/moebench cache-replay --trace $R/mixtral-8x7b/gsm8k_2_routing.jsonl --ranks 1,4 \
+  --batch 1 --policies lfu,lru,cycle --lookahead 0,1 --json > build/bench/cache-replay-mixtral.json
 echo "benchmarks: build/bench/*.json"

@@ -49,7 +49,7 @@ def in_unit(v):
 
 # --- the main run ---
 traces = [DEEPSEEK, QWEN_NPY, QWEN_CSV, MIXTRAL, OLMOE]
-policies = ["default", "eplb-global", "eplb-hierarchical"]
+policies = ["default", "eplb-global", "eplb-hierarchical", "node-aware"]
 args = []
 for t in traces:
     args += ["--trace", t]
@@ -95,6 +95,8 @@ for r in results:
         for k, v in b["off_node_share"].items():
             check(in_unit(v), f"{bn}: off-node share {k} = {v}")
         check(1 <= b["nodes_per_token"] <= 2, f"{bn}: nodes per token {b['nodes_per_token']}")
+        check(0 <= b["off_node_copies_per_token"] <= b["nodes_per_token"],
+              f"{bn}: off-node copies per token {b['off_node_copies_per_token']}")
 for t in traces:
     check(os.path.basename(t)[-20:] in err, f"the table lacks {t}")
 
