@@ -285,7 +285,8 @@ void AddPlanCommand(CLI::App& placement, Session& s) {
       "plan", "Dry run: the planner's placement for the measured load (or --loads FILE)");
   plan->add_option("--redundant", f->planner.redundant, "Redundant expert slots per layer")
       ->default_val(0);
-  plan->add_option("--policy", f->planner.policy, "default, eplb-hierarchical or eplb-global")
+  plan->add_option("--policy", f->planner.policy,
+                   "default, eplb-hierarchical, eplb-global or node-aware")
       ->default_val("default");
   plan->add_option("--groups", f->planner.groups,
                    "Expert groups (default: the model's gate groups)");
@@ -406,7 +407,8 @@ std::vector<CLI::Option*> AddPlannerOptions(CLI::App* sub, MigrateFlags& f) {
       options.end(),
       {sub->add_option("--redundant", f.planner.redundant, "Redundant expert slots per layer")
            ->check(kNonNegative),
-       sub->add_option("--policy", f.planner.policy, "default, eplb-hierarchical or eplb-global"),
+       sub->add_option("--policy", f.planner.policy,
+                       "default, eplb-hierarchical, eplb-global or node-aware"),
        sub->add_option("--groups", f.planner.groups,
                        "Expert groups (default: the model's gate groups)")
            ->check(kNonNegative),
