@@ -398,6 +398,7 @@ Result<RoutingTrace> ReadJsonl(const std::string& text, const std::string& path,
   std::vector<int32_t> experts;
   std::vector<std::string> stream_names;
   std::unordered_map<std::string, int> stream_of;
+  std::map<std::pair<int, int64_t>, int64_t> next_token;  // (stream, layer) -> records so far
   int top_k = 0;
   std::istringstream in(text);
   std::string line;
@@ -410,8 +411,18 @@ Result<RoutingTrace> ReadJsonl(const std::string& text, const std::string& path,
       return Bad(path, "line " + std::to_string(line_no) + " is not a JSON object");
     }
     MOERUN_ASSIGN_OR_RETURN(const int64_t layer, IntField(rec, "layer", path, line_no, 100000));
-    MOERUN_ASSIGN_OR_RETURN(const int64_t token,
-                            IntField(rec, "token_idx", path, line_no, int64_t{1} << 32));
+    std::string name = "all";
+    if (const auto pid = rec.find("problem_id"); pid != rec.end()) {
+      name = "problem_id " + (pid->is_string() ? pid->get<std::string>() : pid->dump());
+    }
+    auto [it, added] = stream_of.emplace(name, static_cast<int>(stream_names.size()));
+    if (added) stream_names.push_back(name);
+    // Without "token_idx" (a raw hook's output: prefill rows, then one row per decode step, in
+    // time order), the n-th record of a layer in the stream is its token n.
+    int64_t token = next_token[{it->second, layer}]++;
+    if (rec.contains("token_idx")) {
+      MOERUN_ASSIGN_OR_RETURN(token, IntField(rec, "token_idx", path, line_no, int64_t{1} << 32));
+    }
     const auto ex = rec.find("experts");
     if (ex == rec.end() || !ex->is_array() || ex->empty()) {
       return Bad(path, "line " + std::to_string(line_no) + ": \"experts\" is missing or empty");
@@ -430,12 +441,6 @@ Result<RoutingTrace> ReadJsonl(const std::string& text, const std::string& path,
       }
       experts.push_back(e.get<int32_t>());
     }
-    std::string name = "all";
-    if (const auto pid = rec.find("problem_id"); pid != rec.end()) {
-      name = "problem_id " + (pid->is_string() ? pid->get<std::string>() : pid->dump());
-    }
-    auto [it, added] = stream_of.emplace(name, static_cast<int>(stream_names.size()));
-    if (added) stream_names.push_back(name);
     records.push_back({it->second, token, static_cast<int>(layer), at});
   }
   if (records.empty()) return Bad(path, "holds no records");

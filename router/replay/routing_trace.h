@@ -12,9 +12,10 @@
 //                                                  ("kind": "expert_counts" or "..._top1").
 //   *.csv, L lines of E integers                   per-layer counts of one batch.
 //   *.npy, int16/int32/int64 (L, T, k), C order    top-k ids of T tokens in every layer.
-//   *.jsonl, {"layer", "experts": [..], "token_idx", "problem_id"?, ...} per line
+//   *.jsonl, {"layer", "experts": [..], "token_idx"?, "problem_id"?, ...} per line
 //                                                  token-level traces; one stream per problem_id
-//                                                  (or one), tokens in token_idx order.
+//                                                  (or one), tokens in token_idx order (or, with
+//                                                  no token_idx, in the file's order).
 // Anything else, or a file that breaks its format (ragged rows, ids out of range, negative
 // counts, a truncated .npy), is an InvalidArgument naming the file and what is wrong; so are
 // OLMoE's cross-layer pair files (expert_counts_crosslayer*: counts of (expert at layer i, expert
@@ -36,7 +37,10 @@
 //     shape (layers, tokens, k); the data must be exactly the shape's size. Ids are >= 0 or -1
 //     (missing). Layers are numbered 0.. (the file has every MoE layer).
 //   - .jsonl: one stream per "problem_id" (in order of first appearance; without the field, one
-//     stream), tokens by "token_idx" (0-based; a stream has max token_idx + 1 tokens), layers the
+//     stream), tokens by "token_idx" (0-based; a stream has max token_idx + 1 tokens); a record
+//     without "token_idx" (a raw hook's output, such as the Mixtral set's routing_raw.jsonl:
+//     a prefill batch's rows, then one row per decode step, in time order) is the next token of
+//     its (stream, layer) in the file's order; layers the
 //     sorted set of "layer" values. top_k = len("experts"), the same on every line. A (token,
 //     layer) with no record is -1 (Mixtral's recorder drops rows whose gate weights are exactly
 //     [0.5, 0.5], and numbers its tokens per (problem, layer), so after such a drop that layer's

@@ -188,6 +188,24 @@ TEST(RoutingTraceTest, SmallNpyOfEveryDtypeAndVersion) {
   EXPECT_EQ(RtReadOk(dir.File("c.npy")).streams[0].ids, t.streams[0].ids);
 }
 
+// A raw hook's output without token_idx (the Mixtral set's routing_raw.jsonl: a prefill batch's
+// rows, then one row per decode step): the n-th record of a layer is its token n.
+TEST(RoutingTraceTest, JsonlWithoutTokenIdxIsInFileOrder) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.File("raw.jsonl"),
+                     "{\"layer\": 0, \"experts\": [1, 2], \"token_pos\": 0}\n"
+                     "{\"layer\": 0, \"experts\": [3, 0], \"token_pos\": 1}\n"
+                     "{\"layer\": 1, \"experts\": [2, 3], \"token_pos\": 0}\n"
+                     "{\"layer\": 1, \"experts\": [0, 1], \"token_pos\": 1}\n"
+                     "{\"layer\": 0, \"experts\": [2, 1], \"token_pos\": 0}\n"
+                     "{\"layer\": 1, \"experts\": [3, 2], \"token_pos\": 0}\n");
+  const RoutingTrace t = RtReadOk(dir.File("raw.jsonl"));
+  ASSERT_EQ(t.streams.size(), 1u);
+  EXPECT_EQ(t.streams[0].tokens, 3);
+  EXPECT_EQ(t.streams[0].ids[0], (std::vector<int32_t>{1, 2, 3, 0, 2, 1}));
+  EXPECT_EQ(t.streams[0].ids[1], (std::vector<int32_t>{2, 3, 0, 1, 3, 2}));
+}
+
 // Each malformed file (34 cases): an InvalidArgument that names the file and says what is wrong.
 TEST(RoutingTraceTest, MalformedFilesAreClearErrors) {
   testing::TempDir dir;
