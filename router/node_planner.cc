@@ -13,7 +13,8 @@ namespace {
 // One layer's assignment of units to nodes, with what the refinement needs kept current.
 class NodePartition {
  public:
-  // unit_experts[u]: the experts of unit u; tokens[t]: the units token t uses (distinct).
+  // unit_load[u], unit_size[u]: the load and the experts of unit u; tokens[t]: the units token t
+  // uses (distinct, ascending); a node may hold at most max_load and max_size experts.
   NodePartition(std::vector<double> unit_load, std::vector<int> unit_size,
                 std::vector<std::vector<int>> tokens, int num_nodes, double max_load, int max_size)
       : load_(std::move(unit_load)),
