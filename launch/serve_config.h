@@ -80,7 +80,8 @@ struct ServeConfig {
   // (updates refused) for a preset.
   std::vector<std::string> files_allow;
   // Expert ranks: an expert cache of this many MiB each (0: every hosted expert resident), its
-  // eviction policy (lfu | lru | cycle), parallel loads, and experts (of every layer) that never leave.
+  // eviction policy (lfu | lru | cycle), parallel loads, and experts (of every layer) that never
+  // leave.
   int64_t expert_cache_mib = 0;
   std::string expert_cache_policy = "cycle";
   int expert_cache_loaders = 2;
