@@ -7,6 +7,8 @@
 #include <numeric>
 #include <utility>
 
+#include "router/local_search.h"
+
 namespace moerun {
 namespace {
 
@@ -236,7 +238,7 @@ Status CheckSample(const PlannerInput& in) {
   return Status::Ok();
 }
 
-// Within one node's slots (out.phy2log[first, first + count), `per_rank` to a rank): swaps of
+// Within one node's slots ((*phy2log)[first, first + count), `per_rank` to a rank): swaps of
 // two slots of different ranks that lower the co-use of experts sharing a rank (pairs of a
 // sampled token's experts on one rank), keeping both ranks' loads at most the node's max rank
 // load; passes until none helps, at most 10. Co-used experts on one rank make its load per batch
@@ -338,8 +340,7 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
 
   // Each node's experts and slots, planned alone; then renumbered into the layer's slots.
   const int ranks_per_node = in.num_ranks / in.num_nodes;
-  LayerMaps out;
-  out.phy2log.assign(static_cast<size_t>(in.num_slots), -1);
+  std::vector<int> phy2log(static_cast<size_t>(in.num_slots), -1);
   for (int n = 0; n < in.num_nodes; ++n) {
     std::vector<int> mine;
     for (int e = 0; e < experts; ++e) {
@@ -356,7 +357,7 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
     MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan,
                             PlanPlacement(sub, PlannerPolicy::kDefault));
     for (int s = 0; s < slots_per_node; ++s) {
-      out.phy2log[static_cast<size_t>(n * slots_per_node + s)] =
+      phy2log[static_cast<size_t>(n * slots_per_node + s)] =
           mine[static_cast<size_t>(plan[0].phy2log[static_cast<size_t>(s)])];
     }
   }
@@ -364,17 +365,10 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
   if (!co.empty()) {
     for (int n = 0; n < in.num_nodes; ++n) {
       SpreadCoUsed(load, co, experts, n * slots_per_node, slots_per_node,
-                   in.num_slots / in.num_ranks, &out.phy2log);
+                   in.num_slots / in.num_ranks, &phy2log);
     }
   }
-  out.log2phy.resize(static_cast<size_t>(experts));
-  out.logcnt.assign(static_cast<size_t>(experts), 0);
-  for (size_t s = 0; s < out.phy2log.size(); ++s) {
-    const size_t e = static_cast<size_t>(out.phy2log[s]);
-    out.log2phy[e].push_back(static_cast<int>(s));
-    ++out.logcnt[e];
-  }
-  return out;
+  return MapsFromSlots(std::move(phy2log), experts);
 }
 
 }  // namespace
