@@ -296,6 +296,18 @@ int RunReplayBench(const ReplayBenchFlags& f) {
     int64_t tokens = 0;
     for (const auto& s : trace.streams) tokens += s.tokens;
     const bool groups_fit = trace.num_experts % f.groups == 0;
+    // The same for every rank count: node-aware's sample, and the planner's loads for
+    // --activated-batch.
+    const bool node_aware = std::find(p.policies.begin(), p.policies.end(),
+                                      PlannerPolicy::kNodeAware) != p.policies.end();
+    const RoutingSample sample = node_aware ? SampleOf(*plan_on) : RoutingSample{};
+    std::vector<std::vector<double>> activated;
+    if (f.activated_batch > 0) {
+      Result<std::vector<std::vector<double>>> act =
+          ActivationLoad(plan_on->counts, PlanTokens(*plan_on), f.activated_batch);
+      if (!act.ok()) return FailWith(act.status().WithContext(trace.source));
+      activated = std::move(*act);
+    }
 
     for (size_t ri = 0; ri < p.ranks.size(); ++ri) {
       PlannerInput in;
@@ -304,14 +316,9 @@ int RunReplayBench(const ReplayBenchFlags& f) {
       in.num_slots = static_cast<int>(trace.num_experts + p.redundant[ri]);
       in.num_nodes = f.nodes;
       in.num_groups = groups_fit ? f.groups : 1;
-      in.sample = SampleOf(*plan_on);
+      in.sample = sample;
       in.node_slack = f.node_slack;
-      if (f.activated_batch > 0) {
-        Result<std::vector<std::vector<double>>> act =
-            ActivationLoad(plan_on->counts, PlanTokens(*plan_on), f.activated_batch);
-        if (!act.ok()) return FailWith(act.status().WithContext(trace.source));
-        in.load = std::move(*act);
-      }
+      if (f.activated_batch > 0) in.load = activated;
       ReplayTopology topo;
       topo.num_ranks = in.num_ranks;
       topo.num_nodes = f.nodes;
