@@ -1,10 +1,9 @@
 #include "base/watchdog.h"
 
-#include <sched.h>
-
 #include <cstdint>
 #include <string>
-#include <thread>
+
+#include "base/idle_backoff.h"
 
 namespace moerun {
 
@@ -12,8 +11,8 @@ Status WaitWithWatchdog(FunctionRef<Result<bool>()> poll, WatchdogDeadline deadl
                         FunctionRef<void()> on_abort, std::string_view what, int idle_spins) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
-  const uint64_t patient = idle_spins > 0 ? static_cast<uint64_t>(idle_spins) : 0;
-  for (uint64_t spins = 0;; ++spins) {
+  IdleBackoff idle(idle_spins > 0 ? static_cast<uint64_t>(idle_spins) : 0);
+  while (true) {
     Result<bool> done = poll();
     if (!done.ok()) {
       on_abort();
@@ -30,13 +29,7 @@ Status WaitWithWatchdog(FunctionRef<Result<bool>()> poll, WatchdogDeadline deadl
                                       std::to_string(waited) + " ms); aborted");
     }
     // Spin briefly for latency, then hand the core to whoever must make progress.
-    if (spins >= patient) {
-      if (spins >= patient + 18000) {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      } else {
-        sched_yield();
-      }
-    }
+    idle.Idle();
   }
 }
 

@@ -6,8 +6,9 @@
 //
 // Blocking: blocks the calling thread until `poll` reports done or an error, or the deadline
 // passes; never longer (each pass calls `poll` once, so the wait overshoots the deadline by at
-// most one `poll` call plus a 50 µs sleep). It spins for `idle_spins` passes, then yields its core
-// (sched_yield), and after many more passes sleeps 50 µs between polls, as Transport::WaitAll.
+// most one `poll` call plus one sleep). It spins for `idle_spins` passes, then yields its core
+// and then sleeps between polls (base/idle_backoff.h: 50 µs, up to 1 ms on an oversubscribed
+// host), as Transport::WaitAll.
 // Thread-safety: no shared state; `poll` and `on_abort` run on the calling thread.
 // Allocation: none (the callables are FunctionRefs), except to build the error message.
 #pragma once

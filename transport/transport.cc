@@ -1,8 +1,6 @@
 #include "transport/transport.h"
 
-#include <sched.h>
-
-#include <thread>
+#include "base/idle_backoff.h"
 
 namespace moerun {
 
@@ -10,8 +8,7 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
                           bool cancel_late) {
   size_t pending = 0;
   for (const Request& r : reqs) pending += r.valid();
-  uint64_t spins = 0;
-  const auto patient = static_cast<uint64_t>(idle_spins());
+  IdleBackoff idle(static_cast<uint64_t>(idle_spins()));
   while (pending > 0) {
     for (Request& r : reqs) {
       if (!r.valid()) continue;
@@ -44,13 +41,7 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
                                       " did not answer before the deadline");
     }
     // Spin briefly for latency, then yield so that oversubscribed ranks make progress.
-    if (++spins > patient) {
-      if (spins > patient + 18000) {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      } else {
-        sched_yield();
-      }
-    }
+    idle.Idle();
   }
   return Status::Ok();
 }

@@ -1,6 +1,5 @@
 #include "runtime/ep/expert_server.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/idle_backoff.h"
 #include "base/log.h"
 #include "base/metrics.h"
 #include "runtime/cache/expert_cache.h"
@@ -192,7 +192,7 @@ Status ExpertServer::Serve() {
                             t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
   }
   int alive = static_cast<int>(routers_.size());
-  uint64_t idle = 0;
+  IdleBackoff idle(static_cast<uint64_t>(t_->idle_spins()));
   while (alive > 0) {
     MOERUN_RETURN_IF_ERROR(control_->Poll());
     bool progressed = false;
@@ -209,13 +209,9 @@ Status ExpertServer::Serve() {
       if (rs.done) --alive;
     }
     if (progressed) {
-      idle = 0;
-    } else if (++idle > static_cast<uint64_t>(t_->idle_spins())) {
-      if (idle > static_cast<uint64_t>(t_->idle_spins()) + 18000) {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      } else {
-        sched_yield();
-      }
+      idle.Progress();
+    } else {
+      idle.Idle();
     }
   }
   // Control replies are small; one the routers no longer wait for (they have all stopped) is
