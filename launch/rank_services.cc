@@ -115,6 +115,10 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(
         m.AddGauge("moerun_queue_depth_tokens", "Tokens waiting in the router's batcher");
     rs->ranks_dead_ = m.AddGauge("moerun_ranks_dead",
                                  "Expert ranks given up on (dead, or frozen past the deadline)");
+    rs->ranks_retired_ = m.AddGauge("moerun_ranks_retired",
+                                    "Expert ranks taken out of the job on purpose (moectl retire)");
+    rs->ranks_spare_ =
+        m.AddGauge("moerun_ranks_spare", "Spare expert rank slots no process has joined yet");
     rs->retried_counter_ =
         m.AddCounter("moerun_microbatches_retried_total",
                      "Microbatches abandoned in flight to a dead rank and dispatched again");
@@ -304,6 +308,8 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     }
     answering_ = health->all_answering();
     ranks_dead_->Set(static_cast<double>(health->dead_count()));
+    ranks_retired_->Set(static_cast<double>(health->retired_count()));
+    ranks_spare_->Set(static_cast<double>(health->spare_count()));
     std::lock_guard<std::mutex> lock(mu_);
     peers_ = peers_scratch_;  // element-wise: no allocation once the sizes are reached
   }
@@ -335,7 +341,7 @@ moerun::v1::StatusResponse RankServices::Status() const {
     peers = peers_;
   }
   int dead = 0;
-  for (const PeerView& p : peers) dead += p.dead ? 1 : 0;
+  for (const PeerView& p : peers) dead += p.dead && !p.retired ? 1 : 0;  // retired: no failure
   s.set_ranks_dead(dead);
   s.set_health(dead > 0 ? "degraded" : "ok");
   s.set_microbatches_retried(retried_.load());
@@ -374,7 +380,11 @@ moerun::v1::StatusResponse RankServices::Status() const {
         c->set_hit_rate(
             asked == 0 ? 1.0 : static_cast<double>(p.cache_hits) / static_cast<double>(asked));
       }
-      if (p.dead) {
+      if (p.spare) {
+        rs->set_state("spare");
+      } else if (p.retired) {
+        rs->set_state("retired");
+      } else if (p.dead) {
         rs->set_state("dead");
       } else if (!p.answering) {
         rs->set_state(p.stranded ? "late (catching up)" : "not answering");

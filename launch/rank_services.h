@@ -111,6 +111,8 @@ class RankServices : public PlanSource {
   Gauge* queue_tokens_ = nullptr;
   std::vector<Gauge*> answering_by_rank_;
   Gauge* ranks_dead_ = nullptr;
+  Gauge* ranks_retired_ = nullptr;
+  Gauge* ranks_spare_ = nullptr;
   Counter* retried_counter_ = nullptr;
   Counter* replaced_counter_ = nullptr;
   std::atomic<uint64_t> retried_{0}, replaced_{0};

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include "base/exit_code.h"
@@ -176,6 +177,7 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   o.cache.load_bytes_per_s = c.expert_cache_load_mib_s * (1 << 20);
   o.cache_pinned = c.expert_cache_pinned;
   o.cache_spill_dir = c.expert_cache_spill_dir;
+  o.spare_ranks = c.spare_expert_ranks;
   return o;
 }
 
@@ -354,6 +356,16 @@ int RunServe(const ServeFlags& f) {
   InitLogging(env_rank, env_rank >= 0 && env_rank < c.routers ? "router" : "expert", c.log_level);
   if (env_rank <= 0) WarnAllInterfaces(c, true, true);  // once a job (inproc: -1, one process)
   RaiseDescriptorLimit();
+  if (c.spare_expert_ranks > 0 && c.transport != "ucx") {
+    return FailWith(Status::InvalidArgument(
+        "spare_expert_ranks needs the ucx transport (only ucx takes a new process in), not '" +
+        (c.transport.empty() ? std::string("mpi") : c.transport) + "'"));
+  }
+  if (c.transport == "ucx") {
+    // The ucx transport's size: the launched ranks plus the spare ones (MOERUN_UCX_SPARE_RANKS
+    // is the config's, whatever the environment said).
+    ::setenv("MOERUN_UCX_SPARE_RANKS", std::to_string(c.spare_expert_ranks).c_str(), 1);
+  }
   auto job = Launch(c);
   if (!job.ok()) return FailWith(job.status());
   auto options = JobOptionsFor(c);

@@ -332,6 +332,7 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
        }},
       Number("ranks", &C::ranks, 1, 256),
       Number("routers", &C::routers, 1, 256),
+      Number("spare_expert_ranks", &C::spare_expert_ranks, 0, 256),
       {"placement",
        [=](const Reader& r, C* c) {
          MOERUN_RETURN_IF_ERROR(r.GetString("placement", &c->placement));

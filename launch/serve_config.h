@@ -65,6 +65,10 @@ struct ServeConfig {
                           // inproc); nccl: launch/job_launch.h
   int ranks = 1;          // inproc only
   int routers = 1;
+  // Expert rank slots beyond the launched ranks, with no process at start (ucx only): a process
+  // started later joins into one (moerun serve --join) and a migration gives it experts. The
+  // initial placement is made over the launched ranks.
+  int spare_expert_ranks = 0;
   std::string placement = "linear";
   int64_t microbatch_tokens = 0;
   int64_t deadline_ms = 30000;

@@ -1,5 +1,7 @@
 #include "transport/transport.h"
 
+#include <algorithm>
+
 #include "base/idle_backoff.h"
 
 namespace moerun {
@@ -65,8 +67,8 @@ Status Transport::Recv(int peer, int tag, void* buf, size_t bytes, Deadline dead
   return Wait(r, deadline, "receive");
 }
 
-Status Transport::Barrier(Deadline deadline) {
-  const int n = size();
+Status Transport::Barrier(Deadline deadline, int among) {
+  const int n = among > 0 ? std::min(among, size()) : size();
   const int me = rank();
   uint8_t out = 1, in = 0;
   for (int dist = 1, round = 0; dist < n; dist *= 2, ++round) {

@@ -103,8 +103,9 @@ class Transport {
   // Blocking send/recv with a deadline.
   Status Send(int peer, int tag, const void* buf, size_t bytes, Deadline deadline);
   Status Recv(int peer, int tag, void* buf, size_t bytes, Deadline deadline);
-  // All ranks reach this point (a dissemination barrier over Isend/Irecv).
-  Status Barrier(Deadline deadline);
+  // All ranks reach this point (a dissemination barrier over Isend/Irecv); with `among` > 0,
+  // only ranks [0, among) take part (the others have no process yet: spare ranks).
+  Status Barrier(Deadline deadline, int among = 0);
 
   // Bytes this rank has posted to `peer` with Isend since it started (any thread may read;
   // peers beyond kCountedPeers are not counted).

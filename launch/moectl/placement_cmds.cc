@@ -1,6 +1,6 @@
 // moectl placement plan (a dry run on the job's load, or offline on a load matrix), and the
 // commands that migrate the job online (placement apply FILE | apply --plan | import FILE,
-// rebalance) or follow its migration (placement progress), with --wait.
+// rebalance, retire RANK) or follow its migration (placement progress), with --wait.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -394,6 +394,16 @@ int RunApply(const Session& s, const MigrateFlags& f, bool import) {
   return FollowMigration(s, f, req, /*retry=*/false);  // a change: sent once
 }
 
+// retire RANK: the migration that empties the rank (followed with --wait), after which router 0
+// sends it its shutdown.
+int RunRetire(const Session& s, const MigrateFlags& f, int rank) {
+  v1::ControlRequest req;
+  v1::ApplyRequest* ar = req.mutable_apply();
+  ar->set_retire_rank(rank);
+  ar->set_throttle_mib_s(f.throttle_mib_s);
+  return FollowMigration(s, f, req, /*retry=*/false);
+}
+
 int RunProgress(const Session& s, const MigrateFlags& f) {
   v1::ControlRequest req;
   req.mutable_progress();
@@ -476,6 +486,17 @@ void AddPlacementCommands(CLI::App& app, CLI::App& placement, Session& s) {
   AddMigrationOptions(rebalance, *rebalance_flags);
   rebalance->callback(
       [&s, rebalance_flags] { s.rc = RunApply(s, *rebalance_flags, /*import=*/false); });
+
+  auto retire_flags = std::make_shared<MigrateFlags>();
+  auto retire_rank = std::make_shared<int>(-1);
+  CLI::App* retire = app.add_subcommand(
+      "retire",
+      "Take an expert rank out of the job: its experts are re-placed on the others (a "
+      "migration), then it is sent its shutdown and leaves");
+  retire->add_option("RANK", *retire_rank, "The expert rank")->required();
+  AddMigrationOptions(retire, *retire_flags);
+  retire->callback(
+      [&s, retire_flags, retire_rank] { s.rc = RunRetire(s, *retire_flags, *retire_rank); });
 }
 
 }  // namespace moerun::moectl

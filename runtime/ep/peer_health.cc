@@ -17,6 +17,8 @@ PeerHealth::PeerHealth(Transport* transport, const Placement& placement, size_t 
       ping_headers_(static_cast<size_t>(placement.num_ranks())),
       strands_(transport),
       dead_(static_cast<size_t>(placement.num_ranks()), false),
+      retired_(static_cast<size_t>(placement.num_ranks()), false),
+      spare_(static_cast<size_t>(placement.num_ranks()), false),
       started_(SteadyClock::now()) {
   const auto now = SteadyClock::now();
   for (int r = placement_.num_routers(); r < placement_.num_ranks(); ++r) {
@@ -184,9 +186,26 @@ bool PeerHealth::MarkDead(int rank, const std::string& why) {
   return true;
 }
 
+bool PeerHealth::Retire(int rank, bool spare) {
+  if (rank < placement_.num_routers() || rank >= placement_.num_ranks() || dead(rank)) {
+    return false;
+  }
+  dead_[static_cast<size_t>(rank)] = true;
+  retired_[static_cast<size_t>(rank)] = true;
+  spare_[static_cast<size_t>(rank)] = spare;
+  ++dead_generation_;
+  (spare ? spare_count_ : retired_count_).fetch_add(1, std::memory_order_relaxed);
+  if (!spare) {
+    spdlog::info("rank {} is retired: it gets no more work, probes or control messages", rank);
+  }
+  Refresh();
+  return true;
+}
+
 bool PeerHealth::Revive(int rank) {
   if (!dead(rank)) return false;
   const auto r = static_cast<size_t>(rank);
+  const bool was_retired = retired_[r], was_spare = spare_[r];
   // The old process's transfers are withdrawn (the transport then takes the new process in:
   // only ucx can, and its cancelled sends finish or are reaped there).
   State& s = state_[r];
@@ -199,8 +218,13 @@ bool PeerHealth::Revive(int rank) {
   s.last_pong = now;
   s.next_probe = now;
   dead_[r] = false;
+  retired_[r] = false;
+  spare_[r] = false;
   ++dead_generation_;
-  dead_count_.fetch_sub(1, std::memory_order_relaxed);
+  (was_spare     ? spare_count_
+   : was_retired ? retired_count_
+                 : dead_count_)
+      .fetch_sub(1, std::memory_order_relaxed);
   spdlog::info(
       "rank {} is back (a new process joined the job as rank {}): it is probed and "
       "gets work again once a placement gives it experts",
@@ -238,6 +262,8 @@ void PeerHealth::Refresh() {
     v.answering = s.usable;
     v.stranded = s.stranded > 0;
     v.dead = is_dead;
+    v.retired = retired_[static_cast<size_t>(r)];
+    v.spare = spare_[static_cast<size_t>(r)];
     v.last_seen_s = std::chrono::duration<double>(now - s.last_pong).count();
     v.microbatches = s.pong.microbatches;
     v.rows = s.pong.rows;

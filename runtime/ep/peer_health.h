@@ -16,6 +16,12 @@
 // that joined the job as that rank (moerun serve --join): Revive, once the transport reaches the
 // new process.
 //
+// A rank is "retired" once the operator took it out of the job on purpose (moectl retire: its
+// experts were re-placed first, then it was sent its shutdown): like a dead rank it gets nothing
+// more and its slot can be joined, but it is no failure: it counts in retired_count, not in
+// dead_count, and its PeerView says retired (and dead: out of the job). dead() and dead_mask mark
+// both.
+//
 // Threads: Poll, Strand, MarkDead, dead and usable belong to the router thread (it owns the
 // transport); Snapshot, all_answering and dead_count may be called from any thread.
 #pragma once
@@ -48,6 +54,9 @@ struct PeerView {
   bool answering = true;
   bool stranded = false;      // transfers of a missed deadline still outstanding
   bool dead = false;          // given up on for the rest of the job
+  bool retired = false;       // taken out of the job on purpose (moectl retire): dead is true
+                              // too (it gets nothing), but it is no failure
+  bool spare = false;         // retired from the start: a slot with no process yet
   double last_seen_s = 0;     // since its last pong (or since start, before the first)
   uint64_t microbatches = 0;  // as it reported
   uint64_t rows = 0;
@@ -86,15 +95,26 @@ class PeerHealth {
 
   // Marks `rank` dead for the rest of the job (logged with `why`); true if it was not yet.
   bool MarkDead(int rank, const std::string& why);
+  // Takes `rank` out of the job on purpose (see above); true if it was live. `spare`: a slot that
+  // never had a process (spare_expert_ranks), waiting for a joiner: retired from the start, and
+  // counted in spare_count instead.
+  bool Retire(int rank, bool spare = false);
+  int spare_count() const { return spare_count_.load(std::memory_order_relaxed); }
+  bool retired(int rank) const {
+    return rank >= 0 && static_cast<size_t>(rank) < retired_.size() &&
+           retired_[static_cast<size_t>(rank)];
+  }
+  int retired_count() const { return retired_count_.load(std::memory_order_relaxed); }
+  // Dead or retired: out of the job.
   bool dead(int rank) const {
     return rank >= 0 && static_cast<size_t>(rank) < dead_.size() &&
            dead_[static_cast<size_t>(rank)];
   }
   // Takes `rank` back once a new process has joined the job as it (the transport's endpoint is
   // the new process's): what was still outstanding with the old process is withdrawn, and the
-  // rank is probed and given work again. false if it was not dead.
+  // rank is probed and given work again. false if it was neither dead nor retired.
   bool Revive(int rank);
-  // Indexed by rank: which are dead.
+  // Indexed by rank: which are dead or retired.
   const std::vector<bool>& dead_mask() const { return dead_; }
   // Grows by one with every death and every revival (what callers compare to notice a change).
   uint64_t dead_generation() const { return dead_generation_; }
@@ -132,6 +152,8 @@ class PeerHealth {
   std::vector<bool> dead_;
   uint64_t dead_generation_ = 0;
   std::atomic<int> dead_count_{0};
+  std::vector<bool> retired_, spare_;
+  std::atomic<int> retired_count_{0}, spare_count_{0};
   const SteadyClock::time_point started_;
   std::atomic<bool> all_answering_{true};
   mutable std::mutex view_mu_;

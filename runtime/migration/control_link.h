@@ -51,6 +51,9 @@ class ControlLink {
                              ReplyFn done) = 0;
   // Withdraws the control receive posted for `rank` (its process is being replaced).
   virtual void CancelReceive(int rank) = 0;
+  // Sends expert rank `rank` this router's shutdown (a kShutdown header), in order after what it
+  // was sent before: the rank leaves once every router has sent its own (moectl retire).
+  virtual Status SendShutdown(int rank) = 0;
 };
 
 }  // namespace moerun

@@ -94,6 +94,16 @@ Result<moerun::v1::MigrationStatus> PlacementControl::ApplyPlan(
 Result<moerun::v1::MigrationStatus> PlacementControl::Apply(const moerun::v1::ApplyRequest& r) {
   if (r.throttle_mib_s() < 0) return Status::InvalidArgument("the throttle must not be negative");
   const double throttle = r.throttle_mib_s() > 0 ? r.throttle_mib_s() : config_.throttle_mib_s;
+  if (r.has_retire_rank()) {
+    if (r.from_plan() || !r.placement_json().empty()) {
+      return Status::InvalidArgument("a retire names no placement and no plan");
+    }
+    MigrationOptions o;
+    o.throttle_bytes_s = throttle * (1 << 20);
+    o.expert_bytes = plans_->expert_bytes();
+    MOERUN_ASSIGN_OR_RETURN(MigrationView v, control_->Retire(r.retire_rank(), o));
+    return MigrationToProto(v);
+  }
   if (r.from_plan()) return ApplyPlan(r.plan(), r.min_gain(), throttle, "moectl");
   if (r.placement_json().empty()) {
     return Status::InvalidArgument("give a placement (apply FILE) or --plan");

@@ -50,7 +50,7 @@ class PlacementControl {
   PlacementControl(const PlanSource* plans, RouterControl* control, RebalanceConfig config,
                    std::vector<std::string> update_dirs);
 
-  // Any thread (the control endpoint's).
+  // Any thread (the control endpoint's). With retire_rank: RouterControl::Retire.
   Result<moerun::v1::MigrationStatus> Apply(const moerun::v1::ApplyRequest& request);
   moerun::v1::MigrationStatus Progress() const;
   Result<moerun::v1::ExpertResponse> Update(const moerun::v1::ExpertUpdateRequest& request);

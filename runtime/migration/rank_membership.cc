@@ -53,12 +53,53 @@ RankMembership::RankMembership(Transport* transport, ControlLink* link, std::vec
                                size_t header_bytes)
     : t_(transport), link_(link), served_(std::move(served)), header_bytes_(header_bytes) {
   dead_.assign(static_cast<size_t>(t_->size()), false);
+  retired_.assign(static_cast<size_t>(t_->size()), false);
+  spare_.assign(static_cast<size_t>(t_->size()), false);
+}
+
+void RankMembership::set_health(PeerHealth* health) {
+  health_ = health;
+  if (health_ == nullptr) return;
+  const Placement& placement = *link_->placement_in_use();
+  std::vector<int> spare;
+  for (int r = placement.num_routers(); r < placement.num_ranks(); ++r) {
+    std::vector<bool> only(dead_.size(), false);
+    only[static_cast<size_t>(r)] = true;
+    if (!t_->peer_failed(r) || placement.UsesAny(only)) continue;
+    health_->Retire(r, /*spare=*/true);
+    dead_[static_cast<size_t>(r)] = true;
+    retired_[static_cast<size_t>(r)] = true;
+    spare_[static_cast<size_t>(r)] = true;
+    spare.push_back(r);
+  }
+  dead_generation_ = health_->dead_generation();
+  recovered_generation_ = dead_generation_;
+  if (!spare.empty() && t_->rank() == 0) {
+    spdlog::info("spare expert rank(s) {}: no process yet, free for moerun serve --join",
+                 fmt::join(spare, ","));
+  }
 }
 
 std::vector<int> RankMembership::dead_ranks() const {
   std::vector<int> out;
   for (size_t r = 0; r < dead_.size(); ++r) {
-    if (dead_[r]) out.push_back(static_cast<int>(r));
+    if (dead_[r] && !retired_[r]) out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+std::vector<int> RankMembership::retired_ranks() const {
+  std::vector<int> out;
+  for (size_t r = 0; r < retired_.size(); ++r) {
+    if (retired_[r] && !spare_[r]) out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+std::vector<int> RankMembership::spare_ranks() const {
+  std::vector<int> out;
+  for (size_t r = 0; r < spare_.size(); ++r) {
+    if (spare_[r]) out.push_back(static_cast<int>(r));
   }
   return out;
 }
@@ -79,8 +120,8 @@ void RankMembership::MarkLost(int rank, const Status& why) {
 
 Status RankMembership::CheckAlive(const Placement& target) const {
   if (target.UsesAny(dead_, served_)) {
-    return Status::InvalidArgument("the placement puts experts on dead rank(s) " + RankList(dead_) +
-                                   ": leave them out");
+    return Status::InvalidArgument("the placement puts experts on dead or retired rank(s) " +
+                                   RankList(dead_) + ": leave them out");
   }
   return Status::Ok();
 }
@@ -129,6 +170,9 @@ Result<JoinGrant> RankMembership::Grant(const JoinAsk& ask) {
   int busy = -1;
   for (int r = placement.num_routers(); r < placement.num_ranks(); ++r) {
     if (!dead_[static_cast<size_t>(r)]) continue;
+    // A retired rank's slot is free once its process is gone (one launched by mpirun stays
+    // until the job ends).
+    if (retired_[static_cast<size_t>(r)] && !t_->peer_failed(r)) continue;
     std::vector<bool> only(dead_.size(), false);
     only[static_cast<size_t>(r)] = true;
     if (placement.UsesAny(only, served_)) {
@@ -145,8 +189,8 @@ Result<JoinGrant> RankMembership::Grant(const JoinAsk& ask) {
   }
   if (rank < 0) {
     return Status::InvalidArgument(
-        "no expert rank of this job is dead: a process can only take over a dead one (adding "
-        "ranks to a job is not supported)");
+        "no expert rank of this job is dead (nor retired with its process gone): a process can "
+        "only take over a dead or retired one (the job's rank count is fixed)");
   }
   // Every router takes the new endpoint; router 0 now, the others when its message comes (in
   // order before anything that gives the rank work).
@@ -196,6 +240,8 @@ Status RankMembership::TakeBack(int rank, const std::vector<uint8_t>& address) {
     return replaced;
   }
   dead_[static_cast<size_t>(rank)] = false;
+  retired_[static_cast<size_t>(rank)] = false;
+  spare_[static_cast<size_t>(rank)] = false;
   if (health_ != nullptr) {
     // Deaths PeerHealth saw meanwhile are taken in with the revival.
     const std::vector<bool>& dead = health_->dead_mask();
@@ -264,6 +310,123 @@ Status RankMembership::Recover(const MigrationView* last, const StartMigration& 
   }
   spdlog::warn("recovery: migration {} to the placement without rank(s) {}: {}", started->id, ranks,
                o.note);
+  return Status::Ok();
+}
+
+Result<MigrationView> RankMembership::Retire(int rank, const MigrationOptions& options,
+                                             const StartMigration& start) {
+  if (health_ == nullptr) {
+    return Status::Unsupported("this job does not watch its ranks' health: no rank can be retired");
+  }
+  const Placement& placement = *link_->placement_in_use();
+  if (rank < 0 || rank >= placement.num_ranks()) {
+    return Status::InvalidArgument(
+        fmt::format("no rank {} in this job (ranks 0..{})", rank, placement.num_ranks() - 1));
+  }
+  if (rank < placement.num_routers()) {
+    return Status::InvalidArgument(
+        fmt::format("rank {} is a router: only expert ranks (ranks {}..{}) can be retired", rank,
+                    placement.num_routers(), placement.num_ranks() - 1));
+  }
+  const auto r = static_cast<size_t>(rank);
+  if (spare_[r]) {
+    return Status::InvalidArgument(
+        fmt::format("rank {} is a spare slot: no process has joined it", rank));
+  }
+  if (retired_[r]) return Status::InvalidArgument(fmt::format("rank {} is already retired", rank));
+  if (dead_[r]) {
+    return Status::InvalidArgument(
+        fmt::format("rank {} is dead: the recovery re-places its experts already", rank));
+  }
+  if (retiring_ >= 0) {
+    return Status::Unavailable(
+        fmt::format("rank {} is being retired: ask again once its migration is done", retiring_));
+  }
+  int others = 0;
+  for (int d = placement.num_routers(); d < placement.num_ranks(); ++d) {
+    if (d != rank && !dead_[static_cast<size_t>(d)]) ++others;
+  }
+  if (others == 0) {
+    return Status::InvalidArgument(
+        fmt::format("rank {} is the last live expert rank: it cannot be retired", rank));
+  }
+  std::vector<bool> only(dead_.size(), false);
+  only[r] = true;
+  if (!placement.UsesAny(only, served_)) {  // nothing to move: it leaves now
+    MigrationView v;
+    v.state = "done";
+    v.trigger = "retire";
+    v.from_version = v.to_version = placement.version();
+    v.note = fmt::format("rank {} holds no experts: it is retired without a migration", rank);
+    retiring_ = rank;  // at the next StepRetire, on the router thread
+    retire_id_ = 0;
+    return v;
+  }
+  std::vector<bool> out = dead_;
+  out[r] = true;
+  MOERUN_ASSIGN_OR_RETURN(Placement target, placement.WithoutRanks(out, placement.version() + 1));
+  MigrationOptions o = options;
+  o.trigger = "retire";
+  o.note = fmt::format("retire rank {}: its experts re-placed on the other expert ranks", rank);
+  MOERUN_ASSIGN_OR_RETURN(MigrationView started, start(target, o));
+  int loads = 0;
+  for (const MigrationLayerView& l : started.layers) loads += l.experts_to_load;
+  spdlog::warn(
+      "retire: migration {} to the placement without rank {} ({} expert cop{} to load on the "
+      "others); the rank leaves once it is done",
+      started.id, rank, loads, loads == 1 ? "y" : "ies");
+  retiring_ = rank;
+  retire_id_ = started.id;
+  return started;
+}
+
+Status RankMembership::StepRetire(const MigrationView* last) {
+  if (retiring_ < 0) return Status::Ok();
+  const int rank = retiring_;
+  if (retire_id_ == 0) {  // nothing to move
+    retiring_ = -1;
+    return CompleteRetire(rank);
+  }
+  if (last == nullptr || last->id != retire_id_ || last->state == "running") return Status::Ok();
+  retiring_ = -1;
+  retire_id_ = 0;
+  if (last->state != "done") {
+    spdlog::error("retire of rank {} failed: migration {} {}{}: the rank stays in the job", rank,
+                  last->id, last->state, last->error.empty() ? "" : ": " + last->error);
+    return Status::Ok();
+  }
+  return CompleteRetire(rank);
+}
+
+Status RankMembership::CompleteRetire(int rank) {
+  const Placement& placement = *link_->placement_in_use();
+  const std::string body = json{{"id", 0}, {"op", "retire"}, {"rank", rank}}.dump();
+  for (int r = 1; r < placement.num_routers(); ++r) {
+    if (!link_->Gone(r)) MOERUN_RETURN_IF_ERROR(link_->SendToRouter(r, body));
+  }
+  return OnRetire(rank);
+}
+
+Status RankMembership::OnRetire(int rank) {
+  const Placement& placement = *link_->placement_in_use();
+  if (rank < placement.num_routers() || rank >= placement.num_ranks()) {
+    return Status::InvalidArgument("rank " + std::to_string(rank) + " is no expert rank");
+  }
+  const auto r = static_cast<size_t>(rank);
+  if (retired_[r]) return Status::Ok();
+  std::vector<bool> only(dead_.size(), false);
+  only[r] = true;
+  if (placement.UsesAny(only, served_)) {
+    return Status::Internal(
+        fmt::format("rank {} cannot retire: placement v{} in use here still holds experts on it",
+                    rank, placement.version()));
+  }
+  // Its shutdown goes after everything this router sent it (the releases of its last copies).
+  if (!link_->Gone(rank)) MOERUN_RETURN_IF_ERROR(link_->SendShutdown(rank));
+  if (health_ != nullptr) health_->Retire(rank);
+  dead_[r] = true;
+  retired_[r] = true;
+  spdlog::warn("rank {} retired: it holds no experts and was sent this router's shutdown", rank);
   return Status::Ok();
 }
 

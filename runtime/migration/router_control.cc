@@ -5,6 +5,7 @@
 #include <set>
 
 #include "base/log.h"
+#include "runtime/ep/parked.h"
 #include "runtime/migration/placement_diff.h"
 
 namespace moerun {
@@ -41,6 +42,32 @@ RouterControl::~RouterControl() {
   }
   // Replies and switch messages are small (sent eagerly); wait a little for them, then withdraw.
   outgoing_.Drain(t_, DeadlineIn(std::chrono::milliseconds(2000)));
+  for (auto& s : shutdowns_) {  // a send that cannot be withdrawn keeps its buffer
+    (void)t_->Cancel(s->req);
+    if (!t_->can_withdraw_sends()) ParkForProcess(std::move(s));
+  }
+}
+
+Status RouterControl::SendShutdown(int rank) {
+  auto s = std::make_unique<ShutdownSend>();
+  s->header.assign(header_bytes_, 0);
+  EpHeaderFixed h;
+  h.kind = static_cast<uint32_t>(EpKind::kShutdown);
+  std::memcpy(s->header.data(), &h, sizeof h);
+  MOERUN_ASSIGN_OR_RETURN(s->req, t_->Isend(rank, kTagHeader, s->header.data(), s->header.size()));
+  shutdowns_.push_back(std::move(s));
+  return Status::Ok();
+}
+
+void RouterControl::PollShutdowns() {
+  std::erase_if(shutdowns_, [this](const std::unique_ptr<ShutdownSend>& s) {
+    Result<bool> done = t_->Test(s->req);
+    if (!done.ok()) {  // the retired rank left before it took this router's shutdown: fine
+      spdlog::info("router {}: the shutdown of retired rank {}: {}", t_->rank(), s->req.peer,
+                   done.status().ToString());
+    }
+    return !done.ok() || *done;
+  });
 }
 
 bool RouterControl::Gone(int rank) const { return membership_.dead(rank) || t_->peer_failed(rank); }
@@ -54,6 +81,11 @@ void RouterControl::CancelReceive(int rank) {
 std::vector<int> RouterControl::dead_ranks() const {
   std::lock_guard<std::mutex> lock(mu_);
   return membership_.dead_ranks();
+}
+
+std::vector<int> RouterControl::retired_ranks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return membership_.retired_ranks();
 }
 
 uint64_t RouterControl::experts_replaced() const {
@@ -133,6 +165,7 @@ Status RouterControl::PollReceives() {
     MOERUN_ASSIGN_OR_RETURN(r, t_->Irecv(p, kTagControl, &h, sizeof h));
     MOERUN_RETURN_IF_ERROR(OnMessage(p, body));
   }
+  PollShutdowns();
   return outgoing_.Poll(t_, [this](int peer) { return Gone(peer); });
 }
 
@@ -160,6 +193,14 @@ Status RouterControl::HandleMessage(int from, const std::string& body) {
     if (!s.ok()) {
       spdlog::error("router {}: rank {} joined, but this router cannot reach it: {}", me, rank,
                     s.ToString());
+    }
+    return Status::Ok();
+  }
+  if (j.contains("op") && j["op"] == "retire" && from == 0) {  // router 0 retired "rank"
+    const int rank = j.value("rank", -1);
+    const Status s = membership_.OnRetire(rank);
+    if (!s.ok()) {
+      spdlog::error("router {}: rank {} was retired, but not here: {}", me, rank, s.ToString());
     }
     return Status::Ok();
   }
@@ -309,6 +350,7 @@ Status RouterControl::Poll() {
   membership_.StepJoins();
   MOERUN_RETURN_IF_ERROR(updates_.Step());
   MOERUN_RETURN_IF_ERROR(migrations_.Step(updates_.promoted()));
+  MOERUN_RETURN_IF_ERROR(membership_.StepRetire(migrations_.last()));
   return membership_.Recover(migrations_.last(),
                              [this](const Placement& target, const MigrationOptions& options) {
                                return StartMigration(target, options);
@@ -337,6 +379,14 @@ Result<MigrationView> RouterControl::Apply(const Placement& target,
   std::lock_guard<std::mutex> lock(mu_);
   MOERUN_RETURN_IF_ERROR(membership_.CheckAlive(target));
   return StartMigration(target, options);
+}
+
+Result<MigrationView> RouterControl::Retire(int rank, const MigrationOptions& options) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return membership_.Retire(rank, options,
+                            [this](const Placement& target, const MigrationOptions& o) {
+                              return StartMigration(target, o);
+                            });
 }
 
 MigrationView RouterControl::Progress() const {

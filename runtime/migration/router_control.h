@@ -93,6 +93,12 @@ class RouterControl : private ControlLink {
   // or the joiner's model or placement differ from the job's; kUnsupported when the transport
   // cannot take a new process in (only ucx can).
   void Join(JoinAsk ask);
+  // Router 0, any thread: retires expert rank `rank` (moectl retire; RankMembership::Retire):
+  // the migration to the placement without it, then every router sends it its shutdown and
+  // marks it retired. kInvalidArgument for a router, an unknown, dead or retired rank, or the
+  // last live expert rank; kUnavailable while another retire, a migration or an expert update
+  // runs.
+  Result<MigrationView> Retire(int rank, const MigrationOptions& options);
   // Router 0's thread, when it begins to drain (SIGTERM): tells every other live router to
   // drain too (in order after what it was sent before), so that one signal stops the job.
   Status DrainOthers();
@@ -100,6 +106,7 @@ class RouterControl : private ControlLink {
   bool drain_requested() const { return drain_.requested(); }
   // Any thread: the ranks known dead, and the expert copies recoveries re-placed so far.
   std::vector<int> dead_ranks() const;
+  std::vector<int> retired_ranks() const;
   uint64_t experts_replaced() const;
 
  private:
@@ -111,6 +118,9 @@ class RouterControl : private ControlLink {
   Result<int> Switch(int layer, std::shared_ptr<const Placement> next, bool tell_routers,
                      ReplyFn done) override;
   void CancelReceive(int rank) override;
+  Status SendShutdown(int rank) override;
+  // Frees the shutdown sends that completed (or failed to a gone rank).
+  void PollShutdowns();
 
   static std::vector<int> LayerNumbers(const std::map<int, RouterLayer*>& layers);
   Status PollReceives();
@@ -135,6 +145,11 @@ class RouterControl : private ControlLink {
   std::vector<EpControlHeader> in_headers_;
   std::vector<Request> in_reqs_;
   OwnedSends outgoing_;
+  struct ShutdownSend {
+    std::vector<char> header;
+    Request req;
+  };
+  std::vector<std::unique_ptr<ShutdownSend>> shutdowns_;  // to retired ranks, in flight
   size_t header_bytes_;
   // Operations awaiting answers: a rank silent for longer than the deadline (load progress comes
   // every second) fails its operation.

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -39,8 +41,20 @@ Result<std::unique_ptr<RankJob>> RankJob::Prepare(Transport* t, const JobOptions
   std::string note;
   MOERUN_ASSIGN_OR_RETURN(job->spec_, SpecOf(opts.source, &note));
   if (!note.empty() && t->rank() == 0) spdlog::info("{}", note);
+  const int launched = t->size() - opts.spare_ranks;
+  if (opts.spare_ranks < 0 || launched <= opts.routers) {
+    return Status::InvalidArgument(
+        fmt::format("{} spare rank(s) of {}: the job needs a router and an expert rank launched",
+                    opts.spare_ranks, t->size()));
+  }
   MOERUN_ASSIGN_OR_RETURN(Placement made, Placement::Make(opts.placement, job->spec_.num_experts,
-                                                          t->size(), opts.routers));
+                                                          launched, opts.routers));
+  if (opts.spare_ranks > 0) {
+    // The same placement over every rank: the spare ones hold nothing.
+    nlohmann::json j = nlohmann::json::parse(made.ToJson());
+    j["num_ranks"] = t->size();
+    MOERUN_ASSIGN_OR_RETURN(made, Placement::FromJson(j.dump(), "the placement with spare ranks"));
+  }
   job->placement_ = std::make_shared<const Placement>(std::move(made));
   job->header_bytes_ = HeaderBytes(*job->placement_, opts.layers);
   job->threads_ =
@@ -164,10 +178,16 @@ Status RankJob::LoadCached() {
 
 Status RankJob::WaitReady() {
   if (opts_.joined) return Status::Ok();  // the others are serving already
-  MOERUN_RETURN_IF_ERROR(t_->Barrier(SteadyClock::now() + opts_.startup_timeout));
+  MOERUN_RETURN_IF_ERROR(
+      t_->Barrier(SteadyClock::now() + opts_.startup_timeout, t_->size() - opts_.spare_ranks));
   if (rank() == 0) {
-    spdlog::info("all {} ranks ready ({} router(s), {} expert ranks, placement {} v{})", t_->size(),
-                 opts_.routers, t_->size() - opts_.routers, opts_.placement, placement_->version());
+    spdlog::info("all {} ranks ready ({} router(s), {} expert ranks, placement {} v{}){}",
+                 t_->size() - opts_.spare_ranks, opts_.routers,
+                 t_->size() - opts_.spare_ranks - opts_.routers, opts_.placement,
+                 placement_->version(),
+                 opts_.spare_ranks > 0
+                     ? fmt::format(", {} spare expert rank(s) for joiners", opts_.spare_ranks)
+                     : std::string());
   }
   return Status::Ok();
 }

@@ -53,6 +53,10 @@ struct JobOptions {
   // loads no experts (the placement in use holds none on it; a rebalance brings them) and waits
   // for no other rank.
   bool joined = false;
+  // Expert rank slots after the launched ranks (the transport's last ranks, no process yet;
+  // moerun serve's spare_expert_ranks): the placement is made over the launched ranks and holds
+  // nothing on them, and the start barrier waits for the launched ranks only.
+  int spare_ranks = 0;
   // Expert ranks: an expert cache of this many bytes (0: every hosted expert resident). At start
   // the pinned experts (every layer) and then the others in expert order are loaded up to the
   // budget; the rest load when a microbatch needs them (runtime/cache/expert_cache.h).

@@ -48,6 +48,7 @@ VALID = {
     ("moectl", "placement", "import"): [os.path.join(TMP, "p.json")],
     ("moectl", "placement", "progress"): [],
     ("moectl", "rebalance"): [],
+    ("moectl", "retire"): ["3"],
     ("moectl", "expert"): ["status"],
     ("moectl", "expert", "update"): ["--layer", "0", "--expert", "0", "--from", INPUT],
     ("moectl", "expert", "status"): [],
@@ -220,7 +221,8 @@ def visit(path):
             expect_bad(list(path) + without(valid, flag), flag, "missing required flag")
     for name, spec in pos:
         if "REQUIRED" in spec:
-            rest = [a for a in valid if not a.startswith(TMP) and a != INPUT]
+            # The positionals of VALID: paths, and bare numbers (moectl retire RANK).
+            rest = [a for a in valid if not a.startswith(TMP) and a != INPUT and not a.isdigit()]
             expect_bad(list(path) + rest, name, "missing required positional")
     # Each option whose type refuses some value, given one.
     for flag, spec in opts:

@@ -83,6 +83,16 @@ Result<UcxOptions> UcxOptionsFromEnvironment() {
     }
     o.put_min = static_cast<size_t>(n);
   }
+  if (const char* v = std::getenv("MOERUN_UCX_SPARE_RANKS")) {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || n < 0 || n > 4096) {
+      return Status::InvalidArgument(
+          std::string("MOERUN_UCX_SPARE_RANKS must be a rank count from 0 to 4096, not '") + v +
+          "'");
+    }
+    o.spare_ranks = static_cast<int>(n);
+  }
   if (const char* v = std::getenv("MOERUN_UCX_PROTOCOL")) {
     const std::string p = v;
     if (p == "auto") {

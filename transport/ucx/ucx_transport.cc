@@ -25,6 +25,8 @@ Status UcxTransport::Init() {
       std::vector<std::vector<uint8_t>> addrs,
       AllGatherBytes(*boot_, own_address(), kReservedTagBase + 200, size_t{1} << 20, deadline,
                      "ucx bootstrap (worker addresses)"));
+  // The spare ranks: no address (failed from the start) until a joined process takes one.
+  addrs.resize(addrs.size() + static_cast<size_t>(opts_.spare_ranks));
   MOERUN_RETURN_IF_ERROR(Connect(rank_, std::move(addrs)));
   return boot_->Barrier(deadline);
 }

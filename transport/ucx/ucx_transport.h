@@ -49,6 +49,10 @@ enum class UcxProtocol { kAuto, kPut, kTag };
 struct UcxOptions {
   size_t put_min = 16384;  // messages of at least this many bytes go by put (MOERUN_UCX_PUT_MIN)
   UcxProtocol protocol = UcxProtocol::kAuto;
+  // Ranks after the launched ones (MOERUN_UCX_SPARE_RANKS; moerun serve sets it from the config's
+  // spare_expert_ranks): the transport's size is the bootstrap's plus these; they have no process
+  // and no address (failed from the start) until ReplacePeer gives one a joined process's.
+  int spare_ranks = 0;
 };
 
 // Creates this rank's UCX endpoint set: one context and worker, endpoints to every rank from
@@ -72,7 +76,8 @@ using UcxJoiner = TransportJoiner;
 // Same environment settings (and log lines) as CreateUcxTransport.
 Result<std::unique_ptr<UcxJoiner>> CreateUcxJoiner(UcxOptions options = {});
 
-// The options from the environment (MOERUN_UCX_PUT_MIN), with a clear error for a bad value.
+// The options from the environment (MOERUN_UCX_PUT_MIN, MOERUN_UCX_PROTOCOL,
+// MOERUN_UCX_SPARE_RANKS), with a clear error for a bad value.
 Result<UcxOptions> UcxOptionsFromEnvironment();
 
 // Whether this UCX build handles CUDA device memory (UCS_MEMORY_TYPE_CUDA among the memory types

@@ -1,0 +1,145 @@
+// moectl retire inside one process (ranks as threads over the inproc transport, the real
+// RouterControl, PeerHealth and expert ranks): a retired expert rank's experts move to the others
+// first (a migration), every answer before, during and after is bitwise the single-process
+// layer's, then the rank is sent its shutdown and its thread ends; it is "retired", not dead.
+// The refusals (a router, an unknown rank, a retired one, the last live one, a second retire
+// while one runs) are checked with their messages.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "runtime/migration/router_control.h"
+#include "runtime/ranks/rank_job.h"
+#include "tests/unit/inproc_job.h"
+#include "tests/unit/layer_fixtures.h"
+
+namespace moerun {
+namespace {
+
+using moerun::testing::FixtureDir;
+using moerun::testing::LoadFixture;
+using moerun::testing::RunInprocJob;
+
+std::vector<float> RetireInput(int64_t tokens, int64_t hidden, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(tokens * hidden));
+  for (float& v : x) v = d(rng);
+  return x;
+}
+
+std::vector<float> RetireTruth(const std::string& fixture, const std::vector<float>& x,
+                               int64_t tokens) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(2);
+  MoeLayer layer(LoadFixture(fixture, k), k, &pool);
+  std::vector<float> out(x.size());
+  EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
+  return out;
+}
+
+bool HoldsAny(const Placement& p, int rank) {
+  std::vector<bool> only(static_cast<size_t>(p.num_ranks()), false);
+  only[static_cast<size_t>(rank)] = true;
+  return p.UsesAny(only, {0});  // the layer served
+}
+
+// Serves `x` between polls (every answer checked) until the retire of `rank` is complete: its
+// migration done and the rank retired here.
+void ServeUntilRetired(RouterLayer* layer, RouterControl* c, int rank, const std::vector<float>& x,
+                       int64_t tokens, const std::vector<float>& want) {
+  std::vector<float> out(x.size());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  int batches = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    ASSERT_TRUE(c->Poll().ok());
+    ASSERT_TRUE(layer->Forward(x.data(), tokens, out.data()).ok());
+    ASSERT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0) << "batch " << batches;
+    ++batches;
+    const std::vector<int> retired = c->retired_ranks();
+    if (std::find(retired.begin(), retired.end(), rank) != retired.end()) return;
+  }
+  FAIL() << "rank " << rank << " was not retired";
+}
+
+TEST(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
+  const std::string fixture = "deepseek_v3";
+  const int ranks = 4, routers = 1;  // expert ranks 1..3
+  const auto spec = LoadModelSpec(FixtureDir(fixture));
+  ASSERT_TRUE(spec.ok());
+  const int64_t tokens = 64;
+  const auto x = RetireInput(tokens, spec->hidden, 11);
+  const auto want = RetireTruth(fixture, x, tokens);
+
+  JobOptions opts;
+  opts.routers = routers;
+  opts.source.model = FixtureDir(fixture);
+  opts.layers = {0};
+  opts.placement = "linear";
+  opts.ep.deadline = std::chrono::milliseconds(20000);
+  opts.threads = 1;
+  opts.isa = BestIsa();
+  opts.router.control = true;
+  opts.router.health = PeerHealthOptions{};
+  const RouterWork rw = [&](RouterRank& router) -> Status {
+    RouterControl* c = router.control();
+    if (c == nullptr) return Status::Internal("no RouterControl");
+    RouterLayer* layer = router.layers().at(0);
+    MigrationOptions o;
+    o.expert_bytes = 1;
+    auto refused = [&](int rank, StatusCode code, const std::string& words) {
+      auto r = c->Retire(rank, o);
+      EXPECT_FALSE(r.ok()) << "retire " << rank;
+      if (r.ok()) return;
+      EXPECT_EQ(r.status().code(), code) << r.status().ToString();
+      EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().ToString();
+    };
+    refused(0, StatusCode::kInvalidArgument, "rank 0 is a router");
+    refused(7, StatusCode::kInvalidArgument, "no rank 7 in this job");
+    refused(-1, StatusCode::kInvalidArgument, "no rank -1");
+
+    // Rank 2 holds experts (linear): they move first, then it leaves.
+    EXPECT_TRUE(HoldsAny(*c->placement(), 2));
+    auto started = c->Retire(2, o);
+    EXPECT_TRUE(started.ok()) << started.status().ToString();
+    if (!started.ok()) return started.status();
+    EXPECT_EQ(started->trigger, "retire");
+    EXPECT_EQ(started->state, "running");
+    refused(3, StatusCode::kUnavailable, "rank 2 is being retired");
+    ServeUntilRetired(layer, c, 2, x, tokens, want);
+    const MigrationView v = c->Progress();
+    EXPECT_EQ(v.state, "done") << v.error;
+    EXPECT_EQ(v.trigger, "retire");
+    EXPECT_FALSE(HoldsAny(*c->placement(), 2));
+    EXPECT_TRUE(c->dead_ranks().empty());  // retired is no failure
+    refused(2, StatusCode::kInvalidArgument, "rank 2 is already retired");
+    // A placement that gives it experts again is refused.
+    EXPECT_FALSE(c->Apply(*Placement::Linear(spec->num_experts, ranks, routers), o).ok());
+
+    // Then rank 1: rank 3 alone serves everything, still bitwise.
+    EXPECT_TRUE(c->Retire(1, o).ok());
+    ServeUntilRetired(layer, c, 1, x, tokens, want);
+    EXPECT_EQ(c->retired_ranks(), (std::vector<int>{1, 2}));
+    refused(3, StatusCode::kInvalidArgument, "rank 3 is the last live expert rank");
+    std::vector<float> out(x.size());
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(c->Poll().ok());
+      EXPECT_TRUE(layer->Forward(x.data(), tokens, out.data()).ok());
+      EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
+    }
+    return Status::Ok();
+  };
+  // The retired ranks' threads end (their Serve returns once the router's shutdown came) with
+  // Ok, as every other rank's.
+  const std::vector<Status> results = RunInprocJob(ranks, opts, rw);
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
+  }
+}
+
+}  // namespace
+}  // namespace moerun
