@@ -6,6 +6,9 @@
 #   - every kernel variant the CPU has, forced one at a time through the CLI tests (MOERUN_ISA)
 #   - the whole multi-rank matrix: every golden fixture x 2/3/4 ranks x placements x
 #     microbatching, under mpirun and across two network-namespace hosts (MOERUN_FULL=1)
+#   - 64 ranks on this machine (4 routers, 60 expert ranks, mpirun --oversubscribe) over mpi and
+#     ucx: forward bitwise, serve under verified load, start-up and memory per rank
+#     (tests/mpi/scale_ranks.sh; JSON lines in build/bench/scale_ranks_64.jsonl)
 #   - a 60 s soak of moerun serve under moebench serve --verify (resident memory per rank)
 #   - tests/serving/rebalance_restart.sh: skewed load, moectl placement plan, the plan applied
 #     by a restart; tests/serving/migrate_netns.sh: the same online, each expert rank on its own
@@ -44,6 +47,12 @@ done
 
 printf '\n==== multi-rank matrix (mpirun, namespace hosts) ====\n'
 MOERUN_FULL=1 ctest --test-dir build --output-on-failure -L 'mpi|multihost' --timeout 1800
+
+printf '\n==== 64 ranks on one machine (tests/mpi/scale_ranks.sh) ====\n'
+mkdir -p build/bench
+rm -f build/bench/scale_ranks_64.jsonl
+UCX_TLS=sm,self MOERUN_SCALE_SUMMARY=build/bench/scale_ranks_64.jsonl \
+  bash tests/mpi/scale_ranks.sh build/bin/moerun build/bin/moebench tests/data 64 mpi,ucx 8
 
 printf '\n==== serving soak: 60 s of verified load, resident memory per rank ====\n'
 bash tests/serving/serve_e2e.sh build/bin/moerun build/bin/moectl build/bin/moebench tests/data 60
