@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -304,6 +305,52 @@ TEST(UcxReplacePeer, TwoReplacementsInOneProcess) {
   EXPECT_FALSE(a->peer_failed(1));
   EXPECT_FALSE(c->peer_failed(0));
   DestroyWhileProgressing(c, *a);
+}
+
+// Spare ranks (moerun serve's spare_expert_ranks): a transport made over a one-rank bootstrap with
+// two spare ranks has three; the spare ones are failed from the start (no process), the barrier
+// over the launched ranks passes, and a joiner takes spare rank 2: ReplacePeer makes its first
+// endpoint and messages of every size flow, while spare rank 1 stays failed. The option's
+// environment variable is parsed with a clear error.
+TEST(UcxReplacePeer, SpareRanksBeyondTheBootstrap) {
+  UcxOptions opts;
+  opts.protocol = UcxProtocol::kPut;
+  opts.spare_ranks = 2;
+  std::string skip;
+  std::unique_ptr<UcxJoiner> jb = Joiner(opts, &skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_NE(jb, nullptr);
+  auto fabric = InprocFabric::Create(1);
+  MOERUN_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Transport> a,
+                              CreateUcxTransport(fabric->Endpoint(0), opts));
+  EXPECT_EQ(a->size(), 3);
+  EXPECT_FALSE(a->peer_failed(0));
+  EXPECT_TRUE(a->peer_failed(1));
+  EXPECT_TRUE(a->peer_failed(2));
+  uint8_t byte = 1;
+  const Result<Request> none = a->Isend(1, 40, &byte, 1);
+  EXPECT_EQ(none.status().code(), StatusCode::kUnavailable) << none.status().ToString();
+  MOERUN_EXPECT_OK(a->Barrier(Patient(), /*among=*/1));
+
+  MOERUN_ASSERT_OK(a->ReplacePeer(2, jb->address()));
+  EXPECT_FALSE(a->peer_failed(2));
+  EXPECT_TRUE(a->peer_failed(1));
+  MOERUN_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Transport> b,
+                              jb->Connect(2, {a->peer_address(0), {}, {}}));
+  EXPECT_EQ(b->size(), 3);
+  ExchangeInProcess(*a, *b, 40, Sizes(opts), 1);
+  ASSERT_FALSE(HasFatalFailure());
+  DestroyWhileProgressing(b, *a);
+
+  ::setenv("MOERUN_UCX_SPARE_RANKS", "3", 1);
+  Result<UcxOptions> env = UcxOptionsFromEnvironment();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->spare_ranks, 3);
+  ::setenv("MOERUN_UCX_SPARE_RANKS", "-1", 1);
+  env = UcxOptionsFromEnvironment();
+  EXPECT_EQ(env.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(env.status().message().find("MOERUN_UCX_SPARE_RANKS"), std::string::npos);
+  ::unsetenv("MOERUN_UCX_SPARE_RANKS");
 }
 
 // --- under mpirun -------------------------------------------------------------------------------
