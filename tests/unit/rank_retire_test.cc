@@ -65,9 +65,13 @@ void ServeUntilRetired(RouterLayer* layer, RouterControl* c, int rank, const std
   FAIL() << "rank " << rank << " was not retired";
 }
 
-TEST(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
+class RankRetireTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
   const std::string fixture = "deepseek_v3";
-  const int ranks = 4, routers = 1;  // expert ranks 1..3
+  const int routers = GetParam();
+  const int ranks = routers + 3;  // expert ranks a, b, c
+  const int a = routers, b = routers + 1, c3 = routers + 2;
   const auto spec = LoadModelSpec(FixtureDir(fixture));
   ASSERT_TRUE(spec.ok());
   const int64_t tokens = 64;
@@ -84,9 +88,26 @@ TEST(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
   opts.isa = BestIsa();
   opts.router.control = true;
   opts.router.health = PeerHealthOptions{};
+  std::atomic<bool> finished{false};
   const RouterWork rw = [&](RouterRank& router) -> Status {
     RouterControl* c = router.control();
     if (c == nullptr) return Status::Internal("no RouterControl");
+    if (router.rank() != 0) {
+      // Router 0 tells the others: they mark the ranks retired too (and send their shutdowns).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!finished || (c->retired_ranks() != std::vector<int>{a, b} &&
+                           std::chrono::steady_clock::now() < until)) {
+        MOERUN_RETURN_IF_ERROR(router.Poll());
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_EQ(c->retired_ranks(), (std::vector<int>{a, b})) << "router " << router.rank();
+      return Status::Ok();
+    }
+    // Router 0's part; the others stop polling once it ends, however it ends.
+    struct Done {
+      std::atomic<bool>* flag;
+      ~Done() { *flag = true; }
+    } done{&finished};
     RouterLayer* layer = router.layers().at(0);
     MigrationOptions o;
     o.expert_bytes = 1;
@@ -97,33 +118,35 @@ TEST(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
       EXPECT_EQ(r.status().code(), code) << r.status().ToString();
       EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().ToString();
     };
-    refused(0, StatusCode::kInvalidArgument, "rank 0 is a router");
-    refused(7, StatusCode::kInvalidArgument, "no rank 7 in this job");
+    const std::string n = std::to_string(routers - 1);
+    refused(routers - 1, StatusCode::kInvalidArgument, "rank " + n + " is a router");
+    refused(9, StatusCode::kInvalidArgument, "no rank 9 in this job");
     refused(-1, StatusCode::kInvalidArgument, "no rank -1");
 
-    // Rank 2 holds experts (linear): they move first, then it leaves.
-    EXPECT_TRUE(HoldsAny(*c->placement(), 2));
-    auto started = c->Retire(2, o);
+    // Rank b holds experts (linear): they move first, then it leaves.
+    const std::string sb = std::to_string(b), sc = std::to_string(c3);
+    EXPECT_TRUE(HoldsAny(*c->placement(), b));
+    auto started = c->Retire(b, o);
     EXPECT_TRUE(started.ok()) << started.status().ToString();
     if (!started.ok()) return started.status();
     EXPECT_EQ(started->trigger, "retire");
     EXPECT_EQ(started->state, "running");
-    refused(3, StatusCode::kUnavailable, "rank 2 is being retired");
-    ServeUntilRetired(layer, c, 2, x, tokens, want);
+    refused(c3, StatusCode::kUnavailable, "rank " + sb + " is being retired");
+    ServeUntilRetired(layer, c, b, x, tokens, want);
     const MigrationView v = c->Progress();
     EXPECT_EQ(v.state, "done") << v.error;
     EXPECT_EQ(v.trigger, "retire");
-    EXPECT_FALSE(HoldsAny(*c->placement(), 2));
+    EXPECT_FALSE(HoldsAny(*c->placement(), b));
     EXPECT_TRUE(c->dead_ranks().empty());  // retired is no failure
-    refused(2, StatusCode::kInvalidArgument, "rank 2 is already retired");
+    refused(b, StatusCode::kInvalidArgument, "rank " + sb + " is already retired");
     // A placement that gives it experts again is refused.
     EXPECT_FALSE(c->Apply(*Placement::Linear(spec->num_experts, ranks, routers), o).ok());
 
-    // Then rank 1: rank 3 alone serves everything, still bitwise.
-    EXPECT_TRUE(c->Retire(1, o).ok());
-    ServeUntilRetired(layer, c, 1, x, tokens, want);
-    EXPECT_EQ(c->retired_ranks(), (std::vector<int>{1, 2}));
-    refused(3, StatusCode::kInvalidArgument, "rank 3 is the last live expert rank");
+    // Then rank a: rank c alone serves everything, still bitwise.
+    EXPECT_TRUE(c->Retire(a, o).ok());
+    ServeUntilRetired(layer, c, a, x, tokens, want);
+    EXPECT_EQ(c->retired_ranks(), (std::vector<int>{a, b}));
+    refused(c3, StatusCode::kInvalidArgument, "rank " + sc + " is the last live expert rank");
     std::vector<float> out(x.size());
     for (int i = 0; i < 3; ++i) {
       EXPECT_TRUE(c->Poll().ok());
@@ -140,6 +163,9 @@ TEST(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
         << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Routers, RankRetireTest, ::testing::Values(1, 2),
+                         [](const auto& tp) { return "routers" + std::to_string(tp.param); });
 
 }  // namespace
 }  // namespace moerun
