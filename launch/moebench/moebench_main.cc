@@ -12,7 +12,9 @@
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "launch/moebench/cache_replay.h"
+#include "launch/moebench/calibrate.h"
 #include "launch/moebench/layer_bench.h"
+#include "launch/moebench/model_cmd.h"
 #include "launch/moebench/replay_bench.h"
 #include "launch/moebench/serve_bench.h"
 #include "launch/moebench/sgemm_baseline.h"
@@ -248,6 +250,85 @@ int main(int argc, char** argv) {
       }
     });
 
+    moerun::bench::CalibrateFlags calf;
+    CLI::App* calibrate = app.add_subcommand(
+        "calibrate",
+        "Measure this machine for `moebench model`: kernels, gate, combine (alone); the "
+        "transport (under mpirun, or --transport inproc --ranks N)");
+    calibrate->add_option("--out", calf.out,
+                          "Write the profile here (merged into an existing one)");
+    calibrate->add_flag("--quick", calf.quick, "Fewer points, shorter timings");
+    calibrate->add_option("--preset", calf.preset, "Shape the kernels are timed on")
+        ->default_val(calf.preset);
+    calibrate->add_option("--experts", calf.experts, "Experts timed per pass")
+        ->default_val(calf.experts);
+    calibrate->add_option("--dtypes", calf.dtypes, "Weight types, a list")
+        ->default_val(calf.dtypes);
+    calibrate->add_option("--threads", calf.threads, "Kernel threads (default: all cores)");
+    moerun::AddLaunchFlags(calibrate, &calf.launch);
+    calibrate->callback([&calf] {
+      if (const moerun::Status s = moerun::ValidateLaunchFlags(calf.launch); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+
+    moerun::bench::ModelFlags mf;
+    CLI::App* model_cmd = app.add_subcommand(
+        "model", "Predict a layer's time by part, tokens/s, p50/p99 and memory per rank");
+    model_cmd->add_option("--profile", mf.profile, "A profile of moebench calibrate");
+    model_cmd->add_option("--device-gbps", mf.device_gbps, "Figures: device memory GB/s");
+    model_cmd->add_option("--device-tflops", mf.device_tflops,
+                          "Figures: device dense TFLOP/s for the weight type");
+    model_cmd->add_option("--link-gbps", mf.link_gbps, "Figures: GB/s per rank within a node");
+    model_cmd->add_option("--link-us", mf.link_us, "Figures: latency per message within a node");
+    model_cmd->add_option("--net-gbps", mf.net_gbps, "Figures: GB/s per rank across nodes");
+    model_cmd->add_option("--net-us", mf.net_us, "Figures: latency per message across nodes");
+    model_cmd->add_option("--kernel-us", mf.kernel_us, "Figures: overhead per kernel pass")
+        ->default_val(mf.kernel_us);
+    model_cmd->add_option("--nodes", mf.nodes, "Figures: nodes")->default_val(1);
+    model_cmd->add_option("--ranks-per-node", mf.ranks_per_node, "Figures: devices per node");
+    auto* mm = model_cmd->add_option("--model", mf.model, "Model folder (config.json)");
+    auto* mp = model_cmd->add_option("--preset", mf.preset, "Preset name");
+    mm->excludes(mp);
+    model_cmd->add_option("--experts", mf.experts, "Preset expert count (default: the full model)");
+    model_cmd->add_option("--dtype", mf.dtype, "Weight type: f32, bf16, fp8, mxfp4")
+        ->default_val(mf.dtype);
+    model_cmd->add_option("--hidden", mf.hidden, "Override: hidden size");
+    model_cmd->add_option("--inter", mf.inter, "Override: expert intermediate size");
+    model_cmd->add_option("--shared-inter", mf.shared_inter,
+                          "Override: shared expert size (0: none)");
+    model_cmd->add_option("--top-k", mf.top_k, "Override: experts per token");
+    model_cmd->add_option("--moe-layers", mf.moe_layers, "Override: MoE layers of the model");
+    model_cmd
+        ->add_option("--activation-bytes", mf.activation_bytes,
+                     "Bytes per value of the rows sent and held (moerun: 4, F32)")
+        ->default_val(mf.activation_bytes);
+    model_cmd->add_option("--tokens", mf.tokens, "Tokens per batch")->default_val(mf.tokens);
+    model_cmd->add_option("--microbatch-tokens", mf.microbatch_tokens, "Per router (0: off)")
+        ->default_val(0);
+    model_cmd->add_option("--routers", mf.routers, "Router ranks (profile)")->default_val(1);
+    model_cmd->add_option("--ranks", mf.ranks, "Ranks, routers included (profile)");
+    model_cmd->add_option("--transport", mf.transport, "The profile's transport entry")
+        ->default_val(mf.transport);
+    model_cmd->add_option("--placement", mf.placement, "linear, round_robin or a placement file")
+        ->default_val(mf.placement);
+    auto* loads = model_cmd->add_option("--loads", mf.loads, "Loads per expert: a file of numbers");
+    model_cmd
+        ->add_option("--gate-skew", mf.gate_skew, "Preset routing skew (sampled from its gate)")
+        ->excludes(loads);
+    model_cmd->add_option("--threads", mf.threads, "Kernel threads per rank (profile)");
+    model_cmd->add_option("--rate", mf.rate, "Served: requests/s (0: no serving prediction)");
+    model_cmd->add_option("--tokens-per-request", mf.tokens_per_request, "Served: tokens each")
+        ->default_val(1);
+    model_cmd->add_option("--max-batch-tokens", mf.max_batch_tokens, "Served: the batcher's")
+        ->default_val(mf.max_batch_tokens);
+    model_cmd->add_option("--max-wait-us", mf.max_wait_us, "Served: the batcher's")
+        ->default_val(mf.max_wait_us);
+    model_cmd
+        ->add_option("--request-overhead-us", mf.request_overhead_us,
+                     "Served: client and network time per request")
+        ->default_val(0);
+
     std::string shapes;
     int threads = 0;
     double min_time = 1.0;
@@ -282,6 +363,8 @@ int main(int argc, char** argv) {
       return moerun::bench::RunLayerBench(lf);
     }
     if (transport->parsed()) return moerun::bench::RunTransportBench(tf);
+    if (calibrate->parsed()) return moerun::bench::RunCalibrate(calf);
+    if (model_cmd->parsed()) return moerun::bench::RunModel(mf);
     if (serve->parsed()) return moerun::bench::RunServeBench(sf);
     if (replay->parsed()) return moerun::bench::RunReplayBench(rf);
     if (cache_replay->parsed()) return moerun::bench::RunCacheReplay(cf);
