@@ -78,11 +78,12 @@ ServedModel ServedModelFor(const ServeSetup& s) {
   return m;
 }
 
-// moectl's endpoint on router 0: the rank's views, and with a placement control its commands.
+// moectl's endpoint on router 0 (control_listen), or on router r that took the control plane
+// over (control_listen's port + r): the rank's views, and with a placement control its commands.
 Result<std::unique_ptr<ControlEndpoint>> StartControl(const ServeSetup& s, RankServices& rs,
-                                                      PlacementControl* pc) {
+                                                      PlacementControl* pc, int rank) {
   FramedServerOptions co;
-  co.listen = s.control_listen;
+  co.listen = WithPortOffset(s.control_listen, rank);
   co.name = "control";
   co.max_connections = 64;
   co.first_frame_timeout = std::chrono::milliseconds(s.config.serving.first_frame_timeout_ms);
@@ -131,7 +132,9 @@ class RouterServer {
 
  private:
   void StartPlacementControl();
-  void Tick();  // between batches and when idle, after the router rank's poll
+  void StartCoordinating();  // router 0 at the start, another router when it takes over
+  void TakeOver();           // router r > 0, once the routers below it are gone
+  void Tick();               // between batches and when idle, after the router rank's poll
 
   RouterRank& router_;
   RankServices& rs_;
@@ -159,7 +162,11 @@ void RouterServer::StartPlacementControl() {
   version_ = rs_.metrics().AddGauge("moerun_placement_version",
                                     "Version of the placement this router uses");
   version_->Set(static_cast<double>(rc->placement()->version()));
-  if (router_.rank() != 0) return;
+  if (router_.rank() == 0) StartCoordinating();
+}
+
+void RouterServer::StartCoordinating() {
+  RouterControl* rc = router_.control();
   placement_control_ = std::make_unique<PlacementControl>(&rs_, rc, setup_.config.rebalance,
                                                           setup_.config.files_allow);
   migration_running_ =
@@ -190,7 +197,7 @@ Status RouterServer::Start() {
   if (setup_.token.empty()) {
     spdlog::warn("no control token file (serving.token_file or --token-file): moectl is off");
   } else {
-    MOERUN_ASSIGN_OR_RETURN(control_, StartControl(setup_, rs_, placement_control_.get()));
+    MOERUN_ASSIGN_OR_RETURN(control_, StartControl(setup_, rs_, placement_control_.get(), 0));
   }
   spdlog::info("serving {} layer(s) of {} on {} ranks at {}; ready in {:.2f} s; stop with SIGTERM",
                router_.layers().size(), setup_.family, setup_.ranks,
@@ -199,7 +206,28 @@ Status RouterServer::Start() {
   return Status::Ok();
 }
 
+void RouterServer::TakeOver() {
+  const int rank = router_.rank();
+  StartCoordinating();
+  if (setup_.token.empty()) return;
+  auto control = StartControl(setup_, rs_, placement_control_.get(), rank);
+  if (!control.ok()) {
+    spdlog::error("router {}: took the control plane over, but moectl's endpoint did not open: {}",
+                  rank, control.status().ToString());
+    return;
+  }
+  control_ = std::move(control).value();
+  HostPort where = setup_.control_listen;
+  where.port = control_->port();
+  spdlog::warn("router {} coordinates the job now: moectl --target {}", rank,
+               FormatHostPort(where));
+}
+
 void RouterServer::Tick() {
+  if (!placement_control_ && router_.rank() != 0 && router_.control() != nullptr &&
+      router_.control()->coordinator() == router_.rank()) {
+    TakeOver();
+  }
   if (placement_control_) {
     placement_control_->Tick();
     const MigrationView mv = router_.control()->Progress();

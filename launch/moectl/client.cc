@@ -20,7 +20,10 @@ constexpr auto kPollInterval = std::chrono::milliseconds(500);
 }  // namespace
 
 void AddConnectionOptions(CLI::App& app, Session& s) {
-  app.add_option("--target", s.target, "Router 0's control endpoint HOST:PORT")
+  app.add_option("--target", s.target,
+                 "Router 0's control endpoint HOST:PORT, or a comma list tried in order (the "
+                 "routers that take the control plane over when router 0 dies: control_listen's "
+                 "port + rank)")
       ->default_val(s.target);
   app.add_option("--token-file", s.token_file, "File holding the control token")
       ->envname("MOERUN_TOKEN_FILE");
@@ -49,7 +52,15 @@ ControlClient::ControlClient(std::string target, std::string token, int timeout_
     : target_(std::move(target)),
       token_(std::move(token)),
       timeout_ms_(timeout_ms),
-      tls_(std::move(tls)) {}
+      tls_(std::move(tls)) {
+  std::string::size_type from = 0;
+  while (true) {
+    const std::string::size_type comma = target_.find(',', from);
+    targets_.push_back(target_.substr(from, comma - from));
+    if (comma == std::string::npos) break;
+    from = comma + 1;
+  }
+}
 
 int ControlClient::Call(const v1::ControlRequest& req, v1::ControlResponse* resp, bool retry) {
   Status s = Exchange(req, resp, retry);
@@ -77,9 +88,19 @@ Status ControlClient::CallOnce(const v1::ControlRequest& req, v1::ControlRespons
     ClientOptions co;
     co.connect_timeout = std::chrono::milliseconds(timeout_ms_);
     co.tls = tls_;
-    auto conn = ServeConnection::Connect(target_, co);
-    if (!conn.ok()) return conn.status();
-    conn_ = std::move(conn).value();
+    // The endpoints in order, from the one that answered last: the first that connects.
+    Status first = Status::Ok();
+    for (size_t i = 0; i < targets_.size() && !conn_; ++i) {
+      const size_t at = (current_ + i) % targets_.size();
+      auto conn = ServeConnection::Connect(targets_[at], co);
+      if (!conn.ok()) {
+        if (first.ok()) first = conn.status();
+        continue;
+      }
+      conn_ = std::move(conn).value();
+      current_ = at;
+    }
+    if (!conn_) return first;
   }
   MOERUN_RETURN_IF_ERROR(conn_->Send(req, deadline));
   return conn_->Receive(resp, deadline);

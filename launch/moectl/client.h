@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "base/status.h"
 #include "moerun/v1/control.pb.h"
@@ -19,7 +20,7 @@ namespace moerun::moectl {
 // The flags before the command, and the exit code its callback sets: 0 ok, 1 refused or failed
 // (also: a file that cannot be read), 2 bad usage.
 struct Session {
-  std::string target = "127.0.0.1:5800";  // --target HOST:PORT
+  std::string target = "127.0.0.1:5800";  // --target HOST:PORT[,HOST:PORT...]
   std::string token_file;                 // --token-file, or MOERUN_TOKEN_FILE
   int timeout_ms = 10000;                 // --timeout-ms: one request
   // --tls; --tls-ca-file (or MOERUN_TLS_CA_FILE), --tls-server-name, --tls-cert-file and
@@ -37,6 +38,8 @@ int Fail(const std::string& message, int code = 1);
 
 // One request, one answer, on a connection kept between calls (--wait polls on it). A call that
 // fails on the wire is tried again once on a fresh connection when `retry` (read-only requests).
+// `target` may be a comma list: a new connection goes to the first endpoint that accepts one,
+// in order from the last that did (the router that took the control plane over from router 0).
 class ControlClient {
  public:
   ControlClient(std::string target, std::string token, int timeout_ms, ClientTls tls = {});
@@ -49,6 +52,8 @@ class ControlClient {
   Status CallOnce(const v1::ControlRequest& req, v1::ControlResponse* resp);
 
   std::string target_, token_;
+  std::vector<std::string> targets_;  // target_ split at its commas
+  size_t current_ = 0;                // the endpoint of the last connection
   int timeout_ms_;
   ClientTls tls_;
   std::unique_ptr<ServeConnection> conn_;

@@ -120,6 +120,7 @@ Status RouterControl::SendToExpert(int rank, const std::string& op, ReplyFn on_r
 }
 
 Status RouterControl::SendToRouter(int rank, const std::string& body) {
+  if (rank == t_->rank() || Gone(rank)) return Status::Ok();  // a dead router serves nothing
   return outgoing_.Send(t_, rank, kTagControl, kTagControlBody, ControlHeaderFor(body), body);
 }
 
@@ -187,7 +188,8 @@ Status RouterControl::HandleMessage(int from, const std::string& body) {
                            ": malformed control message from rank " + std::to_string(from));
   }
   const uint64_t id = j["id"].get<uint64_t>();
-  if (j.contains("op") && j["op"] == "peer" && from == 0) {  // a process joined as "rank"
+  // The coordinator's messages: a process joined as "rank", "rank" was retired, drain.
+  if (j.contains("op") && j["op"] == "peer" && from == Coordinator()) {
     const int rank = j.value("rank", -1);
     const Status s = membership_.OnPeer(rank, j.value("address", std::string()));
     if (!s.ok()) {
@@ -196,7 +198,7 @@ Status RouterControl::HandleMessage(int from, const std::string& body) {
     }
     return Status::Ok();
   }
-  if (j.contains("op") && j["op"] == "retire" && from == 0) {  // router 0 retired "rank"
+  if (j.contains("op") && j["op"] == "retire" && from == Coordinator()) {
     const int rank = j.value("rank", -1);
     const Status s = membership_.OnRetire(rank);
     if (!s.ok()) {
@@ -204,12 +206,12 @@ Status RouterControl::HandleMessage(int from, const std::string& body) {
     }
     return Status::Ok();
   }
-  if (j.contains("op") && j["op"] == "drain" && from == 0) {
+  if (j.contains("op") && j["op"] == "drain" && from == Coordinator()) {
     drain_.Requested();
     return Status::Ok();
   }
   if (j.contains("op")) {  // router 0 to this router
-    if (j["op"] != "switch" || from != 0) {
+    if (j["op"] != "switch" || from != Coordinator()) {
       return Status::Corrupt("router " + std::to_string(me) + ": unexpected control request");
     }
     return HandleSwitch(id, j.value("layer", -1), j.value("placement", std::string()));
@@ -303,8 +305,8 @@ Result<int> RouterControl::Switch(int layer, std::shared_ptr<const Placement> ne
     }
   }
   if (tell_routers) {
-    for (int r = 1; r < next->num_routers(); ++r) {
-      if (Gone(r)) continue;  // a router that died serves no layer
+    for (int r = 0; r < next->num_routers(); ++r) {
+      if (r == me || Gone(r)) continue;  // a router that died serves no layer
       const uint32_t id = next_id_++;
       pending_[id] = PendingOp{done, r, std::chrono::steady_clock::now()};
       MOERUN_RETURN_IF_ERROR(SendToRouter(
@@ -346,7 +348,8 @@ Status RouterControl::Poll() {
   membership_.TakeInDeaths();
   MOERUN_RETURN_IF_ERROR(PollReceives());
   ExpireSilent();
-  if (t_->rank() != 0) return Status::Ok();
+  if (Coordinator() != t_->rank()) return Status::Ok();
+  if (t_->rank() != 0 && !took_over_) MOERUN_RETURN_IF_ERROR(TakeOver());
   membership_.StepJoins();
   MOERUN_RETURN_IF_ERROR(updates_.Step());
   MOERUN_RETURN_IF_ERROR(migrations_.Step(updates_.promoted()));
@@ -355,6 +358,81 @@ Status RouterControl::Poll() {
                              [this](const Placement& target, const MigrationOptions& options) {
                                return StartMigration(target, options);
                              });
+}
+
+int RouterControl::Coordinator() const {
+  const int me = t_->rank();
+  for (int r = 0; r < placement_->num_routers(); ++r) {
+    if (r == me || !Gone(r)) return r;
+  }
+  return me;
+}
+
+int RouterControl::coordinator() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Coordinator();
+}
+
+Status RouterControl::TakeOver() {
+  took_over_ = true;
+  const int me = t_->rank();
+  spdlog::warn(
+      "router {} takes over the control plane (the routers below it are gone): every live "
+      "router is told to use its placement v{}, and copies it does not use are released",
+      me, placement_->version());
+  // The switches first (a router answers once it uses the layer's table), then the releases
+  // with all_routers: no live router sends rows for an expert this placement does not hold on
+  // that rank, and the dead coordinator's half-done migration leaves no copy behind.
+  struct Pending {
+    int awaiting = 0;
+    bool sent_all = false;
+  };
+  auto p = std::make_shared<Pending>();
+  auto release = [this, me] {
+    for (const auto& [layer, ep] : layers_) {
+      const LayerPlacement* lp = placement_->Layer(layer);
+      if (lp == nullptr) continue;
+      for (int d = placement_->num_routers(); d < placement_->num_ranks(); ++d) {
+        if (Gone(d)) continue;
+        const std::set<int> held = ExpertsOn(*lp, d);
+        std::vector<int> unused;
+        for (int e = 0; e < placement_->num_experts(); ++e) {
+          if (held.count(e) == 0) unused.push_back(e);
+        }
+        if (unused.empty()) continue;
+        const Status s = SendToExpert(
+            d,
+            json{{"op", "release"}, {"layer", layer}, {"experts", unused}, {"all_routers", true}}
+                .dump(),
+            [me, d, layer](int, const ControlReply& r) {
+              if (!r.ok) {
+                spdlog::error("router {}: rank {} layer {}: release after the takeover: {}", me, d,
+                              layer, r.error);
+              }
+            });
+        if (!s.ok()) spdlog::error("router {}: release to rank {}: {}", me, d, s.ToString());
+      }
+    }
+  };
+  ReplyFn switched = [p, release, me](int from, const ControlReply& r) {
+    if (!r.ok) spdlog::error("router {}: router {} did not switch: {}", me, from, r.error);
+    if (--p->awaiting == 0 && p->sent_all) release();
+  };
+  for (const auto& [layer, ep] : layers_) {
+    for (int r = 0; r < placement_->num_routers(); ++r) {
+      if (r == me || Gone(r)) continue;
+      const uint32_t id = next_id_++;
+      pending_[id] = PendingOp{switched, r, std::chrono::steady_clock::now()};
+      ++p->awaiting;
+      MOERUN_RETURN_IF_ERROR(SendToRouter(
+          r,
+          json{{"id", id}, {"op", "switch"}, {"layer", layer}, {"placement", placement_->ToJson()}}
+              .dump()));
+    }
+  }
+  p->sent_all = true;
+  if (p->awaiting == 0) release();
+  return Status::Ok();
 }
 
 Status RouterControl::DrainOthers() {

@@ -1,7 +1,8 @@
 // A router's side of changing what the expert ranks hold while the job serves.
 //
 // Router 0 runs migrations and expert weight updates; every router switches its layers to a new
-// placement when router 0 says so. All transport work happens in Poll, on the router's thread
+// placement when router 0 says so. When router 0 dies, the lowest live router takes its part
+// over (coordinator()). All transport work happens in Poll, on the router's thread
 // between batches (a batch boundary: no microbatch of this router is in flight); the other
 // functions may be called from any thread (moectl's control thread) and only queue work or read
 // a snapshot.
@@ -99,6 +100,15 @@ class RouterControl : private ControlLink {
   // last live expert rank; kUnavailable while another retire, a migration or an expert update
   // runs.
   Result<MigrationView> Retire(int rank, const MigrationOptions& options);
+  // Any thread: the router that coordinates: the lowest router rank that lives (router 0 until
+  // it dies). When it is this router and not router 0, its first Poll takes the control plane
+  // over: it tells every other live router to switch every layer to the placement this router
+  // uses (one version for all: a migration the dead coordinator left half done is finished or
+  // rolled back to what this router had), then has every live expert rank release, for all
+  // routers, the copies that placement does not hold there (loaded for the dead coordinator's
+  // migration, or used only by it). Migrations, updates, joins and retires then run here; the
+  // launcher opens moectl's endpoint (serve_router.cc).
+  int coordinator() const;
   // Router 0's thread, when it begins to drain (SIGTERM): tells every other live router to
   // drain too (in order after what it was sent before), so that one signal stops the job.
   Status DrainOthers();
@@ -133,6 +143,8 @@ class RouterControl : private ControlLink {
   void HandleReply(int from, uint64_t id, const ControlReply& r);
   // Fails the operations whose rank is dead or silent past the deadline.
   void ExpireSilent();
+  int Coordinator() const;  // under mu_
+  Status TakeOver();        // under mu_, on the router thread, once
   // Checks that no migration or expert update runs, then starts one (under mu_).
   Result<MigrationView> StartMigration(const Placement& target, const MigrationOptions& options);
 
@@ -160,6 +172,8 @@ class RouterControl : private ControlLink {
   };
   std::map<uint64_t, PendingOp> pending_;
   uint32_t next_id_ = 1;
+
+  bool took_over_ = false;  // router thread only
 
   mutable std::mutex mu_;  // everything below (the parts' state included)
   std::shared_ptr<const Placement> placement_;

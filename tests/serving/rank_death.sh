@@ -26,6 +26,10 @@
 #                 (planned over all 4 expert ranks: balancedness >= 0.9), all under the same
 #                 verified load;
 #                 at the end the joined rank shuts down with the job.
+#   7. router0:   as 5., with router 0 killed (clients --target R0,R1): the expert ranks drop it,
+#                 router 1 takes the control plane over (moectl's endpoint at control_listen's
+#                 port + 1, `moectl --target C0,C1` tries both in order) and the time from the
+#                 kill until `moectl status` answers again is printed.
 # Each case asserts: 0 failed requests, every answer bitwise right, /health/ready 200, moectl
 # status "health: degraded" with the killed ranks "dead", moerun_ranks_dead and the retry
 # counters; and
@@ -35,7 +39,7 @@
 #
 #   rank_death.sh MOERUN MOECTL MOEBENCH DATA_DIR [CASES]
 #
-# CASES: a comma list of replicas,orphans,frozen,host,router,join (default all; host needs root and
+# CASES: a comma list of replicas,orphans,frozen,host,router,join,router0 (default all; host needs root and
 # network namespaces). Exit 0 on success, 1 on failure, 77 (skip) without mpirun, python3 or curl,
 # or when a case could not run (the host case without network namespaces; the others still run).
 set -uo pipefail
@@ -44,7 +48,7 @@ MOERUN=$(realpath "$1")
 MOECTL=$(realpath "$2")
 MOEBENCH=$(realpath "$3")
 DATA=$(realpath "$4")
-CASES=${5:-replicas,orphans,frozen,host,router,join}
+CASES=${5:-replicas,orphans,frozen,host,router,join,router0}
 HERE=$(cd "$(dirname "$0")" && pwd)
 for tool in mpirun python3 curl; do
   command -v "$tool" >/dev/null || { echo "SKIP: $tool is not installed"; exit 77; }
@@ -224,14 +228,22 @@ run_case() {
       ROUTERS=2
       DEAD=(1)
       ;;
+    router0)
+      PLACEMENT=round_robin
+      ROUTERS=2
+      DEAD=(0)
+      ;;
     *) echo "unknown case $CASE" >&2; exit 2 ;;
   esac
   start_serving write_config "${mpirun[@]}" -np $((ROUTERS + 4)) "$MOERUN" serve --config "$WORK/serve.yaml" \
     --ready-file "$WORK/ready" || fail "serve did not get ready"
   local ctl=(--target "127.0.0.1:$((PORT + 100))" --token-file "$WORK/token")
+  # HTTP of the router the checks ask after the death (router 1 when router 0 is killed).
+  local http=$((PORT + 200))
   targets="127.0.0.1:$PORT"
   # Router r listens on PORT + r; the clients start on router c % 2 and fail over.
   [[ $ROUTERS == 2 ]] && targets="127.0.0.1:$((PORT + 1)),127.0.0.1:$PORT"
+  [[ $CASE == router0 ]] && targets="127.0.0.1:$PORT,127.0.0.1:$((PORT + 1))"
   "${IN_HOST[@]}" "$MOEBENCH" serve --target "$targets" --duration "$duration" --warmup 1 \
     --concurrency 4 --tokens-per-request 8 --model "$MODEL" --verify --json >"$WORK/bench.json" \
     2>"$WORK/bench.log" &
@@ -287,6 +299,20 @@ run_case() {
   else
     kill -KILL "${pids[@]}" || fail "kill -9"
   fi
+  local t_ctl=""
+  if [[ $CASE == router0 ]]; then
+    # Router 1 takes the control plane over at control_listen's port + 1: moectl tries the
+    # endpoints in order until one answers.
+    ctl=(--target "127.0.0.1:$((PORT + 100)),127.0.0.1:$((PORT + 101))" --token-file "$WORK/token")
+    http=$((PORT + 201))
+    until "$MOECTL" "${ctl[@]}" --timeout-ms 2000 status --json >"$WORK/status-takeover.json" \
+      2>"$WORK/status-takeover.err"; do
+      (( $(now | cut -d. -f1) - ${t_death%.*} > 30 )) &&
+        fail "moectl status did not work within 30 s of router 0's death: $(cat "$WORK/status-takeover.err")"
+      sleep 0.1
+    done
+    t_ctl=$(now)
+  fi
   if [[ $CASE == orphans ]]; then
     # 33 slots over the 3 live expert ranks.
     sleep 3
@@ -322,7 +348,7 @@ run_case() {
   local bench_rc=$?
   BENCH_PID=""
   [[ $bench_rc -eq 0 ]] || fail "moebench serve failed (exit $bench_rc): $(tail -5 "$WORK/bench.log")"
-  if [[ $CASE != join && $CASE != router ]]; then
+  if [[ $CASE != join && $CASE != router* ]]; then
     # However long the bench ran after the death, the router must have declared it (bounded).
     wait_line "$WORK/serve.log" "rank ($(IFS='|'; echo "${DEAD[*]}")) is dead" 20 ||
       fail "the router did not declare rank(s) ${DEAD[*]} dead within 20 s of the bench's end"
@@ -333,8 +359,8 @@ run_case() {
   local ready n=${#DEAD[@]}
   [[ $CASE == join ]] && n=0
   ready=$("${IN_HOST[@]}" curl -s -o /dev/null -w '%{http_code}' --max-time 5 \
-    "http://127.0.0.1:$((PORT + 200))/health/ready")
-  "${IN_HOST[@]}" curl -s --max-time 5 "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.txt"
+    "http://127.0.0.1:$http/health/ready")
+  "${IN_HOST[@]}" curl -s --max-time 5 "http://127.0.0.1:$http/metrics" >"$WORK/metrics.txt"
   [[ $ready == 200 ]] || fail "/health/ready is $ready after the death"
   local t_detect t_redispatch t_replaced
   if [[ $CASE == join ]]; then
@@ -347,6 +373,14 @@ run_case() {
     t_detect=$(log_time "router 1 is gone")
     [[ $(grep -c "router 1 is gone" "$WORK/serve.log") -eq 4 ]] ||
       fail "not every expert rank dropped router 1: $(grep "router 1 is gone" "$WORK/serve.log")"
+  elif [[ $CASE == router0 ]]; then
+    t_detect=$(log_time "router 0 is gone")
+    [[ $(grep -c "router 0 is gone" "$WORK/serve.log") -eq 4 ]] ||
+      fail "not every expert rank dropped router 0: $(grep "router 0 is gone" "$WORK/serve.log")"
+    grep -q "router 1 takes over the control plane" "$WORK/serve.log" ||
+      fail "router 1 did not take over the control plane"
+    grep -q "router 1 coordinates the job now: moectl --target 127.0.0.1:$((PORT + 101))" \
+      "$WORK/serve.log" || fail "router 1 did not open moectl's endpoint at control_listen + 1"
   else
     grep -q "^health: degraded: $n expert rank" "$WORK/status.txt" ||
       fail "moectl status does not say degraded ($n dead): $(head -3 "$WORK/status.txt")"
@@ -360,7 +394,7 @@ run_case() {
   [[ -n "$t_detect" ]] || fail "the router never declared rank(s) ${DEAD[*]} dead"
   python3 - "$WORK/bench.json" "$WORK/status.json" "$WORK/metrics.txt" "$CASE" "$t_death" \
     "$t_detect" "${t_redispatch:-}" "${t_replaced:-}" "$(IFS=,; echo "${DEAD[*]}")" "$WORK/plan.json" \
-    "$join_pid" "$t_joined" "$t_rebalanced" <<'PY' || fail "checks failed"
+    "$join_pid" "$t_joined" "$t_rebalanced" "$t_ctl" <<'PY' || fail "checks failed"
 import json, sys, re
 bench = json.load(open(sys.argv[1]))
 status = json.load(open(sys.argv[2]))
@@ -374,6 +408,7 @@ plan = json.load(open(sys.argv[10])) if case in ("orphans", "join") else None
 join_pid = int(sys.argv[11])
 t_joined = float(sys.argv[12]) if sys.argv[12] else None
 t_rebalanced = float(sys.argv[13]) if sys.argv[13] else None
+t_ctl = float(sys.argv[14]) if sys.argv[14] else None
 def check(cond, what):
     if not cond:
         print("check failed:", what, file=sys.stderr)
@@ -383,10 +418,11 @@ check(bench["error_count"] == 0 and bench["warmup"]["errors"] == 0,
 check(bench["ok"] > 0 and bench["verified"] == bench["ok"],
       f"verified {bench['verified']} of {bench['ok']}")
 ranks = {r["rank"]: r for r in status["ranks"]}
-if case == "router":
+if case in ("router", "router0"):
     check(bench["retried"] > 0 and bench["failovers"] > 0,
-          f"no request moved to router 0 (retried {bench['retried']}, failovers {bench['failovers']})")
-    check(all(st["state"] != "dead" for st in ranks.values()), "an expert rank is dead")
+          f"no request moved to the other router (retried {bench['retried']}, failovers {bench['failovers']})")
+    check(all(st["state"] != "dead" for st in ranks.values() if st["role"] == "expert"),
+          "an expert rank is dead")
     check(int(status.get("experts_replaced", 0)) == 0, "experts re-placed")
     dead = []
 if case == "join":
@@ -406,7 +442,7 @@ for r, st in ranks.items():
 check(status.get("ranks_dead", 0) == len(dead) and
       status.get("health") == ("degraded" if dead else "ok"), "status fields")
 replaced = int(status.get("experts_replaced", 0))
-if case in ("replicas", "router"):
+if case in ("replicas", "router", "router0"):
     check(replaced == 0, f"{replaced} experts re-placed although every expert had a replica")
 else:
     check(replaced > 0, "no expert was re-placed")
@@ -464,6 +500,8 @@ print(f"{case} (rank {killed} killed): {bench['ok']} answers, 0 failed, all veri
       f"before, {p99_after:.1f} ms over the 3 s after (slowest {max_after:.0f} ms); {retried} microbatches re-dispatched, "
       f"{replaced} experts re-placed" +
       (f"; {bench['retried']} requests sent again to router 0" if case == "router" else "") +
+      (f"; {bench['retried']} requests sent again to router 1; moectl status works again "
+       f"{t_ctl - t_death:.2f} s after the death (router 1's endpoint)" if case == "router0" else "") +
       rebalanced)
 json.dump({"case": case, "answers": bench["ok"], "failed": 0,
            "detect_s": t_detect - t_death,
@@ -471,7 +509,8 @@ json.dump({"case": case, "answers": bench["ok"], "failed": 0,
            "replaced_s": None if t_replaced is None else t_replaced - t_death,
            "full_throughput_s": full, "answers_per_s_before": rate, "p99_ms_before": p99_before,
            "p99_ms_after": p99_after, "max_ms_after": max_after, "microbatches_retried": retried,
-           "experts_replaced": replaced}, open(sys.argv[1] + ".summary", "w"))
+           "experts_replaced": replaced,
+           "moectl_back_s": None if t_ctl is None else t_ctl - t_death}, open(sys.argv[1] + ".summary", "w"))
 PY
   cat "$WORK/bench.json.summary" >>"$WORK/summaries"
   echo >>"$WORK/summaries"
@@ -484,7 +523,9 @@ PY
   done
   wait "$SERVE_PID" 2>/dev/null
   SERVE_PID=""
-  grep -q "router 0 stopping" "$WORK/serve.log" || fail "router 0 did not stop cleanly"
+  local last=0
+  [[ $CASE == router0 ]] && last=1
+  grep -q "router $last stopping" "$WORK/serve.log" || fail "router $last did not stop cleanly"
   if [[ -n "$JOIN_PID" ]]; then
     # The joined rank ends with the job (router 0's shutdown message).
     t=$SECONDS

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -599,6 +600,95 @@ TEST(ExpertUpdateTest, TruthCheckCatchesAnUpdateOneWeightOff) {
     EXPECT_NE(why, "") << "the check passed promoted weights with one weight off";
     std::printf("negative control (promoted): %s\n", why.c_str());
   });
+}
+
+// A transport for one router rank's RouterControl alone: sends complete at once and are kept
+// (tag, peer, bytes), receives never complete, and the ranks in `failed` are gone.
+class TakeoverTransport : public Transport {
+ public:
+  TakeoverTransport(int rank, int size) : rank_(rank), size_(size) {}
+  const char* name() const override { return "takeover-test"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Result<Request> Isend(int peer, int tag, const void* buf, size_t bytes) override {
+    sent.push_back({peer, tag, std::string(static_cast<const char*>(buf), bytes)});
+    return Request{next_++, peer};
+  }
+  Result<Request> Irecv(int peer, int, void*, size_t) override {
+    recvs_.insert(next_);
+    return Request{next_++, peer};
+  }
+  Result<bool> Test(Request r) override { return recvs_.count(r.id) == 0; }
+  Status Cancel(Request) override { return Status::Ok(); }
+  bool peer_failed(int peer) const override { return failed.count(peer) != 0; }
+  [[noreturn]] void Abort(int code) override { std::exit(code); }
+
+  struct Sent {
+    int peer, tag;
+    std::string bytes;
+  };
+  std::vector<Sent> sent;
+  std::set<int> failed;
+
+  // The JSON bodies sent to `peer` (control bodies to routers, kTagRows bodies to expert ranks).
+  std::vector<nlohmann::json> Bodies(int peer) const {
+    std::vector<nlohmann::json> out;
+    for (const Sent& s : sent) {
+      if (s.peer == peer && (s.tag == kTagControlBody || s.tag == kTagRows)) {
+        out.push_back(nlohmann::json::parse(s.bytes));
+      }
+    }
+    return out;
+  }
+
+ private:
+  int rank_, size_;
+  std::set<uint64_t> recvs_;
+  uint64_t next_ = 1;
+};
+
+// Router 0 dies: router 1, the lowest live router, coordinates from its next Poll. With no
+// other live router it has every live expert rank release, for all routers, each copy its
+// placement does not hold there; with router 2 alive, router 2 is told to switch to router 1's
+// placement first and the releases wait for its answer.
+TEST(RouterControlTakeoverTest, LowestLiveRouterTakesOverAndReleasesWhatItsPlacementDoesNotUse) {
+  for (const int routers : {2, 3}) {
+    SCOPED_TRACE("routers " + std::to_string(routers));
+    const int ranks = routers + 2;  // expert ranks a, b
+    const int a = routers, b = routers + 1;
+    TakeoverTransport t(1, ranks);
+    auto placement = std::make_shared<const Placement>(*Placement::Linear(8, ranks, routers));
+    RouterControl c(&t, placement, {{0, nullptr}}, sizeof(EpHeaderFixed) + 64,
+                    std::chrono::milliseconds(60000));
+    ASSERT_TRUE(c.Poll().ok());
+    EXPECT_EQ(c.coordinator(), 0);
+    EXPECT_TRUE(t.Bodies(a).empty() && t.Bodies(b).empty());  // router 0 coordinates
+
+    t.failed.insert(0);
+    EXPECT_EQ(c.coordinator(), 1);
+    ASSERT_TRUE(c.Poll().ok());
+    ASSERT_TRUE(c.Poll().ok());  // once only
+    if (routers == 3) {
+      const auto to2 = t.Bodies(2);
+      ASSERT_EQ(to2.size(), 1u);
+      EXPECT_EQ(to2[0]["op"], "switch");
+      EXPECT_EQ(to2[0]["layer"], 0);
+      EXPECT_EQ(to2[0]["placement"], placement->ToJson());
+      // Router 2 has not answered: nothing is released yet.
+      EXPECT_TRUE(t.Bodies(a).empty() && t.Bodies(b).empty());
+      continue;
+    }
+    // Linear: experts 0-3 on rank a, 4-7 on rank b; each releases the others, for all routers.
+    for (const auto& [rank, unused] :
+         {std::pair<int, std::vector<int>>{a, {4, 5, 6, 7}}, {b, {0, 1, 2, 3}}}) {
+      const auto bodies = t.Bodies(rank);
+      ASSERT_EQ(bodies.size(), 1u) << "rank " << rank;
+      EXPECT_EQ(bodies[0]["op"], "release");
+      EXPECT_EQ(bodies[0]["layer"], 0);
+      EXPECT_EQ(bodies[0]["all_routers"], true);
+      EXPECT_EQ(bodies[0]["experts"].get<std::vector<int>>(), unused) << "rank " << rank;
+    }
+  }
 }
 
 }  // namespace
