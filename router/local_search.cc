@@ -47,7 +47,8 @@ class Search {
         w_min_(static_cast<size_t>(num_ranks)),
         w_max_(static_cast<size_t>(num_ranks)),
         new_load_(static_cast<size_t>(num_ranks), 0.0),
-        mark_(static_cast<size_t>(num_ranks), 0) {
+        mark_(static_cast<size_t>(num_ranks), 0),
+        gain_(load.size()) {
     for (int s = 0; s < slots_; ++s) {
       ++cnt_[Ex(p2l_[Sz(s)])];
       ++Held(s / per_rank_, p2l_[Sz(s)]);
@@ -59,11 +60,16 @@ class Search {
   // Rounds of the best move (see local_search.h) until none helps or a limit is reached.
   void Balance(const SearchLimits& limits) {
     const int64_t rounds = limits.max_rounds > 0 ? limits.max_rounds : 50 * int64_t{slots_};
+    const int64_t stall = limits.stall_rounds == 0 ? int64_t{slots_} : limits.stall_rounds;
+    int64_t last_fall = -1;  // the last round that lowered the max
     for (int64_t round = 0; round < rounds; ++round) {
       if (limits.target_balance > 0 && Balancedness() >= limits.target_balance) break;
+      if (stall > 0 && round - last_fall > stall) break;
       const Move m = BestMove(limits.max_copies);
       if (m.kind == Kind::kNone) break;
+      const double max_before = now_.max;
       Apply(m);
+      if (now_.max < max_before) last_fall = round;
     }
   }
 
@@ -302,6 +308,26 @@ class Search {
     for (int e : on_a) {
       if (rank_load_[Sz(a)] - w_[Ex(e)] + w_more_[Ex(e)] <= Bound(best)) relieve_a.push_back(e);
     }
+    // Per expert of several replicas: the first of its slots (in slot order) whose rank gains
+    // most from one replica fewer, and the first such among the slots on other ranks than that
+    // one's (where j lies on the first's rank). Rank loads do not change within a round, so this
+    // is once per round, not once per slot j (the same r_f as a scan of f's slots would find).
+    for (int f = 0; f < num_log_; ++f) {
+      if (cnt_[Ex(f)] < 2) continue;
+      int r1 = -1, r2 = -1;
+      double v1 = 0, v2 = 0;
+      for (int s : slots_of_[Ex(f)]) {
+        const int r = s / per_rank_;
+        const double v = rank_load_[Sz(r)] + w_less_[Ex(f)] - w_[Ex(f)];
+        if (r1 < 0 || v > v1) r1 = r, v1 = v;
+      }
+      for (int s : slots_of_[Ex(f)]) {
+        const int r = s / per_rank_;
+        const double v = rank_load_[Sz(r)] + w_less_[Ex(f)] - w_[Ex(f)];
+        if (r != r1 && (r2 < 0 || v > v2)) r2 = r, v2 = v;
+      }
+      gain_[Ex(f)] = Gain{r1, r2, v1, v2};
+    }
     for (int j = 0; j < slots_; ++j) {
       const int f = p2l_[Sz(j)], b = j / per_rank_;
       if (cnt_[Ex(f)] < 2 || (b != a && relieve_a.empty())) continue;
@@ -309,13 +335,9 @@ class Search {
       // f gain), the new load of the rank r that gains most from f's lost replica (less what e's
       // replicas lose, where r holds e: then no bound).
       const double b_less_f = rank_load_[Sz(b)] - w_[Ex(f)];
-      int r_f = -1;
-      double r_f_load = 0;
-      for (int s : slots_of_[Ex(f)]) {
-        const int r = s / per_rank_;
-        const double v = rank_load_[Sz(r)] + w_less_[Ex(f)] - w_[Ex(f)];
-        if (s != j && r != b && (r_f < 0 || v > r_f_load)) r_f = r, r_f_load = v;
-      }
+      const Gain& g = gain_[Ex(f)];
+      const int r_f = g.r1 != b ? g.r1 : g.r2;
+      const double r_f_load = g.r1 != b ? g.v1 : g.v2;
       auto consider = [&](int e) {
         if (e == f || Held(b, e) > 0 || b_less_f + w_more_[Ex(e)] > Bound(best)) return;
         if (r_f >= 0 && r_f_load > Bound(best) && Held(r_f, e) == 0) return;
@@ -411,6 +433,14 @@ class Search {
   std::vector<int> mark_;
   int stamp_ = 0;
   std::vector<int> touched_, scratch_, scratch2_, scratch3_;
+  // Per expert, in BestMove's re-assignments: the rank of its slots that gains most from one
+  // replica fewer (r1; its new load v1), and the one that does among the other ranks (r2, v2;
+  // -1 if none).
+  struct Gain {
+    int r1 = -1, r2 = -1;
+    double v1 = 0, v2 = 0;
+  };
+  std::vector<Gain> gain_;
   int64_t moves_ = 0, copies_ = 0;
 };
 

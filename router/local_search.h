@@ -39,6 +39,13 @@ struct SearchLimits {
   double target_balance = 0;
   // Rounds at most; 0: 50 × slots.
   int64_t max_rounds = 0;
+  // Stop once this many rounds in a row have not lowered the max rank load (they only lowered the
+  // sum of squares); 0: as many as slots; -1: never. On the DeepSeek-R1 files (32 to 256 ranks)
+  // the max falls at least every 4 rounds while it falls at all, but at 256 ranks a few searches
+  // then spend the whole 50 × slots rounds on the sum of squares alone, without lowering the max
+  // again (tests/unit/planner_test.cc: PlateauStopKeepsBalanceOnDeepSeek). -1 makes the moves those
+  // of the reference.
+  int64_t stall_rounds = -1;
   // Lift replicas held twice on a rank afterwards (the full search; incremental starts hold none).
   bool lift_twice = true;
 };

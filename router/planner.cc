@@ -292,7 +292,9 @@ namespace {
 
 // The default policy's full local search from one start (see local_search.h).
 LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
-  return LocalSearch(load, start, num_ranks, SearchLimits{}).maps;
+  SearchLimits limits;
+  limits.stall_rounds = 0;  // stop on a plateau of the max (local_search.h)
+  return LocalSearch(load, start, num_ranks, limits).maps;
 }
 
 // kDefault on one layer (see planner.h): the EPLB plans, each improved, the best that the

@@ -21,7 +21,8 @@
 //      * re-assign a slot of an expert that has several replicas (it gets one fewer, the other
 //        expert one more): a slot of the most loaded rank to any expert, or any slot to an expert
 //        of the most loaded rank;
-//    never placing an expert on a rank that already holds it. It stops after 50 × slots moves.
+//    never placing an expert on a rank that already holds it. It stops after 50 × slots moves, or
+//    once `slots` moves in a row have not lowered the max rank load (router/local_search.h).
 //    Each candidate move is evaluated incrementally (O(1) for a swap, O(replicas) for a
 //    re-assignment, router/local_search.h), the same moves as the from-scratch search it replaced.
 //    EPLB plans may hold two replicas of one expert on a rank, which a placement table cannot;

@@ -567,6 +567,40 @@ TEST(LocalSearchTest, AtLeastAsGoodAsReferenceOnDeepSeek) {
   }
 }
 
+// The plateau stop (SearchLimits::stall_rounds, the default policy's): on the DeepSeek-R1 files at
+// 256 ranks (512 slots), from both EPLB plans of every layer, the search that stops once the max
+// has not fallen for `slots` rounds ends at the same max rank load (so the same balancedness) as
+// the search that runs on (up to 50 × slots rounds); some searches there do run on that long, and
+// a stop after 1 round without a fall loses balance on some layer (so the check can fail).
+TEST(LocalSearchTest, PlateauStopKeepsBalanceOnDeepSeek) {
+  bool long_tail = false, early_loses = false;
+  for (const char* name : {"prefill_in1024.json", "decode_in1000out1000.json"}) {
+    const auto rows = DeepSeekLoads(name);
+    ASSERT_EQ(rows.size(), 58u);
+    for (size_t l = 0; l < rows.size(); ++l) {
+      PlannerInput in{{rows[l]}, 512, 8, 8, 256};
+      for (PlannerPolicy p : {PlannerPolicy::kEplbGlobal, PlannerPolicy::kEplbHierarchical}) {
+        SCOPED_TRACE(testing::Message() << name << " layer " << l << " " << PlannerPolicyName(p));
+        const LayerMaps start = Plan(in, p)[0];
+        SearchLimits full, stop, early;
+        stop.stall_rounds = 0;
+        early.stall_rounds = 1;
+        const SearchResult a = LocalSearch(rows[l], start, 256, full);
+        const SearchResult b = LocalSearch(rows[l], start, 256, stop);
+        const SearchResult c = LocalSearch(rows[l], start, 256, early);
+        const double ba = PredictedBalancedness(rows[l], a.maps, 256);
+        EXPECT_EQ(PredictedBalancedness(rows[l], b.maps, 256), ba);
+        CheckMaps(b.maps, rows[l].size(), 512);
+        if (a.moves >= b.moves + 5000) long_tail = true;
+        if (PredictedBalancedness(rows[l], c.maps, 256) < ba) early_loses = true;
+      }
+    }
+  }
+  EXPECT_TRUE(long_tail)
+      << "no search ran long past its last fall of the max: the stop is untested";
+  EXPECT_TRUE(early_loses) << "a stop after 1 round keeps every balance: the check cannot fail";
+}
+
 // The planner's time and balance on the DeepSeek-R1 files at 32 ranks (4 nodes) and 64 ranks
 // (8 nodes), 8 groups, as many redundant slots as ranks. Prints; asserts no time, only that the
 // default plans beat EPLB's and can be applied. Reproduce:
