@@ -20,16 +20,6 @@ namespace {
 
 using namespace moerun::testing;
 
-std::vector<float> SingleProcess(const std::string& fixture, const std::vector<float>& x,
-                                 int64_t tokens) {
-  const CpuKernels& k = KernelsFor(BestIsa());
-  ThreadPool pool(2);
-  MoeLayer layer(LoadFixture(fixture, k), k, &pool);
-  std::vector<float> out(x.size());
-  EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
-  return out;
-}
-
 // Writes a placement with every expert on one rank and every third expert also on another.
 std::string ReplicaPlacement(const TempDir& tmp, int experts, int ranks) {
   std::string slots;
@@ -81,7 +71,7 @@ TEST_P(EpLayerTest, BitwiseEqualToOneProcess) {
   const std::string fixture = GetParam();
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir(fixture) + "/golden.safetensors", "input", &tokens);
-  const auto want = SingleProcess(fixture, x, tokens);
+  const auto want = ForwardOneProcess(fixture, x, tokens);
   const int experts = LoadModelSpec(FixtureDir(fixture))->num_experts;
   TempDir tmp;
   for (int ranks : {2, 3, 4}) {
@@ -105,7 +95,7 @@ TEST(EpLayerTest, TwoRouters) {
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir("deepseek_v3") + "/golden.safetensors", "input", &tokens);
   const auto got = Distributed("deepseek_v3", x, tokens, 4, "round_robin", 5, nullptr, 2);
-  const auto want = SingleProcess("deepseek_v3", x, tokens);
+  const auto want = ForwardOneProcess("deepseek_v3", x, tokens);
   EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
 }
 
@@ -148,7 +138,7 @@ TEST(EpLayerTest, ExpertDeviceHookGetsTheGroups) {
     });
   };
   const auto got = Distributed("gpt_oss", x, tokens, 3, "round_robin", 5, nullptr, 1, hook);
-  const auto want = SingleProcess("gpt_oss", x, tokens);
+  const auto want = ForwardOneProcess("gpt_oss", x, tokens);
   EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
   const int k = LoadModelSpec(FixtureDir("gpt_oss"))->top_k;
   EXPECT_EQ(rows_seen.load(), tokens * k);  // every assignment computed once, by the hook
@@ -171,7 +161,7 @@ TEST(EpLayerTest, ReplicasSpreadTheLoad) {
                               slots));
   EpStats stats;
   const auto got = Distributed("qwen3_moe", x, tokens, 3, path, 0, &stats);
-  const auto want = SingleProcess("qwen3_moe", x, tokens);
+  const auto want = ForwardOneProcess("qwen3_moe", x, tokens);
   EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
   const double a = static_cast<double>(stats.rows_per_rank[1]);
   const double b = static_cast<double>(stats.rows_per_rank[2]);
@@ -221,7 +211,7 @@ std::string BothRanksPlacement(const TempDir& tmp, int experts) {
 TEST(EpLayerTest, FrozenRankIsDeadAfterTheDeadlineAndReplicasAnswer) {
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir("deepseek_v3") + "/golden.safetensors", "input", &tokens);
-  const auto want = SingleProcess("deepseek_v3", x, tokens);
+  const auto want = ForwardOneProcess("deepseek_v3", x, tokens);
   TempDir tmp;
   const int experts = LoadModelSpec(FixtureDir("deepseek_v3"))->num_experts;
   JobOptions opts = FrozenJob("deepseek_v3", BothRanksPlacement(tmp, experts));
@@ -285,7 +275,7 @@ TEST(EpLayerTest, WithoutHealthALateRankStaysInStepForTheNextCalls) {
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir("deepseek_v3") + "/golden.safetensors", "input", &tokens);
   ASSERT_GE(tokens, 4);
-  const auto want = SingleProcess("deepseek_v3", x, tokens);
+  const auto want = ForwardOneProcess("deepseek_v3", x, tokens);
   TempDir tmp;
   const int experts = LoadModelSpec(FixtureDir("deepseek_v3"))->num_experts;
   JobOptions opts = FrozenJob("deepseek_v3", BothRanksPlacement(tmp, experts));
@@ -325,7 +315,7 @@ TEST(EpLayerTest, WithoutHealthALateRankStaysInStepForTheNextCalls) {
 TEST(EpLayerTest, OrphanedExpertsAreReplacedOnTheSurvivors) {
   int64_t tokens = 0;
   const auto x = ReadF32(FixtureDir("qwen3_moe") + "/golden.safetensors", "input", &tokens);
-  const auto want = SingleProcess("qwen3_moe", x, tokens);
+  const auto want = ForwardOneProcess("qwen3_moe", x, tokens);
   JobOptions opts = FrozenJob("qwen3_moe", "round_robin");
   auto fabric = InprocFabric::Create(4);
   const RouterWork work = [&](RouterRank& router) -> Status {

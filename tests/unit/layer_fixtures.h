@@ -1,10 +1,15 @@
 // Test helpers: small MoE layers of every family (presets scaled down) and fixture layers.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "base/thread_pool.h"
+#include "experts/cpu/kernels.h"
 #include "runtime/layer/moe_layer.h"
 #include "runtime/layer/reference_layer.h"
 #include "runtime/model/checkpoint.h"
@@ -103,6 +108,27 @@ inline std::vector<float> RandomRows(int64_t rows, int64_t cols, uint32_t seed) 
     x = static_cast<float>(static_cast<int32_t>(s >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
   }
   return v;
+}
+
+// Rows of N(0, 1) values from a seeded generator.
+inline std::vector<float> NormalRows(int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (float& v : x) v = d(rng);
+  return x;
+}
+
+// The fixture's layer in this process (the best kernels): what every expert-parallel run of it
+// must equal bitwise.
+inline std::vector<float> ForwardOneProcess(const std::string& fixture, const std::vector<float>& x,
+                                            int64_t tokens) {
+  const CpuKernels& k = KernelsFor(BestIsa());
+  ThreadPool pool(2);
+  MoeLayer layer(LoadFixture(fixture, k), k, &pool);
+  std::vector<float> out(x.size());
+  EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
+  return out;
 }
 
 }  // namespace moerun::testing

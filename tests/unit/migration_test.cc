@@ -32,24 +32,6 @@ namespace {
 
 using namespace moerun::testing;
 
-std::vector<float> RandomInput(int64_t tokens, int64_t hidden, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(tokens * hidden));
-  for (float& v : x) v = d(rng);
-  return x;
-}
-
-std::vector<float> SingleProcess(const std::string& fixture, const std::vector<float>& x,
-                                 int64_t tokens) {
-  const CpuKernels& k = KernelsFor(BestIsa());
-  ThreadPool pool(2);
-  MoeLayer layer(LoadFixture(fixture, k), k, &pool);
-  std::vector<float> out(x.size());
-  EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
-  return out;
-}
-
 // Runs `work` on router 0 of an inproc job with RouterControl; the other routers poll theirs
 // until router 0 is done.
 void RunJobOn(const WeightSource& source, const std::vector<int>& served, int ranks, int routers,
@@ -145,8 +127,8 @@ TEST_P(MigrationTest, ServesBitwiseThroughTheMigration) {
   const auto spec = LoadModelSpec(FixtureDir(fixture));
   ASSERT_TRUE(spec.ok());
   const int64_t tokens = 64;
-  const auto x = RandomInput(tokens, spec->hidden, 7);
-  const auto want = SingleProcess(fixture, x, tokens);
+  const auto x = NormalRows(tokens, spec->hidden, 7);
+  const auto want = ForwardOneProcess(fixture, x, tokens);
   RunJob(fixture, ranks, routers, "linear", [&](RouterLayer* layer, RouterControl* c) {
     int batches = 0;
     const Placement target = Shifted(spec->num_experts, ranks, routers, 9);
@@ -202,8 +184,8 @@ TEST(MigrationTest, ServesBitwiseThroughTheMigrationWithAnExpertCache) {
   const auto spec = LoadModelSpec(FixtureDir(fixture));
   ASSERT_TRUE(spec.ok());
   const int64_t tokens = 16;
-  const auto x = RandomInput(tokens, spec->hidden, 11);
-  const auto want = SingleProcess(fixture, x, tokens);
+  const auto x = NormalRows(tokens, spec->hidden, 11);
+  const auto want = ForwardOneProcess(fixture, x, tokens);
   const size_t one = LoadFixture(fixture, KernelsFor(BestIsa()))->experts[0].bytes();
   RunJob(
       fixture, ranks, routers, "linear",
@@ -239,7 +221,7 @@ TEST(MigrationTest, OneLayerAtATime) {
   source.spec = spec;
   source.seed = 3;
   const int64_t tokens = 32;
-  const auto x = RandomInput(tokens, spec.hidden, 5);
+  const auto x = NormalRows(tokens, spec.hidden, 5);
   RunJobOn(source, {0, 1}, 4, 1, "linear",
            [&](std::map<int, RouterLayer*>& layers, RouterControl* c) {
              std::map<int, std::vector<float>> want;
@@ -462,10 +444,10 @@ TEST(ExpertUpdateTest, CanaryShareRollbackAndPromote) {
   const int expert = 0;
   WriteExpertAs(fixture, 1, expert, file);
   const int64_t tokens = 256;
-  const auto x = RandomInput(tokens, spec->hidden, 11);
+  const auto x = NormalRows(tokens, spec->hidden, 11);
   // The truth: one process with the old weights, one with expert 1's weights as expert 0.
   const CpuKernels& k = KernelsFor(BestIsa());
-  const auto want = SingleProcess(fixture, x, tokens);
+  const auto want = ForwardOneProcess(fixture, x, tokens);
   const auto want_new = ForwardOf(FixtureWithExpertAs(fixture, 1, expert, k), x, tokens);
   const std::vector<int64_t> mine = TokensOfExpert(*LoadFixture(fixture, k), x, tokens, expert);
   ASSERT_FALSE(mine.empty());
@@ -562,9 +544,9 @@ TEST(ExpertUpdateTest, TruthCheckCatchesAnUpdateOneWeightOff) {
   const int expert = 0;
   WriteExpertAs(fixture, 1, expert, file, /*ulps_off=*/2048);
   const int64_t tokens = 256;
-  const auto x = RandomInput(tokens, spec->hidden, 11);
+  const auto x = NormalRows(tokens, spec->hidden, 11);
   const CpuKernels& k = KernelsFor(BestIsa());
-  const auto want = SingleProcess(fixture, x, tokens);
+  const auto want = ForwardOneProcess(fixture, x, tokens);
   const auto want_new = ForwardOf(FixtureWithExpertAs(fixture, 1, expert, k), x, tokens);
   // What the ranks actually hold: the file's (one weight off) expert, loaded as they load it.
   MoeLayerWeights off = LoadFixtureLayer(fixture, k);

@@ -20,26 +20,10 @@ namespace moerun {
 namespace {
 
 using moerun::testing::FixtureDir;
+using moerun::testing::ForwardOneProcess;
 using moerun::testing::LoadFixture;
+using moerun::testing::NormalRows;
 using moerun::testing::RunInprocJob;
-
-std::vector<float> RetireInput(int64_t tokens, int64_t hidden, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(tokens * hidden));
-  for (float& v : x) v = d(rng);
-  return x;
-}
-
-std::vector<float> RetireTruth(const std::string& fixture, const std::vector<float>& x,
-                               int64_t tokens) {
-  const CpuKernels& k = KernelsFor(BestIsa());
-  ThreadPool pool(2);
-  MoeLayer layer(LoadFixture(fixture, k), k, &pool);
-  std::vector<float> out(x.size());
-  EXPECT_TRUE(layer.Forward(x.data(), tokens, out.data()).ok());
-  return out;
-}
 
 bool HoldsAny(const Placement& p, int rank) {
   std::vector<bool> only(static_cast<size_t>(p.num_ranks()), false);
@@ -75,8 +59,8 @@ TEST_P(RankRetireTest, RetiresWithoutAWrongAnswerAndRefusesWhatItCannot) {
   const auto spec = LoadModelSpec(FixtureDir(fixture));
   ASSERT_TRUE(spec.ok());
   const int64_t tokens = 64;
-  const auto x = RetireInput(tokens, spec->hidden, 11);
-  const auto want = RetireTruth(fixture, x, tokens);
+  const auto x = NormalRows(tokens, spec->hidden, 11);
+  const auto want = ForwardOneProcess(fixture, x, tokens);
 
   JobOptions opts;
   opts.routers = routers;
