@@ -30,11 +30,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 // The grouped FFN over `experts` experts of the preset in `dtype`, `rows` rows each, at each
 // rows value: ns per expert weight, fitted as fixed + rows * row.
 Result<json> CalibrateKernel(const CalibrateFlags& f, const std::string& dtype,

@@ -9,6 +9,12 @@
 
 namespace moerun::bench {
 
+// The middle value (the upper one of an even count); 0 for none.
+inline double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
 struct Timing {
   double median_ms = 0;
   double min_ms = 0;

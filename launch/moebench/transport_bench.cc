@@ -14,6 +14,7 @@
 #include "base/log.h"
 #include "launch/layer_flags.h"
 #include "launch/moebench/baselines/baselines.h"
+#include "launch/moebench/timing.h"
 #include "router/dispatch_plan.h"
 #include "runtime/ep/protocol.h"
 #include "transport/registry.h"
@@ -23,11 +24,6 @@ namespace {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // Top-k distinct experts per token, uniform, from a seed.
 std::vector<int32_t> RandomRouting(int64_t tokens, int k, int experts, uint64_t seed) {
