@@ -40,6 +40,8 @@ BENCH_PID=""
 HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=../lib/mpi_job.sh
 source "$HERE/../lib/mpi_job.sh"
+# shellcheck source=../serving/ports.sh
+source "$HERE/../serving/ports.sh"
 cleanup() {
   local rc=$?
   [[ -n "$BENCH_PID" ]] && kill -KILL "$BENCH_PID" 2>/dev/null
@@ -57,28 +59,6 @@ fail() {
 MODEL=$DATA/hf-moe/deepseek_v3
 [[ -f $MODEL/config.json ]] || { echo "no fixture model at $MODEL" >&2; exit 1; }
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP")
-
-# A free port block: serving PORT..PORT+ROUTERS-1, control PORT+100, HTTP PORT+200+rank.
-pick_ports() {
-  PORT=$(python3 - "$NP" "$ROUTERS" <<'PY'
-import random, socket, sys
-np_, routers = int(sys.argv[1]), int(sys.argv[2])
-for _ in range(100):
-    base = random.randrange(10000, 30000 - 200 - np_)
-    held = []
-    try:
-        for off in list(range(routers)) + [100] + [200 + r for r in range(np_)]:
-            s = socket.socket()
-            s.bind(("127.0.0.1", base + off))
-            held.append(s)
-    except OSError:
-        continue
-    print(base)
-    break
-PY
-)
-  [[ -n "$PORT" ]] || fail "no free block of ports"
-}
 
 # 1. forward, bitwise.
 "$MOERUN" forward --model "$MODEL" --input "$MODEL/golden.safetensors" --output "$WORK/ref.st" \
@@ -108,7 +88,8 @@ printf 'scale-test-token-%s\n' "$RANDOM$RANDOM" >"$WORK/token"
 chmod 600 "$WORK/token"
 for t in "${transports[@]}"; do
   CASE="serve $t np $NP"
-  pick_ports
+  # Serving PORT..PORT+ROUTERS-1, control PORT+100, HTTP PORT+200+rank.
+  pick_port "$NP" || fail "no free block of ports"
   cat >"$WORK/serve.yaml" <<EOC
 model: $MODEL
 layers: [0]

@@ -1,17 +1,17 @@
-# Sourced by the serving test scripts: pick_port sets PORT to a base whose ports PORT+0..9,
-# PORT+100..109 and PORT+200..209 (serving, control, metrics of up to 10 ranks) are free now,
-# below the kernel's ephemeral range (32768+), so that other tests' outgoing connections do not
-# take them meanwhile.
+# Sourced by the serving test scripts: pick_port [N] sets PORT to a base whose ports
+# PORT+0..N-1, PORT+100..PORT+99+N and PORT+200..PORT+199+N (serving, control, metrics of up to
+# N ranks; N from 1 to 100, default 10) are free now, below the kernel's ephemeral range (32768+),
+# so that other tests' outgoing connections do not take them meanwhile.
 pick_port() {
-  local try
+  local try n=${1:-10}
   for try in $(seq 1 50); do
     PORT=$((10000 + RANDOM % 20000))
-    if python3 - "$PORT" <<'PY'; then return 0; fi
+    if python3 - "$PORT" "$n" <<'PY'; then return 0; fi
 import socket, sys
-base = int(sys.argv[1])
+base, n = int(sys.argv[1]), int(sys.argv[2])
 held = []
 try:
-    for off in list(range(10)) + list(range(100, 110)) + list(range(200, 210)):
+    for off in list(range(n)) + list(range(100, 100 + n)) + list(range(200, 200 + n)):
         s = socket.socket()
         s.bind(("127.0.0.1", base + off))
         held.append(s)
