@@ -60,6 +60,11 @@ const IdlePolicy& ProcessIdlePolicy() {
   return policy;
 }
 
+bool IdleWaiter::WaitForActivity(std::chrono::microseconds max) {
+  std::this_thread::sleep_for(max);
+  return false;
+}
+
 void IdleBackoff::Idle() {
   ++idle_;
   if (!sleeping_) {
@@ -75,6 +80,16 @@ void IdleBackoff::Idle() {
       }
     }
     sleeping_ = true;
+  }
+  if (waiter_ != nullptr) {
+    // Woken: spin again, as after progress (MPI moves a message off its queues during a poll
+    // that found nothing yet, so the next poll sees it).
+    if (waiter_->WaitForActivity(sleep_)) {
+      Progress();
+      return;
+    }
+    sleep_ = std::min(sleep_ * 2, policy_.sleep_cap);
+    return;
   }
   std::this_thread::sleep_for(sleep_);
   sleep_ = std::min(sleep_ * 2, policy_.sleep_cap);

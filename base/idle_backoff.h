@@ -13,6 +13,14 @@
 //   - MOERUN_IDLE_SLEEP_MAX_US=N (50..100000) decides instead, for any job.
 // Any progress (Progress()) starts over at spinning. A loop with a deadline checks it between
 // passes, so it overshoots by at most one sleep (the cap).
+//
+// A loop that waits for messages gives its transport as the IdleWaiter. Where the transport can
+// be woken by an arrival (wakes_on_arrival: ucx's worker event fd, mpi's doorbell, inproc's
+// condition variable), the sleeps become blocking waits that end as soon as a message may have
+// arrived, and the loop spins again: an idle rank answers a dispatch in microseconds instead of
+// after the rest of its sleep (1 ms sleeps made a lone token's p99 17 x its p50 over mpi). The
+// spin and yield phases stay as they are: blocking sooner (after 20 µs idle instead of 500)
+// doubled the p50 of a lone token on 2 cores, where a wake-up costs more than a yield.
 // Thread-safety: an IdleBackoff belongs to one loop on one thread; IdleSleepCap() is computed
 // once per process and is safe to call from any thread.
 #pragma once
@@ -32,6 +40,19 @@ struct IdlePolicy {
   std::chrono::microseconds busy_for = std::chrono::microseconds::max();
 };
 
+// What a waiting loop blocks in (a transport). Thread-safety: the waiting loop's thread only.
+class IdleWaiter {
+ public:
+  virtual ~IdleWaiter() = default;
+  // Blocks until something may have arrived for this waiter, or `max` has passed. True when it
+  // was woken (something may have arrived: the caller should poll a while before waiting again,
+  // since a message may take more than one poll to show), false when it timed out. May return
+  // early for no reason.
+  virtual bool WaitForActivity(std::chrono::microseconds max);
+  // True when WaitForActivity returns on an arrival; false when it only sleeps.
+  virtual bool wakes_on_arrival() const { return false; }
+};
+
 // This process's policy (environment and cores, as above; read once).
 const IdlePolicy& ProcessIdlePolicy();
 
@@ -43,8 +64,14 @@ IdlePolicy IdlePolicyFor(int local_ranks, int cores, const char* override_us);
 class IdleBackoff {
  public:
   // `spins`: passes without progress before the loop starts giving up its core.
-  explicit IdleBackoff(uint64_t spins, const IdlePolicy& policy = ProcessIdlePolicy())
-      : spins_(spins < policy.max_spins ? spins : policy.max_spins), policy_(policy) {}
+  // `waiter`: where the sleeps happen (null: a plain sleep); it must outlive the loop.
+  explicit IdleBackoff(uint64_t spins, const IdlePolicy& policy = ProcessIdlePolicy(),
+                       IdleWaiter* waiter = nullptr)
+      : spins_(spins < policy.max_spins ? spins : policy.max_spins),
+        policy_(policy),
+        waiter_(waiter != nullptr && waiter->wakes_on_arrival() ? waiter : nullptr) {}
+  IdleBackoff(uint64_t spins, IdleWaiter* waiter)
+      : IdleBackoff(spins, ProcessIdlePolicy(), waiter) {}
 
   // Something happened: spin again.
   void Progress() {
@@ -63,6 +90,7 @@ class IdleBackoff {
  private:
   uint64_t spins_;
   IdlePolicy policy_;
+  IdleWaiter* waiter_;  // null unless it wakes on arrival
   uint64_t idle_ = 0;
   bool sleeping_ = false;
   std::chrono::steady_clock::time_point idle_since_{};

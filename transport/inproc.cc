@@ -33,6 +33,10 @@ class InprocTransport : public Transport {
     return fabric_->Post(false, rank_, peer, tag, nullptr, buf, bytes);
   }
   Result<bool> Test(Request r) override { return fabric_->Test(rank_, r); }
+  bool WaitForActivity(std::chrono::microseconds max) override {
+    return fabric_->WaitForRing(rank_, &seen_, max);
+  }
+  bool wakes_on_arrival() const override { return true; }
   Status Cancel(Request r) override { return fabric_->Cancel(rank_, r); }
   // Every message this rank received was copied once, from the sender's buffer into its own.
   TransportCounters counters() const override {
@@ -49,6 +53,7 @@ class InprocTransport : public Transport {
  private:
   std::shared_ptr<InprocFabric> fabric_;
   int rank_;
+  uint64_t seen_ = 0;
 };
 
 std::shared_ptr<InprocFabric> InprocFabric::Create(int ranks) {
@@ -60,7 +65,8 @@ InprocFabric::InprocFabric(int ranks)
       pending_sends_(static_cast<size_t>(ranks)),
       pending_recvs_(static_cast<size_t>(ranks)),
       frozen_(static_cast<size_t>(ranks), false),
-      copied_(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(ranks))) {
+      copied_(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(ranks))),
+      bells_(std::make_unique<Bell[]>(static_cast<size_t>(ranks))) {
   ops_.resize(kInitialOps);
   free_.reserve(kInitialOps);
   for (uint32_t i = kInitialOps; i > 0; --i) free_.push_back(i - 1);
@@ -70,6 +76,23 @@ InprocFabric::InprocFabric(int ranks)
 
 std::unique_ptr<Transport> InprocFabric::Endpoint(int rank) {
   return std::make_unique<InprocTransport>(shared_from_this(), rank);
+}
+
+void InprocFabric::Ring(int rank) {
+  Bell& b = bells_[static_cast<size_t>(rank)];
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    ++b.rung;
+  }
+  b.cv.notify_all();
+}
+
+bool InprocFabric::WaitForRing(int rank, uint64_t* seen, std::chrono::microseconds max) {
+  Bell& b = bells_[static_cast<size_t>(rank)];
+  std::unique_lock<std::mutex> lock(b.mu);
+  const bool rung = b.cv.wait_for(lock, max, [&] { return b.rung != *seen; });
+  *seen = b.rung;
+  return rung;
 }
 
 void InprocFabric::Freeze(int rank) {
@@ -90,6 +113,11 @@ void InprocFabric::Complete(Op& s, Op& r) {
 }
 
 void InprocFabric::Thaw(int rank) {
+  ThawLocked(rank);
+  for (int r = 0; r < ranks_; ++r) Ring(r);
+}
+
+void InprocFabric::ThawLocked(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   frozen_[static_cast<size_t>(rank)] = false;
   for (int dst = 0; dst < ranks_; ++dst) {
@@ -138,6 +166,16 @@ Result<Request> InprocFabric::Post(bool send, int me, int peer, int tag, const v
   if (peer < 0 || peer >= ranks_) {
     return Status::InvalidArgument("inproc: no rank " + std::to_string(peer));
   }
+  // The peer learns of it: a send's receiver looks for the message, a matched receive's sender
+  // sees its send complete.
+  bool matched = false;
+  Result<Request> r = PostLocked(send, me, peer, tag, sbuf, rbuf, bytes, &matched);
+  if (r.ok() && (send || matched)) Ring(peer);
+  return r;
+}
+
+Result<Request> InprocFabric::PostLocked(bool send, int me, int peer, int tag, const void* sbuf,
+                                         void* rbuf, size_t bytes, bool* matched) {
   std::lock_guard<std::mutex> lock(mu_);
   if (free_.empty()) {  // grow the pool (only under a burst larger than any seen before)
     const uint32_t old = static_cast<uint32_t>(ops_.size());
@@ -168,6 +206,7 @@ Result<Request> InprocFabric::Post(bool send, int me, int peer, int tag, const v
       if (o.src != op.src || o.dst != op.dst || o.tag != tag) continue;
       Complete(send ? op : o, send ? o : op);
       others.erase(others.begin() + static_cast<std::ptrdiff_t>(i));
+      *matched = true;
       return req;
     }
   }

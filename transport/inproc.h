@@ -8,6 +8,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -49,9 +51,22 @@ class InprocFabric : public std::enable_shared_from_this<InprocFabric> {
     return copied_[static_cast<size_t>(rank)].load(std::memory_order_relaxed);
   }
 
+  // Each rank's bell: rung when a message is posted to it or one of its sends is matched; a rank
+  // with nothing to do waits on it (WaitForActivity). `seen`: the rank's last rung count.
+  struct Bell {
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t rung = 0;
+  };
+  void Ring(int rank);
+  bool WaitForRing(int rank, uint64_t* seen, std::chrono::microseconds max);
+
   explicit InprocFabric(int ranks);
   Result<Request> Post(bool send, int me, int peer, int tag, const void* sbuf, void* rbuf,
                        size_t bytes);
+  Result<Request> PostLocked(bool send, int me, int peer, int tag, const void* sbuf, void* rbuf,
+                             size_t bytes, bool* matched);
+  void ThawLocked(int rank);
   Result<bool> Test(int me, Request r);
   Status Cancel(int me, Request r);
   Op* Find(Request r);
@@ -65,6 +80,7 @@ class InprocFabric : public std::enable_shared_from_this<InprocFabric> {
   std::vector<std::vector<uint32_t>> pending_recvs_;  // by receiving rank, in posting order
   std::vector<bool> frozen_;
   std::unique_ptr<std::atomic<uint64_t>[]> copied_;  // by receiving rank
+  std::unique_ptr<Bell[]> bells_;                    // by rank
 };
 
 }  // namespace moerun

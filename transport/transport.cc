@@ -10,7 +10,7 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
                           bool cancel_late) {
   size_t pending = 0;
   for (const Request& r : reqs) pending += r.valid();
-  IdleBackoff idle(static_cast<uint64_t>(idle_spins()));
+  IdleBackoff idle(static_cast<uint64_t>(idle_spins()), this);
   while (pending > 0) {
     for (Request& r : reqs) {
       if (!r.valid()) continue;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/idle_backoff.h"
 #include "base/status.h"
 
 namespace moerun {
@@ -47,9 +48,12 @@ struct Request {
   bool valid() const { return id != 0; }
 };
 
-class Transport {
+// A Transport is the IdleWaiter of the loops that wait on it (base/idle_backoff.h): its
+// WaitForActivity blocks until a message for this rank may have arrived, where the backend can
+// tell (wakes_on_arrival), and sleeps otherwise.
+class Transport : public IdleWaiter {
  public:
-  virtual ~Transport() = default;
+  ~Transport() override = default;
 
   virtual const char* name() const = 0;
   virtual int rank() const = 0;

@@ -192,7 +192,7 @@ Status ExpertServer::Serve() {
                             t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
   }
   int alive = static_cast<int>(routers_.size());
-  IdleBackoff idle(static_cast<uint64_t>(t_->idle_spins()));
+  IdleBackoff idle(static_cast<uint64_t>(t_->idle_spins()), t_);
   while (alive > 0) {
     MOERUN_RETURN_IF_ERROR(control_->Poll());
     bool progressed = false;

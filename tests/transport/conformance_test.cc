@@ -462,6 +462,47 @@ TEST_P(TransportConformance, BarrierWaitsForEveryRank) {
   });
 }
 
+// --- waking a blocked rank -------------------------------------------------------------------
+
+// A rank with nothing to do blocks in WaitForActivity; a message to it ends the wait long before
+// its timeout (where the backend wakes on arrival: every backend built here does), and a rank
+// woken polls its receive to completion. A functional check, not a timing one: the bound is a
+// tenth of the wait's own timeout.
+TEST_P(TransportConformance, AnArrivalWakesABlockedRank) {
+  Run([](Transport& t) {
+    constexpr int kTag = 650;
+    const int n = t.size(), me = t.rank();
+    for (int b = 1; b < n; ++b) {
+      MOERUN_ASSERT_OK(t.Barrier(Patient()));
+      if (me == 0) {
+        std::this_thread::sleep_for(milliseconds(50));  // b is blocked by now
+        const uint32_t word = 0x5eed0000u + static_cast<uint32_t>(b);
+        MOERUN_ASSERT_OK(t.Send(b, kTag, &word, sizeof word, Patient()));
+      } else if (me == b) {
+        uint32_t got = 0;
+        Result<Request> r = t.Irecv(0, kTag, &got, sizeof got);
+        MOERUN_ASSERT_OK(r.status());
+        const auto t0 = SteadyClock::now();
+        bool done = false;
+        int woken = 0;
+        while (!done && MillisSince(t0) < 60000) {
+          Result<bool> d = t.Test(*r);
+          MOERUN_ASSERT_OK(d.status());
+          done = *d;
+          if (!done) woken += t.WaitForActivity(std::chrono::seconds(30)) ? 1 : 0;
+        }
+        ASSERT_TRUE(done);
+        EXPECT_EQ(got, 0x5eed0000u + static_cast<uint32_t>(b));
+        if (t.wakes_on_arrival()) {
+          EXPECT_LT(MillisSince(t0), 3000.0) << t.name() << " did not wake on the arrival";
+          EXPECT_GE(woken, 1);
+        }
+      }
+    }
+    MOERUN_ASSERT_OK(t.Barrier(Patient()));
+  });
+}
+
 // --- invalid peers and requests -------------------------------------------------------------
 
 TEST_P(TransportConformance, InvalidPeerIsAnErrorNotACrash) {

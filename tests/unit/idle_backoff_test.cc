@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <vector>
 
 namespace moerun {
 namespace {
@@ -79,6 +80,58 @@ TEST(IdleBackoffTest, SpinsThenYieldsThenSleepsDoublingUpToTheCap) {
   const auto t0 = std::chrono::steady_clock::now();
   b.Idle();  // spinning again: returns at once (generous bound for a loaded machine)
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(40));
+}
+
+// A waiter that records its waits and wakes when told to (never sleeps).
+class FakeWaiter : public IdleWaiter {
+ public:
+  explicit FakeWaiter(bool wakes) : wakes_(wakes) {}
+  bool WaitForActivity(microseconds max) override {
+    waits.push_back(max);
+    const bool w = wake_next;
+    wake_next = false;
+    return w;
+  }
+  bool wakes_on_arrival() const override { return wakes_; }
+  std::vector<microseconds> waits;
+  bool wake_next = false;
+
+ private:
+  bool wakes_;
+};
+
+TEST(IdleBackoffTest, AWaiterThatWakesOnArrivalTakesTheSleepsAndAWakeStartsSpinningAgain) {
+  IdlePolicy p;
+  p.sleep_cap = microseconds(400);
+  p.yields = 2;
+  FakeWaiter w(/*wakes=*/true);
+  IdleBackoff b(/*spins=*/3, p, &w);
+  for (int i = 0; i < 3 + 2; ++i) b.Idle();  // spins and yields
+  EXPECT_TRUE(w.waits.empty());
+  b.Idle();
+  b.Idle();
+  ASSERT_EQ(w.waits.size(), 2u);  // blocked, not slept, doubling as the sleeps did
+  EXPECT_EQ(w.waits[0], microseconds(50));
+  EXPECT_EQ(w.waits[1], microseconds(100));
+  w.wake_next = true;
+  b.Idle();  // woken: spinning again
+  EXPECT_EQ(b.next_sleep(), microseconds(50));
+  for (int i = 0; i < 3 + 2; ++i) b.Idle();
+  EXPECT_EQ(w.waits.size(), 3u);  // no wait while spinning and yielding again
+  b.Idle();
+  EXPECT_EQ(w.waits.size(), 4u);
+  EXPECT_EQ(w.waits[3], microseconds(50));
+}
+
+TEST(IdleBackoffTest, AWaiterThatCannotWakeIsNotUsed) {
+  IdlePolicy p;
+  p.yields = 0;
+  FakeWaiter w(/*wakes=*/false);
+  IdleBackoff b(/*spins=*/0, p, &w);
+  const auto t0 = std::chrono::steady_clock::now();
+  b.Idle();
+  EXPECT_TRUE(w.waits.empty());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, microseconds(40));  // it slept
 }
 
 }  // namespace

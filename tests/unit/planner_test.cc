@@ -536,8 +536,8 @@ TEST(LocalSearchTest, AtLeastAsGoodAsReferenceOnRandomLoads) {
                                                   {48, 64, 8}};
   for (const auto& [experts, slots, ranks] : shapes) {
     for (int trial = 0; trial < 8; ++trial) {
-      SCOPED_TRACE(testing::Message() << experts << " experts, " << slots << " slots, " << ranks
-                                      << " ranks, trial " << trial);
+      SCOPED_TRACE(::testing::Message() << experts << " experts, " << slots << " slots, " << ranks
+                                        << " ranks, trial " << trial);
       PlannerInput in{{RandomLoad(&rng, experts)}, slots, 1, 1, ranks};
       const auto global = Plan(in, PlannerPolicy::kEplbGlobal);
       ASSERT_EQ(global.size(), 1u);
@@ -560,7 +560,7 @@ TEST(LocalSearchTest, AtLeastAsGoodAsReferenceOnDeepSeek) {
   const auto rows = DeepSeekLoads("prefill_in1024.json");
   ASSERT_EQ(rows.size(), 58u);
   for (size_t l : {size_t{0}, size_t{29}, size_t{57}}) {
-    SCOPED_TRACE(testing::Message() << "layer " << l);
+    SCOPED_TRACE(::testing::Message() << "layer " << l);
     PlannerInput in{{rows[l]}, 256 + 32, 8, 4, 32};
     ExpectAtLeastReference(rows[l], Plan(in, PlannerPolicy::kEplbGlobal)[0], 32);
     ExpectAtLeastReference(rows[l], Plan(in, PlannerPolicy::kEplbHierarchical)[0], 32);
@@ -580,7 +580,7 @@ TEST(LocalSearchTest, PlateauStopKeepsBalanceOnDeepSeek) {
     for (size_t l = 0; l < rows.size(); ++l) {
       PlannerInput in{{rows[l]}, 512, 8, 8, 256};
       for (PlannerPolicy p : {PlannerPolicy::kEplbGlobal, PlannerPolicy::kEplbHierarchical}) {
-        SCOPED_TRACE(testing::Message() << name << " layer " << l << " " << PlannerPolicyName(p));
+        SCOPED_TRACE(::testing::Message() << name << " layer " << l << " " << PlannerPolicyName(p));
         const LayerMaps start = Plan(in, p)[0];
         SearchLimits full, stop, early;
         stop.stall_rounds = 0;
@@ -657,7 +657,7 @@ TEST(IncrementalTest, StaysWithinTheBudgetAndNeverLowersBalance) {
     const double before = PredictedBalancedness(rows[l], start, ranks);
     double last = before;
     for (int budget : {1, 2, 3, 8, 32, 0}) {
-      SCOPED_TRACE(testing::Message() << "layer " << l << " budget " << budget);
+      SCOPED_TRACE(::testing::Message() << "layer " << l << " budget " << budget);
       IncrementalOptions o;
       o.max_moves = budget;
       auto r = PlanIncremental(rows[l], start, ranks, o);

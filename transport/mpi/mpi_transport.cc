@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "base/log.h"
+#include "transport/doorbell.h"
 
 namespace moerun {
 namespace {
@@ -77,7 +80,7 @@ int g_endpoints = 0;
 
 class MpiTransport : public Transport {
  public:
-  explicit MpiTransport(MPI_Comm comm) : comm_(comm) {
+  MpiTransport(MPI_Comm comm, Doorbell bell) : comm_(comm), bell_(std::move(bell)) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     entries_.resize(1024);
@@ -119,6 +122,7 @@ class MpiTransport : public Transport {
     }
     e.phase = Phase::kPosted;
     CountSent(peer, bytes);
+    bell_.Ring(peer);  // a peer blocked in WaitForActivity looks now
     return Request{MakeId(index), peer};
   }
 
@@ -183,6 +187,12 @@ class MpiTransport : public Transport {
     Release(index);
     return Status::Ok();
   }
+
+  // Open MPI's progress only polls: a rank that has nothing to do blocks on its doorbell
+  // (transport/doorbell.h), which every Isend to it rings. Peers on other hosts do not ring: there
+  // the wait ends by its timeout, as a sleep did.
+  bool WaitForActivity(std::chrono::microseconds max) override { return bell_.Wait(max); }
+  bool wakes_on_arrival() const override { return bell_.ringable() > 0; }
 
   [[noreturn]] void Abort(int exit_code) override {
     spdlog::default_logger()->flush();
@@ -306,6 +316,7 @@ class MpiTransport : public Transport {
   }
 
   MPI_Comm comm_;
+  Doorbell bell_;
   int rank_ = 0, size_ = 1;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_;
@@ -328,7 +339,38 @@ Result<std::unique_ptr<Transport>> CreateMpiTransport() {
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-  return std::unique_ptr<Transport>(new MpiTransport(comm));
+  // Every rank's doorbell name (an empty one where the bell could not be opened, or
+  // MOERUN_MPI_DOORBELL=off: that rank is then woken by its sleeps' end only).
+  Doorbell bell;
+  const char* env = std::getenv("MOERUN_MPI_DOORBELL");
+  const bool wanted = env == nullptr || std::string(env) != "off";
+  if (wanted) {
+    Result<Doorbell> opened = Doorbell::Open();
+    if (opened.ok()) {
+      bell = std::move(*opened);
+    } else {
+      spdlog::warn("mpi: no doorbell, idle ranks wake by their sleep's end: {}",
+                   opened.status().ToString());
+    }
+  }
+  int size = 1;
+  MPI_Comm_size(comm, &size);
+  std::vector<char> mine(Doorbell::kNameBytes, '\0');
+  std::memcpy(mine.data(), bell.name().data(), std::min(bell.name().size(), mine.size() - 1));
+  std::vector<char> all(Doorbell::kNameBytes * static_cast<size_t>(size), '\0');
+  const int rc = MPI_Allgather(mine.data(), static_cast<int>(Doorbell::kNameBytes), MPI_CHAR,
+                               all.data(), static_cast<int>(Doorbell::kNameBytes), MPI_CHAR, comm);
+  if (rc != MPI_SUCCESS) {
+    MPI_Comm_free(&comm);
+    return Status::Unavailable("mpi: exchanging the doorbells' names: " + MpiError(rc));
+  }
+  std::vector<std::string> names(static_cast<size_t>(size));
+  for (size_t r = 0; r < names.size(); ++r) {
+    const char* p = all.data() + r * Doorbell::kNameBytes;
+    names[r].assign(p, strnlen(p, Doorbell::kNameBytes));
+  }
+  if (bell.open()) bell.SetPeers(names);
+  return std::unique_ptr<Transport>(new MpiTransport(comm, std::move(bell)));
 }
 
 }  // namespace moerun

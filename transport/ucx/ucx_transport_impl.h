@@ -60,6 +60,9 @@ class UcxTransport : public Transport {
   bool can_withdraw_sends() const override { return false; }
   bool peer_failed(int peer) const override { return peer < size_ && endpoints_.failed(peer); }
   int idle_spins() const override { return 16; }
+  // Blocks on the worker's event fd (ucx_worker.h): an arrival wakes it.
+  bool WaitForActivity(std::chrono::microseconds max) override { return worker_.Wait(max); }
+  bool wakes_on_arrival() const override { return worker_.can_wait(); }
   std::vector<uint8_t> peer_address(int peer) const override {
     if (peer < 0 || peer >= size_) return {};
     return endpoints_.address(peer);

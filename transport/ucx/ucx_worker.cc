@@ -1,8 +1,11 @@
 #include "transport/ucx/ucx_worker.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "base/log.h"
+#include "transport/doorbell.h"
 #include "transport/ucx/ucx_environment.h"
 #include "transport/ucx/ucx_transport.h"
 #include "transport/ucx/ucx_wire.h"
@@ -13,9 +16,11 @@ Status UcxWorker::Open(bool loud) {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return Status::Unavailable("ucx: reading UCX's configuration: " + UcsError(s));
+  const char* wake = std::getenv("MOERUN_UCX_WAKEUP");
+  const bool wakeup = wake == nullptr || std::strcmp(wake, "off") != 0;
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_RMA;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_RMA | (wakeup ? UCP_FEATURE_WAKEUP : 0);
   params.mt_workers_shared = 0;
   s = ucp_init(&params, config, &context_);
   ucp_config_release(config);
@@ -39,10 +44,21 @@ Status UcxWorker::Open(bool loud) {
   if (s != UCS_OK) return Status::Unavailable("ucx: ucp_worker_get_address: " + UcsError(s));
   address_.assign(reinterpret_cast<uint8_t*>(addr), reinterpret_cast<uint8_t*>(addr) + addr_len);
   ucp_worker_release_address(worker_, addr);
+  if (wakeup) {
+    int fd = -1;
+    s = ucp_worker_get_efd(worker_, &fd);
+    if (s == UCS_OK) {
+      efd_ = fd;
+    } else if (loud) {
+      spdlog::warn("ucx: no worker event fd ({}): idle ranks wake by their sleep's end",
+                   UcsError(s));
+    }
+  }
   return Status::Ok();
 }
 
 void UcxWorker::Close() {
+  efd_ = -1;  // the worker's own, closed with it
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
   worker_ = nullptr;
@@ -52,6 +68,12 @@ void UcxWorker::Close() {
 void UcxWorker::Progress() {
   for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) {
   }
+}
+
+bool UcxWorker::Wait(std::chrono::microseconds max) {
+  const ucs_status_t armed = efd_ >= 0 ? ucp_worker_arm(worker_) : UCS_ERR_UNSUPPORTED;
+  if (armed == UCS_ERR_BUSY) return true;  // events came since the last progress: progress them
+  return WaitReadable(armed == UCS_OK ? efd_ : -1, max);  // not armed: a plain sleep
 }
 
 void UcxWorker::ProgressUntilIdle() {

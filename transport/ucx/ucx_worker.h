@@ -6,6 +6,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -19,8 +20,9 @@ class UcxWorker {
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
 
-  // Makes the context (tag and RMA features) and a single-threaded worker, and takes the
-  // worker's address. When `loud`, logs whether UCX handles CUDA memory (UcxCudaMemoryNote).
+  // Makes the context (tag and RMA features, and wakeup unless MOERUN_UCX_WAKEUP=off) and a
+  // single-threaded worker, and takes the worker's address. When `loud`, logs whether UCX
+  // handles CUDA memory (UcxCudaMemoryNote).
   // On an error, what was made stays for Close to end.
   Status Open(bool loud);
   // Ends the worker and the context (either may be missing). Endpoints, memory handles and
@@ -37,6 +39,11 @@ class UcxWorker {
   // Progresses until 64 calls in a row report nothing (at most 100000): lets what is on its way
   // land.
   void ProgressUntilIdle();
+  // Blocks until the worker has an event (a message or note arrived) or `max` passes: arms the
+  // worker's event fd and polls it; returns at once when events are pending (progress them).
+  // Sleeps where the worker has no event fd.
+  bool Wait(std::chrono::microseconds max);  // true: woken (or events pending)
+  bool can_wait() const { return efd_ >= 0; }
   // Takes every message matching (tag, mask) off UCX's unexpected queue and drops it.
   void DiscardUnexpected(ucp_tag_t tag, ucp_tag_t mask);
 
@@ -44,6 +51,7 @@ class UcxWorker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<uint8_t> address_;
+  int efd_ = -1;  // the worker's event fd (UCP_FEATURE_WAKEUP), -1 without
   // Where discarded messages land: truncated to this size (a rendezvous message then completes
   // without its data), and alive as long as the worker, for a discard that completes late.
   alignas(8) uint8_t discard_[64] = {};

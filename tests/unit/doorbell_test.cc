@@ -1,0 +1,82 @@
+#include "transport/doorbell.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+namespace moerun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::microseconds;
+using std::chrono::milliseconds;
+
+TEST(DoorbellTest, NamesCarryTheHostAndAreUnique) {
+  Result<Doorbell> a = Doorbell::Open();
+  Result<Doorbell> b = Doorbell::Open();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_NE(a->name(), b->name());
+  EXPECT_FALSE(DoorbellHost(a->name()).empty());
+  EXPECT_EQ(DoorbellHost(a->name()), DoorbellHost(b->name()));
+  EXPECT_LT(a->name().size(), Doorbell::kNameBytes);
+  EXPECT_EQ(DoorbellHost("not-a-bell"), "");
+  EXPECT_EQ(DoorbellHost("moerun-bell//1/2"), "");
+}
+
+TEST(DoorbellTest, ARingEndsAWaitAtOnceAndARingBeforeTheWaitIsNotLost) {
+  Result<Doorbell> a = Doorbell::Open();
+  Result<Doorbell> b = Doorbell::Open();
+  ASSERT_TRUE(a.ok() && b.ok());
+  a->SetPeers({a->name(), b->name()});
+  b->SetPeers({a->name(), b->name()});
+  EXPECT_EQ(a->ringable(), 1);  // not itself
+  // Rung before the wait: returns at once.
+  a->Ring(1);
+  auto t0 = Clock::now();
+  EXPECT_TRUE(b->Wait(microseconds(2'000'000)));
+  EXPECT_LT(Clock::now() - t0, milliseconds(500));
+  // Drained: the next wait times out.
+  t0 = Clock::now();
+  EXPECT_FALSE(b->Wait(microseconds(20'000)));
+  EXPECT_GE(Clock::now() - t0, milliseconds(15));
+  // Rung during the wait, from another thread.
+  std::thread ringer([&] {
+    std::this_thread::sleep_for(milliseconds(20));
+    a->Ring(1);
+  });
+  t0 = Clock::now();
+  b->Wait(microseconds(5'000'000));
+  const auto waited = Clock::now() - t0;
+  ringer.join();
+  EXPECT_LT(waited, milliseconds(2000));
+  EXPECT_EQ(a->ring_failures(), 0u);
+}
+
+TEST(DoorbellTest, PeersOnAnotherHostOrWithoutABellAreNeverRung) {
+  Result<Doorbell> a = Doorbell::Open();
+  ASSERT_TRUE(a.ok());
+  a->SetPeers({a->name(), "moerun-bell/some-other-host/12/00ff", "", "garbage"});
+  EXPECT_EQ(a->ringable(), 0);
+  for (int p = -1; p < 6; ++p) a->Ring(p);
+  EXPECT_EQ(a->rings_sent(), 0u);
+}
+
+TEST(DoorbellTest, ABellWhoseProcessIsGoneFailsTheRingQuietly) {
+  Result<Doorbell> a = Doorbell::Open();
+  ASSERT_TRUE(a.ok());
+  std::string gone;
+  {
+    Result<Doorbell> b = Doorbell::Open();
+    ASSERT_TRUE(b.ok());
+    gone = b->name();
+  }
+  a->SetPeers({a->name(), gone});
+  a->Ring(1);
+  EXPECT_EQ(a->rings_sent(), 1u);
+  EXPECT_EQ(a->ring_failures(), 1u);
+}
+
+}  // namespace
+}  // namespace moerun

@@ -1,0 +1,133 @@
+#include "transport/doorbell.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+namespace moerun {
+namespace {
+
+constexpr char kPrefix[] = "moerun-bell/";
+
+std::string HostName() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "unknown";
+  return host;
+}
+
+// The socket address of abstract name `name` (a leading NUL, then the name; no terminator).
+socklen_t AbstractAddress(const std::string& name, sockaddr_un* addr) {
+  std::memset(addr, 0, sizeof *addr);
+  addr->sun_family = AF_UNIX;
+  const size_t n = std::min(name.size(), sizeof addr->sun_path - 1);
+  std::memcpy(addr->sun_path + 1, name.data(), n);
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+}
+
+}  // namespace
+
+std::string DoorbellHost(const std::string& name) {
+  const size_t p = sizeof kPrefix - 1;
+  if (name.compare(0, p, kPrefix) != 0) return "";
+  const size_t slash = name.find('/', p);
+  if (slash == std::string::npos || slash == p) return "";
+  return name.substr(p, slash - p);
+}
+
+Result<Doorbell> Doorbell::Open() {
+  Doorbell b;
+  b.host_ = HostName();
+  if (b.host_.find('/') != std::string::npos) b.host_ = "host";
+  b.fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (b.fd_ < 0) {
+    return Status::Unavailable(std::string("doorbell: socket(AF_UNIX): ") + std::strerror(errno));
+  }
+  std::random_device rd;
+  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char tail[64];
+  std::snprintf(tail, sizeof tail, "/%d/%016llx", static_cast<int>(::getpid()),
+                static_cast<unsigned long long>(nonce));
+  b.name_ =
+      kPrefix + b.host_.substr(0, kNameBytes - 1 - (sizeof kPrefix - 1) - std::strlen(tail)) + tail;
+  sockaddr_un addr;
+  const socklen_t len = AbstractAddress(b.name_, &addr);
+  if (::bind(b.fd_, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+    return Status::Unavailable("doorbell: bind(" + b.name_ + "): " + std::strerror(errno));
+  }
+  return b;
+}
+
+Doorbell::Doorbell(Doorbell&& o) noexcept { *this = std::move(o); }
+
+Doorbell& Doorbell::operator=(Doorbell&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    o.fd_ = -1;
+    name_ = std::move(o.name_);
+    host_ = std::move(o.host_);
+    peers_ = std::move(o.peers_);
+    rings_ = o.rings_;
+    failures_ = o.failures_;
+  }
+  return *this;
+}
+
+Doorbell::~Doorbell() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Doorbell::SetPeers(const std::vector<std::string>& names) {
+  peers_.assign(names.size(), std::string());
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == name_ || DoorbellHost(names[i]) != host_) continue;
+    sockaddr_un addr;
+    const socklen_t len = AbstractAddress(names[i], &addr);
+    peers_[i].assign(reinterpret_cast<const char*>(&addr), len);
+  }
+}
+
+int Doorbell::ringable() const {
+  int n = 0;
+  for (const std::string& p : peers_) n += !p.empty();
+  return n;
+}
+
+void Doorbell::Ring(int peer) {
+  if (fd_ < 0 || peer < 0 || static_cast<size_t>(peer) >= peers_.size()) return;
+  const std::string& a = peers_[static_cast<size_t>(peer)];
+  if (a.empty()) return;
+  const char one = 1;
+  const ssize_t n =
+      ::sendto(fd_, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL,
+               reinterpret_cast<const sockaddr*>(a.data()), static_cast<socklen_t>(a.size()));
+  ++rings_;
+  if (n != 1) ++failures_;  // EAGAIN: rings are queued there already; else: no such bell
+}
+
+bool WaitReadable(int fd, std::chrono::microseconds max) {
+  if (fd < 0) {
+    ::usleep(static_cast<useconds_t>(max.count()));
+    return false;
+  }
+  pollfd p{fd, POLLIN, 0};
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(max.count() / 1000000);
+  ts.tv_nsec = static_cast<long>(max.count() % 1000000) * 1000;
+  return ::ppoll(&p, 1, &ts, nullptr) > 0;
+}
+
+bool Doorbell::Wait(std::chrono::microseconds max) {
+  if (!WaitReadable(fd_, max)) return false;
+  char buf[64];
+  while (::recv(fd_, buf, sizeof buf, MSG_DONTWAIT) > 0) {
+  }
+  return true;
+}
+
+}  // namespace moerun
