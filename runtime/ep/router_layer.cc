@@ -78,7 +78,8 @@ RouterLayer::~RouterLayer() {
   }
 }
 
-Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline deadline) {
+Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline deadline,
+                            BatchStream* stream) {
   if (lp_ == nullptr) {
     return Status::InvalidArgument("the placement has no entry for layer " +
                                    std::to_string(w_->layer));
@@ -95,7 +96,7 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
     if (orphans_ > 0) MOERUN_RETURN_IF_ERROR(CheckOrphans(x, done, tokens));
     late_.clear();
     answered_failure_ = false;
-    const Status status = ForwardFrom(x, done, tokens, out, &done);
+    const Status status = ForwardFrom(x, done, &tokens, out, &done, stream);
     if (status.ok()) return status;
     const int abandoned = Abandon(status);
     if (health_ == nullptr) return status;
@@ -122,43 +123,53 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
   }
 }
 
-Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t tokens, float* out,
-                                int64_t* done) {
-  const int64_t left = tokens - from;
-  if (left <= 0) return Status::Ok();
-  const int64_t mb = opts_.microbatch_tokens > 0 ? opts_.microbatch_tokens : left;
-  const int64_t n = (left + mb - 1) / mb;
+Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t* tokens, float* out,
+                                int64_t* done, BatchStream* stream) {
+  // Two stages: dispatch microbatch i, then collect i - 1 while the expert ranks work on i. With a
+  // stream, rows that arrived meanwhile are taken whenever a stage is free, and dispatched at
+  // once as the next microbatch.
+  int64_t next = from;  // the first token not dispatched yet
+  int used = 0;         // stages dispatched: microbatch j went to stages_[j % 2]
+  int active = 0;       // of which still in flight (the newest `active` ones)
   Status status;
-  int64_t i = 0;
-  for (; i <= n && status.ok(); ++i) {
-    // Dispatch microbatch i, then collect i - 1 while the expert ranks work on i.
-    if (i < n) {
-      Stage& st = *stages_[i % 2];
+  while (status.ok()) {
+    if (stream != nullptr && active < 2) *tokens = stream->Extend(*tokens, &call_deadline_);
+    const int64_t left = *tokens - next;
+    if (left > 0 && active < 2) {
+      const int64_t mb =
+          opts_.microbatch_tokens > 0 ? std::min(opts_.microbatch_tokens, left) : left;
+      Stage& st = *stages_[used % 2];
       const auto t0 = SteadyClock::now();
-      status = Dispatch(st, x, from + i * mb, std::min(mb, left - i * mb));
-      if (dispatch_hist_ && status.ok()) {
+      status = Dispatch(st, x, next, mb);
+      if (!status.ok()) break;
+      if (dispatch_hist_) {
         dispatch_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
       }
+      next += mb;
+      ++used;
+      if (++active < 2) continue;  // another microbatch goes out before this one is collected
     }
-    if (status.ok() && i > 0) {
-      const auto t0 = SteadyClock::now();
-      Stage& st = *stages_[(i - 1) % 2];
-      status = Collect(st, out);
-      if (status.ok()) *done = st.t0 + st.tokens;
-      if (combine_hist_ && status.ok()) {
-        combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
-      }
+    if (active == 0) break;
+    const auto t0 = SteadyClock::now();
+    Stage& st = *stages_[(used - active) % 2];
+    status = Collect(st, out);
+    if (!status.ok()) break;
+    --active;
+    *done = st.t0 + st.tokens;
+    if (combine_hist_) {
+      combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
     }
+    if (stream != nullptr) stream->Done(*done);
   }
-  if (!status.ok() && answered_failure_ && i <= n) {
-    // Microbatch i - 2 was answered with a failure (the rank lives); i - 1 is on its way: its
-    // answer is taken in too (and computed again later), so that nothing stays in flight. A
-    // transfer failure or a missed deadline there counts instead.
-    Stage& next = *stages_[(i - 1) % 2];
-    if (next.active) {
+  if (!status.ok() && answered_failure_ && active == 2) {
+    // The older microbatch was answered with a failure (the rank lives); the newer one is on its
+    // way: its answer is taken in too (and computed again later), so that nothing stays in
+    // flight. A transfer failure or a missed deadline there counts instead.
+    Stage& next_stage = *stages_[(used - 1) % 2];
+    if (next_stage.active) {
       const Status answered = status;
       answered_failure_ = false;
-      const Status s = Collect(next, out);
+      const Status s = Collect(next_stage, out);
       if (s.ok() || answered_failure_) {
         status = answered;
         answered_failure_ = true;

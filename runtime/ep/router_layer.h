@@ -5,9 +5,12 @@
 // rank exactly its rows, compute the shared expert here, and, once microbatch i+1 is on its way,
 // collect microbatch i's outputs and combine them in slot order. The output is bitwise identical
 // to the single-process MoeLayer for any rank count, placement or microbatch size (the expert
-// kernels are batch-invariant and combine sums in a fixed order). Every wait has a deadline; a
-// rank that does not answer fails the call with an error naming it. Buffers grow to the largest
-// microbatch and are reused. Not reentrant: one Forward at a time.
+// kernels are batch-invariant and combine sums in a fixed order). Given a BatchStream
+// (base/batch_stream.h), the batch grows while it runs: whenever the two-stage pipeline has room
+// (fewer than two microbatches in flight), the stream's new rows are dispatched at once as the
+// next microbatch, and the stream learns after each combine which tokens are final. Every wait has
+// a deadline; a rank that does not answer fails the call with an error naming it. Buffers grow to
+// the largest microbatch and are reused. Not reentrant: one Forward at a time.
 //
 // With a PeerHealth (serving), a dead expert rank does not fail the call: the rank is marked dead
 // (the transport failed its endpoint, or it missed the expert-parallel deadline), the
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
+#include "base/batch_stream.h"
 #include "base/metrics.h"
 #include "experts/cpu/grouped_ffn.h"
 #include "router/dispatch_plan.h"
@@ -66,7 +70,9 @@ class RouterLayer {
   // needs a rank that is not answering fail at once with kUnavailable. Without one the layer
   // keeps them posted itself, so a rank that answers late stays in step with the next calls;
   // once kMaxOwnStrands abandoned microbatches are outstanding, calls fail with kUnavailable.
-  Status Forward(const float* x, int64_t tokens, float* out, Deadline deadline = Deadline::max());
+  // With a `stream`, x and out hold room for the rows it appends (its tokens() at most).
+  Status Forward(const float* x, int64_t tokens, float* out, Deadline deadline = Deadline::max(),
+                 BatchStream* stream = nullptr);
   void set_health(PeerHealth* health) { health_ = health; }
   // Seconds spent per microbatch dispatching (gate, plan, gather, send) and collecting (wait for
   // the expert ranks, combine); null to skip.
@@ -97,8 +103,10 @@ class RouterLayer {
 
  private:
   struct Stage;
-  // Microbatches from token `from` on; *done: tokens whose output is final.
-  Status ForwardFrom(const float* x, int64_t from, int64_t tokens, float* out, int64_t* done);
+  // Microbatches from token `from` on; *done: tokens whose output is final; *tokens grows with
+  // the stream.
+  Status ForwardFrom(const float* x, int64_t from, int64_t* tokens, float* out, int64_t* done,
+                     BatchStream* stream);
   Status Dispatch(Stage& st, const float* x, int64_t t0, int64_t tokens);
   Status Collect(Stage& st, float* out);
   // Posts the receive of rank d's answer, then sends it the stage's header and rows for it (the

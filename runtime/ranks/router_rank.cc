@@ -43,13 +43,13 @@ RouterLayer* RouterRank::layer(int number) const {
 }
 
 Status RouterRank::Forward(int number, const float* x, int64_t tokens, float* out,
-                           Deadline deadline) {
+                           Deadline deadline, BatchStream* stream) {
   RouterLayer* l = layer(number);
   if (l == nullptr) {
     return Status::InvalidArgument("layer " + std::to_string(number) + " is not served");
   }
   if (health_) health_->Poll();
-  return l->Forward(x, tokens, out, deadline);
+  return l->Forward(x, tokens, out, deadline, stream);
 }
 
 Status RouterRank::Poll() {

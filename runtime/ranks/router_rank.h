@@ -51,8 +51,9 @@ class RouterRank {
 
   // One batch through layer `number`: x [tokens][hidden] -> out; the probes are moved on first.
   // kInvalidArgument for a layer this router does not serve.
+  // With a `stream`, the batch grows while it runs (RouterLayer::Forward).
   Status Forward(int number, const float* x, int64_t tokens, float* out,
-                 Deadline deadline = Deadline::max());
+                 Deadline deadline = Deadline::max(), BatchStream* stream = nullptr);
   // Between batches and when idle: health probes and late transfers, control messages and the
   // steps of a migration. An error from the control channel ends the router's part.
   Status Poll();

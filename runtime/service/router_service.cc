@@ -30,11 +30,13 @@ Status RouterService::Run(std::atomic<bool>& stop, RouterServiceHooks hooks) {
   stop_ = &stop;
   hooks_ = std::move(hooks);
   batcher_.Run(
-      [&](int layer, const float* x, int64_t tokens, float* out, Deadline deadline) {
-        const Status s = Forward(layer, x, tokens, out, deadline);
+      [&](int layer, const float* x, int64_t tokens, float* out, Deadline deadline,
+          BatchStream* stream) {
+        const Status s = Forward(layer, x, tokens, out, deadline, stream);
+        const int64_t ran = stream != nullptr ? stream->tokens() : tokens;
         batches_->Inc();
-        batch_tokens_->Inc(static_cast<uint64_t>(tokens));
-        if (hooks_.on_batch) hooks_.on_batch(tokens, s.ok());
+        batch_tokens_->Inc(static_cast<uint64_t>(ran));
+        if (hooks_.on_batch) hooks_.on_batch(ran, s.ok());
         return s;
       },
       [this] { return StopRequested(); }, [this] { Poll(); });
@@ -44,8 +46,8 @@ Status RouterService::Run(std::atomic<bool>& stop, RouterServiceHooks hooks) {
 }
 
 Status RouterService::Forward(int layer, const float* x, int64_t tokens, float* out,
-                              Deadline deadline) {
-  Status s = router_.Forward(layer, x, tokens, out, deadline);
+                              Deadline deadline, BatchStream* stream) {
+  Status s = router_.Forward(layer, x, tokens, out, deadline, stream);
   // Experts whose every copy died are being re-placed (router 0's recovery migration): the batch
   // waits for them, bounded by its deadline; the control moves on meanwhile (no microbatch of
   // this router is in flight between two calls).
@@ -61,7 +63,10 @@ Status RouterService::Forward(int layer, const float* x, int64_t tokens, float* 
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       continue;
     }
-    s = router_.Forward(layer, x, tokens, out, deadline);
+    // The batch as it grew; what was answered already is computed again (the same bits) and
+    // not answered twice.
+    if (stream != nullptr) tokens = stream->tokens();
+    s = router_.Forward(layer, x, tokens, out, deadline, stream);
   }
   spdlog::info("router {}: the batch waited {:.3f} s for re-placed experts: {}", router_.rank(),
                SecondsSince(t0), s.ok() ? "answered" : s.ToString());

@@ -62,7 +62,8 @@ class RouterService {
 
  private:
   RouterService(RouterRank& router, RouterServiceOptions options);
-  Status Forward(int layer, const float* x, int64_t tokens, float* out, Deadline deadline);
+  Status Forward(int layer, const float* x, int64_t tokens, float* out, Deadline deadline,
+                 BatchStream* stream);
   bool StopRequested();  // on stop: drain, then true
   void Poll();           // the router rank, then hooks_.tick
 

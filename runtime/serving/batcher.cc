@@ -119,6 +119,7 @@ void Batcher::DropExpired(Clock::time_point now) {
     if (s.req.deadline <= now) {
       expired_.push_back(s);
       queued_tokens_ -= s.req.tokens;
+      ++stats_.expired;
     } else {
       if (kept != i) ring_[(head_ + kept) % ring_.size()] = s;
       ++kept;
@@ -127,80 +128,155 @@ void Batcher::DropExpired(Clock::time_point now) {
   count_ = kept;
 }
 
-bool Batcher::TakeBatch(std::vector<Slot>* batch, bool flush) {
-  batch->clear();
+int64_t Batcher::TakeLocked(int layer, int64_t room) {
   const auto now = Clock::now();
   DropExpired(now);
-  if (count_ == 0) return false;
-  const Slot& first = ring_[head_];
-  // Tokens of the head's layer that can go together, in FIFO order.
-  int64_t tokens = 0;
-  size_t n = 0;
-  for (; n < count_; ++n) {
-    const Slot& s = ring_[(head_ + n) % ring_.size()];
-    if (s.req.layer != first.req.layer) break;
-    if (n > 0 && tokens + s.req.tokens > opts_.max_batch_tokens) break;
-    tokens += s.req.tokens;
-  }
-  const bool full = tokens >= opts_.max_batch_tokens || n < count_;
-  const bool waited = now - first.enqueued >= std::chrono::microseconds(opts_.max_wait_us);
-  if (!full && !waited && !flush) return false;
-  for (size_t i = 0; i < n; ++i) {
-    batch->push_back(ring_[head_]);
+  int64_t taken = 0;
+  while (count_ > 0) {
+    const Slot& s = ring_[head_];
+    if (s.req.layer != layer) break;  // arrival order is kept: a batch is one layer
+    // A batch's first request goes whatever its size (its buffers grow once for it).
+    if (taken + s.req.tokens > room && !batch_.empty()) break;
+    batch_.push_back(s);
+    joined_.push_back(now);
     head_ = (head_ + 1) % ring_.size();
     --count_;
-    queued_tokens_ -= batch->back().req.tokens;
+    queued_tokens_ -= s.req.tokens;
+    taken += s.req.tokens;
   }
-  return true;
+  return taken;
 }
+
+void Batcher::AnswerExpired() {
+  for (const Slot& s : expired_) {
+    BatchInfo info;
+    info.queue_us =
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s.enqueued).count();
+    s.req.done(s.req.ctx,
+               Status::DeadlineExceeded("the deadline passed after " +
+                                        std::to_string(info.queue_us) + " us in the queue"),
+               info);
+  }
+  expired_.clear();
+}
+
+// The batch being run, as the layer's BatchStream: newcomers of its layer join it while the
+// growth window (max_wait_us from its start) is open and room is left (max_batch_tokens, and the
+// rows its input buffer holds: x must not move); requests are answered as their rows become
+// final.
+class Batcher::Running : public BatchStream {
+ public:
+  Running(Batcher& b, int layer, int64_t tokens, Clock::time_point started)
+      : b_(b),
+        layer_(layer),
+        tokens_(tokens),
+        grow_until_(started + std::chrono::microseconds(b.opts_.max_wait_us)),
+        room_rows_(std::min<int64_t>(
+            b.opts_.max_batch_tokens,
+            static_cast<int64_t>(std::min(b.in_.size(), b.out_.size()) /
+                                 (static_cast<size_t>(b.hidden_) * sizeof(float))))) {}
+
+  int64_t Extend(int64_t /*tokens: tokens_*/, Deadline* deadline) override {
+    if (tokens_ >= room_rows_ || b_.opts_.max_wait_us <= 0 || Clock::now() >= grow_until_) {
+      return tokens_;
+    }
+    const size_t first = b_.batch_.size();
+    {
+      std::lock_guard<std::mutex> lock(b_.mu_);
+      if (b_.count_ == 0) return tokens_;
+      b_.TakeLocked(layer_, room_rows_ - tokens_);
+    }
+    b_.AnswerExpired();
+    float* in = b_.in_.as<float>();
+    for (size_t i = first; i < b_.batch_.size(); ++i) {
+      const BatchRequest& r = b_.batch_[i].req;
+      DecodeRows(r.x, r.x_type, static_cast<size_t>(r.tokens * b_.hidden_),
+                 in + tokens_ * b_.hidden_);
+      tokens_ += r.tokens;
+      *deadline = std::max(*deadline, r.deadline);
+    }
+    return tokens_;
+  }
+
+  void Done(int64_t done) override { Answer(done, Status::Ok()); }
+  int64_t tokens() const override { return tokens_; }
+
+  // Answers, in order, the requests whose rows [off, off + tokens) end at or before `done`: with
+  // their rows when `status` is OK, else with `status`.
+  void Answer(int64_t done, const Status& status) {
+    const auto now = Clock::now();
+    while (answered_ < b_.batch_.size()) {
+      const Slot& s = b_.batch_[answered_];
+      if (offset_ + s.req.tokens > done) break;
+      const Status* answer = &status;
+      Status refused;
+      if (status.ok()) {
+        // Rows are independent: a request whose rows overflowed is refused alone, its
+        // batch-mates are answered as usual.
+        const size_t n = static_cast<size_t>(s.req.tokens * b_.hidden_);
+        EncodeRows(b_.out_.as<float>() + offset_ * b_.hidden_, n, s.req.out_type, s.req.out);
+        if (!AllFinite(s.req.out, n, s.req.out_type)) {  // BF16 answers checked once rounded
+          refused = NonFiniteOutput(b_.in_.as<float>() + offset_ * b_.hidden_, n);
+          answer = &refused;
+          ++nonfinite_;
+        }
+      }
+      const auto joined = b_.joined_[answered_];
+      BatchInfo info;
+      info.batch_tokens = tokens_;
+      info.queue_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(joined - s.enqueued).count();
+      info.compute_us = std::chrono::duration_cast<std::chrono::microseconds>(now - joined).count();
+      s.req.done(s.req.ctx, *answer, info);
+      offset_ += s.req.tokens;
+      ++answered_;
+    }
+  }
+  uint64_t nonfinite() const { return nonfinite_; }
+
+ private:
+  Batcher& b_;
+  const int layer_;
+  int64_t tokens_;
+  const Clock::time_point grow_until_;
+  const int64_t room_rows_;
+  size_t answered_ = 0;  // requests of batch_ answered
+  int64_t offset_ = 0;   // their tokens
+  uint64_t nonfinite_ = 0;
+};
 
 void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionRef<void()> idle,
                   std::chrono::milliseconds poll) {
-  auto answer_expired = [&] {
-    for (const Slot& s : expired_) {
-      BatchInfo info;
-      info.queue_us =
-          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s.enqueued).count();
-      s.req.done(s.req.ctx,
-                 Status::DeadlineExceeded("the deadline passed after " +
-                                          std::to_string(info.queue_us) + " us in the queue"),
-                 info);
-    }
-    expired_.clear();
-  };
   for (;;) {
-    bool have = false;
+    int layer = 0;
+    int64_t tokens = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (stop_requested()) stopping_ = true;
-      have = TakeBatch(&batch_, stopping_);
-      stats_.expired += expired_.size();
-      if (!have && stopping_ && count_ == 0 && expired_.empty()) return;
-      if (!have && expired_.empty()) {
-        auto until = Clock::now() + poll;
-        if (count_ > 0) {
-          until =
-              std::min(until, ring_[head_].enqueued + std::chrono::microseconds(opts_.max_wait_us));
-        }
-        cv_.wait_until(lock, until);
+      batch_.clear();
+      joined_.clear();
+      // The router is free: whatever is queued goes now (no request waits for batch-mates).
+      DropExpired(Clock::now());
+      if (count_ > 0) {
+        layer = ring_[head_].req.layer;
+        tokens = TakeLocked(layer, opts_.max_batch_tokens);
       }
+      if (tokens == 0 && stopping_ && count_ == 0 && expired_.empty()) return;
+      if (tokens == 0 && expired_.empty()) cv_.wait_until(lock, Clock::now() + poll);
     }
-    answer_expired();
-    if (!have) {
+    AnswerExpired();
+    if (tokens == 0) {
       idle();
       continue;
     }
-    // Gather, run, scatter.
+    // Gather, run (the batch may grow), answer what the run did not.
     const auto started = Clock::now();
-    int64_t tokens = 0;
     auto deadline = Clock::time_point::min();
-    for (const Slot& s : batch_) {
-      tokens += s.req.tokens;
-      deadline = std::max(deadline, s.req.deadline);
-    }
-    const size_t bytes = static_cast<size_t>(tokens * hidden_) * sizeof(float);
-    in_.Reserve(bytes);
-    out_.Reserve(bytes);
+    for (const Slot& s : batch_) deadline = std::max(deadline, s.req.deadline);
+    const size_t full =
+        static_cast<size_t>(std::max(tokens, opts_.max_batch_tokens) * hidden_) * sizeof(float);
+    in_.Reserve(full);
+    out_.Reserve(full);
     float* in = in_.as<float>();
     int64_t off = 0;
     for (const Slot& s : batch_) {
@@ -208,39 +284,15 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
                  in + off * hidden_);
       off += s.req.tokens;
     }
-    const Status st = forward(batch_.front().req.layer, in, tokens, out_.as<float>(), deadline);
-    const auto finished = Clock::now();
-    BatchInfo info;
-    info.batch_tokens = tokens;
-    info.compute_us =
-        std::chrono::duration_cast<std::chrono::microseconds>(finished - started).count();
-    off = 0;
-    uint64_t nonfinite = 0;
-    for (const Slot& s : batch_) {
-      // Rows are independent: a request whose rows overflowed is refused alone, its batch-mates
-      // are answered as usual.
-      const Status* answer = &st;
-      Status refused;
-      if (st.ok()) {
-        const size_t n = static_cast<size_t>(s.req.tokens * hidden_);
-        EncodeRows(out_.as<float>() + off * hidden_, n, s.req.out_type, s.req.out);
-        if (!AllFinite(s.req.out, n, s.req.out_type)) {  // BF16 answers checked once rounded
-          refused = NonFiniteOutput(in + off * hidden_, n);
-          answer = &refused;
-          ++nonfinite;
-        }
-      }
-      off += s.req.tokens;
-      info.queue_us =
-          std::chrono::duration_cast<std::chrono::microseconds>(started - s.enqueued).count();
-      s.req.done(s.req.ctx, *answer, info);
-    }
+    Running run(*this, layer, tokens, started);
+    const Status st = forward(layer, in, tokens, out_.as<float>(), deadline, &run);
+    run.Answer(run.tokens(), st);
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.batches;
       stats_.requests += batch_.size();
-      stats_.tokens += static_cast<uint64_t>(tokens);
-      stats_.nonfinite += nonfinite;
+      stats_.tokens += static_cast<uint64_t>(run.tokens());
+      stats_.nonfinite += run.nonfinite();
     }
     idle();
   }

@@ -1,6 +1,14 @@
-// Dynamic batching on a router: requests from any thread are merged into batches of one layer,
-// up to max_batch_tokens, or sent as they are once the oldest has waited max_wait_us; the
-// router's thread runs each batch and hands every request its rows of the output.
+// Continuous batching on a router: requests from any thread are merged into batches of one
+// layer, and no request ever waits for batch-mates. The router's thread takes whatever is queued
+// the moment it is free (up to max_batch_tokens of the oldest request's layer, in arrival
+// order), and while a batch runs, requests of its layer that arrive join it as its next
+// microbatch whenever the router's two-stage pipeline has room (BatchStream,
+// base/batch_stream.h); each request is answered as soon as its rows are final, not at the end
+// of its batch. So a lone request is dispatched at once, and under load the next microbatch
+// gathers while one runs (as vLLM's scheduler and Triton's dynamic batcher do).
+// max_wait_us caps the growth under load: a batch takes newcomers for at most max_wait_us after
+// it starts (and up to max_batch_tokens), then ends at a batch boundary, where the router polls
+// its control (placement switches, health); 0: a batch is what was queued when it started.
 //
 // Submit is thread-safe and allocates nothing: the request names the caller's input and output
 // buffers (valid until its callback) and a plain callback. The input may be F32 or BF16 (a
@@ -24,6 +32,7 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
+#include "base/batch_stream.h"
 #include "base/dtype.h"
 #include "base/function_ref.h"
 #include "base/status.h"
@@ -39,9 +48,9 @@ struct BatcherOptions {
 
 // What a request's callback learns besides its status.
 struct BatchInfo {
-  int64_t queue_us = 0;      // from Submit to the start of its batch
-  int64_t compute_us = 0;    // of its batch
-  int64_t batch_tokens = 0;  // tokens of its batch
+  int64_t queue_us = 0;      // from Submit to its rows joining a batch
+  int64_t compute_us = 0;    // from then to its rows' outputs being final
+  int64_t batch_tokens = 0;  // tokens of its batch (so far, when it was answered)
 };
 
 struct BatchRequest {
@@ -71,11 +80,15 @@ class Batcher {
   Batcher(BatcherOptions options, int64_t hidden);
 
   Status Submit(const BatchRequest& request);
-  using Forward = FunctionRef<Status(int layer, const float* x, int64_t tokens, float* out,
-                                     std::chrono::steady_clock::time_point deadline)>;
+  using Forward =
+      FunctionRef<Status(int layer, const float* x, int64_t tokens, float* out,
+                         std::chrono::steady_clock::time_point deadline, BatchStream* stream)>;
   // Runs batches until Stop (or `stop_requested` returns true) and the queue is empty.
-  // forward(layer, x, tokens, out, deadline) computes one batch; `idle` runs between batches and
-  // at least every `poll` while nothing is queued (stop_requested is polled as often).
+  // forward(layer, x, tokens, out, deadline, stream) computes one batch; it may grow it through
+  // `stream` (x and out have room for stream->tokens() rows; Extend takes newcomers) and should
+  // report final rows with Done (the requests whose rows are final are answered then; the others
+  // when forward returns). `idle` runs between batches and at least every `poll` while nothing
+  // is queued (stop_requested is polled as often).
   void Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionRef<void()> idle,
            std::chrono::milliseconds poll = std::chrono::milliseconds(50));
   void Stop();
@@ -87,10 +100,13 @@ class Batcher {
     BatchRequest req;
     Clock::time_point enqueued;
   };
-  // Takes the next batch off the queue (lock held); false when nothing is ready. Requests past
-  // their deadline go to expired_ instead.
-  bool TakeBatch(std::vector<Slot>* batch, bool flush);
+  class Running;  // the batch being run, as a BatchStream
+  // Moves queued requests of `layer` off the head of the queue into batch_ while they fit in
+  // `room` tokens (at least one when `room` allows it and batch_ is empty) (lock held); returns
+  // their tokens. Requests past their deadline go to expired_ instead.
+  int64_t TakeLocked(int layer, int64_t room);
   void DropExpired(Clock::time_point now);
+  void AnswerExpired();
 
   const BatcherOptions opts_;
   const int64_t hidden_;
@@ -102,6 +118,7 @@ class Batcher {
   bool stopping_ = false;
   BatcherStats stats_;
   std::vector<Slot> batch_, expired_;
+  std::vector<Clock::time_point> joined_;  // by batch_ index: when its rows joined the batch
   AlignedBuffer in_, out_;
 };
 

@@ -38,7 +38,8 @@ class MiniRouter {
     endpoint_ = std::move(*ep);
     runner_ = std::thread([this, slow] {
       batcher_->Run(
-          [&](int, const float* x, int64_t t, float* out, std::chrono::steady_clock::time_point) {
+          [&](int, const float* x, int64_t t, float* out, std::chrono::steady_clock::time_point,
+              BatchStream*) {
             if (slow.count() > 0) std::this_thread::sleep_for(slow);
             return layer_->Forward(x, t, out);
           },

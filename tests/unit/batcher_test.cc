@@ -50,7 +50,7 @@ TEST(BatcherTest, MergesUpToMaxTokensAndReturnsEachRequestItsRows) {
   }
   std::vector<int64_t> sizes;
   b.Stop();
-  b.Run([&](int layer, const float* x, int64_t t, float* out,
+  b.Run([&](int layer, const float* x, int64_t t, float* out, auto,
             auto) { return AddLayer(layer, x, t, out, hidden, &sizes); },
         [] { return false; }, [] {});
   EXPECT_EQ(done.calls.load(), 6);
@@ -60,17 +60,17 @@ TEST(BatcherTest, MergesUpToMaxTokensAndReturnsEachRequestItsRows) {
   }
 }
 
-TEST(BatcherTest, SendsAPartialBatchAfterMaxWait) {
+TEST(BatcherTest, ALoneRequestIsServedAtOnceWhateverMaxWait) {
   BatcherOptions o;
   o.max_batch_tokens = 1000;
-  o.max_wait_us = 2000;
+  o.max_wait_us = 60'000'000;  // a minute: a batcher that waited for batch-mates would hang here
   Batcher b(o, 2);
   std::vector<float> x(2, 1.0f), out(2);
   Done done;
   std::atomic<bool> stop{false};
   std::vector<int64_t> sizes;
   std::thread runner([&] {
-    b.Run([&](int layer, const float* in, int64_t t, float* y,
+    b.Run([&](int layer, const float* in, int64_t t, float* y, auto,
               auto) { return AddLayer(layer, in, t, y, 2, &sizes); },
           [&] { return stop.load(); }, [] {});
   });
@@ -81,6 +81,120 @@ TEST(BatcherTest, SendsAPartialBatchAfterMaxWait) {
   EXPECT_EQ(done.calls.load(), 1);  // served without more requests arriving
   stop = true;
   runner.join();
+}
+
+// What each request's callback saw, in the order the callbacks ran.
+struct Order {
+  std::vector<int> ids;
+  std::vector<BatchInfo> infos;
+};
+struct OrderSlot {
+  Order* order;
+  int id;
+  static void Callback(void* ctx, const Status& s, const BatchInfo& info) {
+    auto* o = static_cast<OrderSlot*>(ctx);
+    o->order->ids.push_back(s.ok() ? o->id : -o->id - 1);
+    o->order->infos.push_back(info);
+  }
+};
+
+// A request that arrives while a batch runs joins it (the layer asks the stream between its
+// microbatches), and each request is answered as soon as its rows are final, before the batch
+// ends; one of another layer waits for the next batch.
+TEST(BatcherTest, ArrivalsJoinTheRunningBatchAndRowsAreAnsweredAsSoonAsFinal) {
+  BatcherOptions o;
+  o.max_batch_tokens = 64;
+  o.max_wait_us = 60'000'000;
+  Batcher b(o, 2);
+  std::vector<std::vector<float>> xs(4), outs(4);
+  for (int i = 0; i < 4; ++i) {
+    xs[i].assign(2 * 2, static_cast<float>(10 * (i + 1)));
+    outs[i].assign(xs[i].size(), -1.0f);
+  }
+  Order order;
+  std::vector<OrderSlot> slots;
+  for (int i = 0; i < 4; ++i) slots.push_back(OrderSlot{&order, i});
+  const int layers[4] = {5, 5, 6, 5};
+  auto submit = [&](int i) {
+    ASSERT_TRUE(b.Submit(BatchRequest{layers[i], xs[i].data(), outs[i].data(), 2,
+                                      &OrderSlot::Callback, &slots[i]})
+                    .ok());
+  };
+  submit(0);
+  bool arrived = false;  // stop once the arrivals are in: what is queued then still runs
+  std::vector<std::pair<int, int64_t>> calls;  // (layer, tokens at the start)
+  b.Run(
+      [&](int layer, const float* x, int64_t t, float* y, auto, BatchStream* stream) {
+        calls.emplace_back(layer, t);
+        if (calls.size() > 1) {  // the later batches: layer 6's, then request 3's
+          for (int64_t i = 0; i < t * 2; ++i) y[i] = x[i] + 1;
+          return Status::Ok();
+        }
+        // Microbatch 1 goes out; 1, 2 (another layer) and 3 arrive meanwhile.
+        submit(1);
+        submit(2);
+        submit(3);
+        arrived = true;
+        auto deadline = std::chrono::steady_clock::time_point::min();
+        int64_t grown = stream->Extend(t, &deadline);
+        EXPECT_EQ(grown, 4);  // request 1 joined; 2 is another layer and 3 is behind it
+        EXPECT_EQ(stream->tokens(), 4);
+        for (int64_t i = 0; i < grown * 2; ++i) y[i] = x[i] + 1;
+        stream->Done(2);  // request 0's rows are final: answered now, inside the batch
+        EXPECT_EQ(order.ids, (std::vector<int>{0}));
+        stream->Done(2);  // again: nothing answered twice
+        EXPECT_EQ(order.ids.size(), 1u);
+        return Status::Ok();
+      },
+      [&] { return arrived; }, [] {});
+  // Request 1 was answered at the end of its batch; 2 and 3 each in a batch of their own layer
+  // (arrival order kept: 3 waited behind 2).
+  EXPECT_EQ(order.ids, (std::vector<int>{0, 1, 2, 3}));
+  ASSERT_EQ(calls.size(), 3u);
+  EXPECT_EQ(calls[0], std::make_pair(5, int64_t{2}));
+  EXPECT_EQ(calls[1], std::make_pair(6, int64_t{2}));
+  EXPECT_EQ(calls[2].first, 5);
+  EXPECT_EQ(order.infos[1].batch_tokens, 4);
+  for (int i = 0; i < 4; ++i) {
+    for (float v : outs[i]) EXPECT_EQ(v, static_cast<float>(10 * (i + 1) + 1)) << i;
+  }
+  EXPECT_EQ(b.stats().batches, 3u);
+  EXPECT_EQ(b.stats().tokens, 8u);
+}
+
+// max_wait_us caps the growth: 0 takes no newcomers; max_batch_tokens bounds it too.
+TEST(BatcherTest, GrowthStopsAtMaxWaitAndAtMaxBatchTokens) {
+  for (const int64_t wait_us : {int64_t{0}, int64_t{60'000'000}}) {
+    BatcherOptions o;
+    o.max_batch_tokens = 5;
+    o.max_wait_us = wait_us;
+    Batcher b(o, 1);
+    std::vector<float> x(16, 1.0f), out(16);
+    Done done;
+    ASSERT_TRUE(b.Submit(BatchRequest{0, x.data(), out.data(), 2, &Done::Callback, &done}).ok());
+    std::vector<int64_t> grown;
+    b.Run(
+        [&](int, const float* in, int64_t t, float* y, auto, BatchStream* stream) {
+          if (grown.empty()) {
+            for (int i = 0; i < 3; ++i) {
+              EXPECT_TRUE(b.Submit(BatchRequest{0, x.data(), out.data() + 2 + 2 * i, 2,
+                                                &Done::Callback, &done})
+                              .ok());
+            }
+          }
+          auto d = std::chrono::steady_clock::time_point::min();
+          grown.push_back(stream->Extend(t, &d));
+          for (int64_t i = 0; i < grown.back(); ++i) y[i] = in[i];
+          return Status::Ok();
+        },
+        [&] { return !grown.empty(); }, [] {});
+    EXPECT_EQ(done.calls.load(), 4);
+    if (wait_us == 0) {
+      EXPECT_EQ(grown.front(), 2) << "max_wait_us 0 takes no newcomers";
+    } else {
+      EXPECT_EQ(grown.front(), 4) << "2 + 2 fit in 5, a third would not";
+    }
+  }
 }
 
 TEST(BatcherTest, LayersAreNotMixedAndOrderIsKept) {
@@ -99,7 +213,7 @@ TEST(BatcherTest, LayersAreNotMixedAndOrderIsKept) {
   std::vector<int> seen;
   b.Stop();
   b.Run(
-      [&](int layer, const float* in, int64_t t, float* y, auto) {
+      [&](int layer, const float* in, int64_t t, float* y, auto, auto) {
         seen.push_back(layer);
         for (int64_t i = 0; i < t; ++i) y[i] = in[i] + static_cast<float>(layer);
         return Status::Ok();
@@ -127,7 +241,7 @@ TEST(BatcherTest, BoundedQueueRefusesAndStoppedRefuses) {
   EXPECT_EQ(b.Submit(BatchRequest{0, x.data(), out.data(), 1, &Done::Callback, &done}).code(),
             StatusCode::kUnavailable);
   // An error from forward reaches every request of the batch.
-  b.Run([](int, const float*, int64_t, float*,
+  b.Run([](int, const float*, int64_t, float*, auto,
            auto) { return Status::Unavailable("rank 2 is gone"); },
         [] { return false; }, [] {});
   EXPECT_EQ(done.failed.load(), 2);
@@ -144,7 +258,7 @@ TEST(BatcherTest, ManySubmittersOneRunner) {
   std::atomic<bool> stop{false};
   std::vector<int64_t> sizes;
   std::thread runner([&] {
-    b.Run([&](int layer, const float* in, int64_t t, float* y,
+    b.Run([&](int layer, const float* in, int64_t t, float* y, auto,
               auto) { return AddLayer(layer, in, t, y, 2, &sizes); },
           [&] { return stop.load(); }, [] {});
   });
@@ -199,7 +313,8 @@ TEST(BatcherTest, ExpiredRequestsAreAnsweredWithoutComputingAndTheLatestDeadline
   std::chrono::steady_clock::time_point seen{};
   int idles = 0;
   b.Run(
-      [&](int, const float* in, int64_t t, float* y, std::chrono::steady_clock::time_point d) {
+      [&](int, const float* in, int64_t t, float* y, std::chrono::steady_clock::time_point d,
+          BatchStream*) {
         sizes.push_back(t);
         seen = d;
         for (int64_t i = 0; i < t; ++i) y[i] = in[i];
@@ -271,7 +386,7 @@ TEST(BatcherTest, ARequestWhoseOutputIsNotFiniteIsRefusedAloneItsBatchMatesAreAn
   b.Stop();
   int batches = 0;
   b.Run(
-      [&](int, const float* x, int64_t t, float* out, auto) {
+      [&](int, const float* x, int64_t t, float* out, auto, auto) {
         ++batches;
         return Square(x, t, out, hidden);
       },
@@ -306,7 +421,7 @@ TEST(BatcherTest, AFailedForwardFailsTheBatchAsBeforeWithoutANonFiniteCount) {
       b.Submit(BatchRequest{0, x.data(), out.data(), 1, &AnswerSlot::Callback, &slot}).ok());
   b.Stop();
   b.Run(
-      [](int, const float*, int64_t, float* y, auto) {
+      [](int, const float*, int64_t, float* y, auto, auto) {
         y[0] = NAN;  // not looked at: the forward failed
         return Status::Unavailable("expert rank 2 does not answer");
       },
@@ -357,7 +472,7 @@ TEST(BatcherTest, HugeInputsThroughTheRealLayerAreRefusedAndTheirBatchMatesAreEx
   b.Stop();
   int batches = 0;
   b.Run(
-      [&](int, const float* x, int64_t t, float* y, auto) {
+      [&](int, const float* x, int64_t t, float* y, auto, auto) {
         ++batches;
         return layer.Forward(x, t, y);
       },

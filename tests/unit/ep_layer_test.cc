@@ -90,6 +90,56 @@ TEST_P(EpLayerTest, BitwiseEqualToOneProcess) {
 INSTANTIATE_TEST_SUITE_P(AllFixtures, EpLayerTest, ::testing::ValuesIn(FixtureNames()),
                          [](const auto& tp) { return tp.param; });
 
+// A stream that hands the layer its batch in pieces (as requests arriving while it runs): the
+// first `start` tokens at the call, then `step` more at each Extend; records what Done reported.
+class PiecewiseStream : public BatchStream {
+ public:
+  PiecewiseStream(int64_t start, int64_t step, int64_t total)
+      : tokens_(start), step_(step), total_(total) {}
+  int64_t Extend(int64_t tokens, Deadline*) override {
+    EXPECT_EQ(tokens, tokens_);
+    tokens_ = std::min(total_, tokens_ + step_);
+    return tokens_;
+  }
+  void Done(int64_t done) override {
+    EXPECT_GE(done, done_.empty() ? 0 : done_.back()) << "done only grows";
+    done_.push_back(done);
+  }
+  int64_t tokens() const override { return tokens_; }
+  const std::vector<int64_t>& done() const { return done_; }
+
+ private:
+  int64_t tokens_, step_, total_;
+  std::vector<int64_t> done_;
+};
+
+// A batch that grows while it runs computes bitwise what one process computes for all of it,
+// whatever the pieces and microbatch size, and reports its final tokens as it goes.
+TEST(EpLayerTest, ABatchThatGrowsWhileItRunsIsBitwiseTheWholeBatch) {
+  int64_t tokens = 0;
+  const auto x = ReadF32(FixtureDir("qwen3_moe") + "/golden.safetensors", "input", &tokens);
+  const auto want = ForwardOneProcess("qwen3_moe", x, tokens);
+  for (const int64_t mb : {int64_t{0}, int64_t{5}}) {
+    for (const int64_t step : {int64_t{1}, int64_t{7}}) {
+      SCOPED_TRACE(fmt::format("microbatch {} step {}", mb, step));
+      JobOptions opts = FixtureJob("qwen3_moe", mb);
+      std::vector<float> out(x.size(), -1.0f);
+      PiecewiseStream stream(3, step, tokens);
+      const RouterWork work = [&](RouterRank& router) {
+        if (router.rank() != 0) return Status::Ok();
+        return router.Forward(0, x.data(), 3, out.data(), Deadline::max(), &stream);
+      };
+      const std::vector<Status> results = RunInprocJob(3, opts, work);
+      for (const Status& r : results) ASSERT_TRUE(r.ok()) << r.ToString();
+      EXPECT_EQ(stream.tokens(), tokens);
+      ASSERT_FALSE(stream.done().empty());
+      EXPECT_EQ(stream.done().back(), tokens);
+      EXPECT_GT(stream.done().size(), 1u) << "tokens are reported final before the end";
+      EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size() * 4), 0);
+    }
+  }
+}
+
 // A second router rank (idle here) takes no experts and still shuts the job down cleanly.
 TEST(EpLayerTest, TwoRouters) {
   int64_t tokens = 0;
