@@ -11,8 +11,28 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 
 namespace moerun {
+
+// One expert rank's part of a batch so far (summed over its microbatches).
+struct RankTiming {
+  int32_t rank = 0;
+  int64_t rows = 0;           // rows (token, expert) it got
+  int64_t round_trip_us = 0;  // from its header's send to its answer received
+  int64_t compute_us = 0;     // its own time, as its answers reported
+};
+
+// Where a batch's time went on the router so far (summed over its microbatches); the shared
+// expert runs while the expert ranks work, so it overlaps wait_us.
+struct BatchTiming {
+  int64_t gate_us = 0;                // gate, top-k and the dispatch plan
+  int64_t dispatch_us = 0;            // gathering the rows and posting the sends
+  int64_t wait_us = 0;                // waiting for the expert ranks' answers
+  int64_t combine_us = 0;             // combining the answers
+  int64_t shared_us = 0;              // the shared expert
+  std::span<const RankTiming> ranks;  // the expert ranks that got rows, by rank
+};
 
 class BatchStream {
  public:
@@ -22,8 +42,9 @@ class BatchStream {
   // input buffer and returns the batch's token count now (at least `tokens`); raises
   // *deadline to the latest deadline of the requests it took.
   virtual int64_t Extend(int64_t tokens, Deadline* deadline) = 0;
-  // The outputs of the batch's tokens [0, done) are final (done only grows).
-  virtual void Done(int64_t done) = 0;
+  // The outputs of the batch's tokens [0, done) are final (done only grows); `timing`: the batch's
+  // so far (valid during the call).
+  virtual void Done(int64_t done, const BatchTiming& timing) = 0;
   // The batch's token count now.
   virtual int64_t tokens() const = 0;
 };

@@ -72,6 +72,8 @@ ServedModel ServedModelFor(const ServeSetup& s) {
   ServedModel m;
   m.layers = s.layers;
   m.hidden = s.hidden;
+  m.first_expert_rank = s.config.routers;
+  m.expert_ranks = std::max(0, s.ranks + s.config.spare_expert_ranks - s.config.routers);
   // A request larger than the batcher's queue could never be queued: refuse it as invalid.
   m.max_request_tokens =
       std::min(s.config.serving.max_request_tokens, s.config.batching.max_queue_tokens);

@@ -7,12 +7,13 @@
 namespace moerun {
 
 Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char* what,
-                          bool cancel_late) {
+                          bool cancel_late, std::span<SteadyClock::time_point> done_at) {
   size_t pending = 0;
   for (const Request& r : reqs) pending += r.valid();
   IdleBackoff idle(static_cast<uint64_t>(idle_spins()), this);
   while (pending > 0) {
-    for (Request& r : reqs) {
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      Request& r = reqs[i];
       if (!r.valid()) continue;
       Result<bool> done = Test(r);
       if (!done.ok()) {
@@ -26,6 +27,7 @@ Status Transport::WaitAll(std::span<Request> reqs, Deadline deadline, const char
       if (*done) {
         r = Request{};
         --pending;
+        if (i < done_at.size()) done_at[i] = SteadyClock::now();
       }
     }
     if (pending == 0) break;

@@ -100,8 +100,9 @@ class Transport : public IdleWaiter {
   // failure or at the deadline the remaining ones are cancelled (with cancel_late; otherwise they
   // stay valid for the caller) and the error names the peer (at the deadline the lowest late
   // one); `what` says what was awaited.
+  // `done_at`, when not empty (one per request), gets the time each request was seen complete.
   Status WaitAll(std::span<Request> reqs, Deadline deadline, const char* what = "transfer",
-                 bool cancel_late = true);
+                 bool cancel_late = true, std::span<SteadyClock::time_point> done_at = {});
   // Waits for one request.
   Status Wait(Request r, Deadline deadline, const char* what = "transfer");
   // Blocking send/recv with a deadline.

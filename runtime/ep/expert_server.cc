@@ -404,6 +404,7 @@ Status ExpertServer::Handle(int router, const EpHeaderFixed& h, const EpEntry* e
   float* out = rs.out[slot].as<float>();
   EpResultTrailer answer;
   answer.seq = h.seq;
+  const auto compute_start = SteadyClock::now();
   const int64_t ldy = ffn_.PaddedHidden(hidden);
   if (compute_) {
     MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
@@ -420,6 +421,10 @@ Status ExpertServer::Handle(int router, const EpHeaderFixed& h, const EpEntry* e
     }
   }
   if (answer.code == 0 && serving_.has_updates) RunCanaries(h, entries, in.as<float>(), out);
+  answer.compute_us = static_cast<uint32_t>(std::min<int64_t>(
+      UINT32_MAX,
+      std::chrono::duration_cast<std::chrono::microseconds>(SteadyClock::now() - compute_start)
+          .count()));
   std::memcpy(reinterpret_cast<char*>(out) + bytes, &answer, sizeof answer);
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot],
                           t_->Isend(router, kTagResult, out, bytes + sizeof(EpResultTrailer)));

@@ -103,7 +103,9 @@ struct EpResultTrailer {
   uint32_t seq = 0;  // the dispatch header's
   int32_t code = 0;  // a StatusCode
   uint32_t flags = 0;
-  char message[112] = {};
+  uint32_t compute_us = 0;  // the rank's own time for the microbatch: its rows in to its answer out
+  uint32_t reserved = 0;
+  char message[104] = {};
 };
 static_assert(sizeof(EpResultTrailer) == 128);
 inline constexpr uint32_t kResultRetry = 1;

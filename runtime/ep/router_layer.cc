@@ -20,9 +20,14 @@ struct RouterLayer::Stage {
   AlignedBuffer rows_out, rows_in, shared_y, headers;
   std::vector<Request> reqs;
   std::vector<double> rows_to;  // per rank, to release from in_flight_
-  Deadline deadline;            // the call's or the expert-parallel one, whichever is first
-  Deadline ep_deadline;         // the expert-parallel one: missing it marks a rank dead
-  uint32_t seq = 0;             // the headers'
+  // Per rank: when its header and rows went out, where its answer's receive is in reqs, when
+  // that completed, and whether its answer's time was counted.
+  std::vector<SteadyClock::time_point> sent_at, done_at;
+  std::vector<size_t> recv_index;
+  std::vector<uint8_t> timed;
+  Deadline deadline;     // the call's or the expert-parallel one, whichever is first
+  Deadline ep_deadline;  // the expert-parallel one: missing it marks a rank dead
+  uint32_t seq = 0;      // the headers'
   bool active = false;
 };
 
@@ -32,6 +37,10 @@ namespace {
 // trailer's room.
 int64_t ResultBlock(const DispatchPlan& plan, int d, int64_t hidden) {
   return plan.rank_offset[static_cast<size_t>(d)] * hidden + d * kResultGapFloats;
+}
+
+int64_t MicrosBetween(SteadyClock::time_point a, SteadyClock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count();
 }
 
 // The rank whose block carries `row` (blocks are laid out rank after rank; ranks without rows
@@ -64,8 +73,14 @@ RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> 
     s->headers = AlignedBuffer(header_bytes_ * static_cast<size_t>(pl.num_ranks()));
     s->reqs.reserve(static_cast<size_t>(3 * pl.num_ranks()));
     s->rows_to.assign(static_cast<size_t>(pl.num_ranks()), 0.0);
+    s->sent_at.assign(static_cast<size_t>(pl.num_ranks()), {});
+    s->recv_index.assign(static_cast<size_t>(pl.num_ranks()), 0);
+    s->timed.assign(static_cast<size_t>(pl.num_ranks()), 0);
+    s->done_at.reserve(static_cast<size_t>(3 * pl.num_ranks()));
   }
   stats_.rows_per_rank.assign(static_cast<size_t>(pl.num_ranks()), 0);
+  rank_timing_.assign(static_cast<size_t>(pl.num_ranks()), RankTiming{});
+  timed_.reserve(static_cast<size_t>(pl.num_ranks()));
 }
 
 RouterLayer::~RouterLayer() {
@@ -89,6 +104,11 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
   if (tokens == 0) return Status::Ok();
   if (health_ == nullptr) MOERUN_RETURN_IF_ERROR(DrainOwnStrands());
   call_deadline_ = deadline;
+  timing_ = BatchTiming{};
+  for (size_t d = 0; d < rank_timing_.size(); ++d) {
+    rank_timing_[d] = RankTiming{};
+    rank_timing_[d].rank = static_cast<int32_t>(d);
+  }
   int64_t done = 0;
   while (true) {
     const uint64_t generation = health_ != nullptr ? health_->dead_generation() : 0;
@@ -159,7 +179,7 @@ Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t* tokens, f
     if (combine_hist_) {
       combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
     }
-    if (stream != nullptr) stream->Done(*done);
+    if (stream != nullptr) stream->Done(*done, timing());
   }
   if (!status.ok() && answered_failure_ && active == 2) {
     // The older microbatch was answered with a failure (the rank lives); the newer one is on its
@@ -303,6 +323,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   const float* xs = x + t0 * hidden;
 
   // Gate and plan.
+  const auto t_gate = SteadyClock::now();
   st.gating.Run(xs, tokens);
   std::fill(st.rows_to.begin(), st.rows_to.end(), 0.0);
   std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
@@ -316,6 +337,8 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     stats_.rows_per_rank[static_cast<size_t>(d)] += static_cast<uint64_t>(st.plan.rows_to(d));
   }
   st.active = true;
+  const auto t_dispatch = SteadyClock::now();
+  timing_.gate_us += MicrosBetween(t_gate, t_dispatch);
 
   // Gather every row into its destination's block.
   const int64_t rows = tokens * k;
@@ -367,6 +390,8 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   ++seq_;
   ++stats_.microbatches;
   stats_.rows_sent += static_cast<uint64_t>(rows);
+  const auto t_sent = SteadyClock::now();
+  timing_.dispatch_us += MicrosBetween(t_dispatch, t_sent);
 
   // The shared expert runs here while the expert ranks work.
   if (w.shared) {
@@ -381,6 +406,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     const ExpertGroup g{&*w.shared, w.spec.SharedAct(w.layer), 0, tokens};
     shared_ffn_.Run(std::span<const ExpertGroup>(&g, 1), xs, hidden, shared_rows_.data(),
                     st.shared_y.as<float>(), ldy);
+    timing_.shared_us += MicrosBetween(t_sent, SteadyClock::now());
   }
   return Status::Ok();
 }
@@ -393,6 +419,8 @@ Status RouterLayer::SendTo(Stage& st, int d) {
   MOERUN_ASSIGN_OR_RETURN(
       Request rr, t_->Irecv(d, kTagResult, st.rows_in.as<float>() + ResultBlock(st.plan, d, hidden),
                             static_cast<size_t>(n) * row_bytes + sizeof(EpResultTrailer)));
+  st.recv_index[static_cast<size_t>(d)] = st.reqs.size();
+  st.timed[static_cast<size_t>(d)] = 0;
   st.reqs.push_back(rr);
   const char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
   MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
@@ -400,6 +428,7 @@ Status RouterLayer::SendTo(Stage& st, int d) {
   MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, st.rows_out.as<float>() + off * hidden,
                                                 static_cast<size_t>(n) * row_bytes));
   st.reqs.push_back(sr);
+  st.sent_at[static_cast<size_t>(d)] = SteadyClock::now();
   return Status::Ok();
 }
 
@@ -411,7 +440,11 @@ Status RouterLayer::Collect(Stage& st, float* out) {
   Deadline retry_until = Deadline::max();  // set by the first retry
   while (true) {
     // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
-    const Status waited = t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false);
+    st.done_at.assign(st.reqs.size(), SteadyClock::time_point{});
+    const auto t_wait = SteadyClock::now();
+    const Status waited =
+        t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false, st.done_at);
+    timing_.wait_us += MicrosBetween(t_wait, SteadyClock::now());
     if (!waited.ok()) {
       if (waited.code() == StatusCode::kDeadlineExceeded && SteadyClock::now() >= st.ep_deadline) {
         for (const Request& r : st.reqs) {
@@ -438,7 +471,17 @@ Status RouterLayer::Collect(Stage& st, float* out) {
                                " answered without the protocol's trailer (microbatch " +
                                std::to_string(st.seq) + "): is every rank the same moerun?");
       }
-      if (tr.code == 0) continue;
+      if (tr.code == 0) {
+        const auto ud = static_cast<size_t>(d);
+        if (!st.timed[ud]) {  // once per microbatch, in the pass that received it
+          st.timed[ud] = 1;
+          RankTiming& rt = rank_timing_[ud];
+          rt.rows += n;
+          rt.round_trip_us += MicrosBetween(st.sent_at[ud], st.done_at[st.recv_index[ud]]);
+          rt.compute_us += tr.compute_us;
+        }
+        continue;
+      }
       tr.message[sizeof tr.message - 1] = '\0';
       const auto code = tr.code > 0 && tr.code <= static_cast<int32_t>(StatusCode::kInternal)
                             ? static_cast<StatusCode>(tr.code)
@@ -479,6 +522,7 @@ Status RouterLayer::Collect(Stage& st, float* out) {
   for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
   st.active = false;
 
+  const auto t_combine = SteadyClock::now();
   const int64_t ldy = shared_ffn_.PaddedHidden(hidden);
   const float* shared = w.shared ? st.shared_y.as<float>() : nullptr;
   const int64_t chunk = 64;
@@ -495,7 +539,17 @@ Status RouterLayer::Collect(Stage& st, float* out) {
                    st.gating.shared_scale()[static_cast<size_t>(t)], out + (st.t0 + t) * hidden);
     }
   });
+  timing_.combine_us += MicrosBetween(t_combine, SteadyClock::now());
   return Status::Ok();
+}
+
+const BatchTiming& RouterLayer::timing() {
+  timed_.clear();
+  for (const RankTiming& r : rank_timing_) {
+    if (r.rows > 0) timed_.push_back(r);
+  }
+  timing_.ranks = timed_;
+  return timing_;
 }
 
 }  // namespace moerun

@@ -85,6 +85,9 @@ class RouterLayer {
     routing_observer_ = std::move(f);
   }
   const EpStats& stats() const { return stats_; }
+  // Where the last (or current) Forward's time went, summed over its microbatches (valid until
+  // the next Forward).
+  const BatchTiming& timing();
   // Switches to another placement of the same ranks (call between Forwards: a batch boundary);
   // the expert ranks must already hold every expert it gives them.
   Status SetPlacement(std::shared_ptr<const Placement> placement);
@@ -142,7 +145,10 @@ class RouterLayer {
   std::unique_ptr<Stage> stages_[2];
   uint32_t seq_ = 0;
   EpStats stats_;
-  std::string what_;  // names the layer in errors
+  BatchTiming timing_;
+  std::vector<RankTiming> rank_timing_;  // by rank, this Forward's
+  std::vector<RankTiming> timed_;        // those with rows, for timing_.ranks
+  std::string what_;                     // names the layer in errors
   PeerHealth* health_ = nullptr;
   Histogram* dispatch_hist_ = nullptr;
   Histogram* combine_hist_ = nullptr;

@@ -198,7 +198,11 @@ class Batcher::Running : public BatchStream {
     return tokens_;
   }
 
-  void Done(int64_t done) override { Answer(done, Status::Ok()); }
+  void Done(int64_t done, const BatchTiming& timing) override {
+    timing_ = timing;
+    have_timing_ = true;
+    Answer(done, Status::Ok());
+  }
   int64_t tokens() const override { return tokens_; }
 
   // Answers, in order, the requests whose rows [off, off + tokens) end at or before `done`: with
@@ -227,6 +231,7 @@ class Batcher::Running : public BatchStream {
       info.queue_us =
           std::chrono::duration_cast<std::chrono::microseconds>(joined - s.enqueued).count();
       info.compute_us = std::chrono::duration_cast<std::chrono::microseconds>(now - joined).count();
+      info.timing = have_timing_ ? &timing_ : nullptr;
       s.req.done(s.req.ctx, *answer, info);
       offset_ += s.req.tokens;
       ++answered_;
@@ -240,6 +245,9 @@ class Batcher::Running : public BatchStream {
   int64_t tokens_;
   const Clock::time_point grow_until_;
   const int64_t room_rows_;
+  BatchTiming
+      timing_;  // the last the layer reported (its ranks are the layer's until its next run)
+  bool have_timing_ = false;
   size_t answered_ = 0;  // requests of batch_ answered
   int64_t offset_ = 0;   // their tokens
   uint64_t nonfinite_ = 0;

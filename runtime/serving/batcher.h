@@ -51,6 +51,9 @@ struct BatchInfo {
   int64_t queue_us = 0;      // from Submit to its rows joining a batch
   int64_t compute_us = 0;    // from then to its rows' outputs being final
   int64_t batch_tokens = 0;  // tokens of its batch (so far, when it was answered)
+  // Where its batch's time went on the router so far (null when the forward reported none);
+  // valid during the callback only.
+  const BatchTiming* timing = nullptr;
 };
 
 struct BatchRequest {

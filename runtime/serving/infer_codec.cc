@@ -31,6 +31,7 @@ struct WireRequest {
   std::string_view data;
   uint32_t deadline_ms = 0;
   std::string_view key;
+  bool timing = false;
 };
 
 // The wire format as Protobuf 3's parser reads it (parse_context.h): a tag is a varint of at
@@ -157,6 +158,9 @@ bool ReadWire(std::string_view body, WireRequest* r) {
       const size_t at = in.offset();
       if (!in.Skip(len)) return false;
       r->key = body.substr(at, len);
+    } else if (field == 8 && wire == 0) {
+      if (!in.Varint64(&v)) return false;
+      r->timing = v != 0;
     } else if (!in.SkipField(tag)) {
       return false;
     }
@@ -213,6 +217,37 @@ uint8_t* PutVarintField(uint8_t* p, int field, uint64_t v) {
 }
 
 constexpr size_t kMaxTrailer = 64;  // id, code, dtype, packed shape, queue_us, compute_us
+// A Timing: its tag and length, ten varint fields; per rank a RankTiming (tag, length, four
+// varint fields).
+constexpr size_t kMaxTimingFixed = 1 + 5 + 10 * (1 + 10);
+constexpr size_t kMaxRankTiming = 1 + 5 + 4 * (1 + 10);
+
+uint64_t NonNegative(int64_t v) { return static_cast<uint64_t>(std::max<int64_t>(0, v)); }
+
+// Timing's fields (InferResponse.timing, field 9), in field order, at p.
+uint8_t* PutTimingBody(uint8_t* p, const AnswerTiming& t) {
+  p = PutVarintField(p, 1, NonNegative(t.queue_us));
+  p = PutVarintField(p, 2, NonNegative(t.batch.gate_us));
+  p = PutVarintField(p, 3, NonNegative(t.batch.dispatch_us));
+  p = PutVarintField(p, 4, NonNegative(t.batch.wait_us));
+  p = PutVarintField(p, 5, NonNegative(t.batch.combine_us));
+  p = PutVarintField(p, 6, NonNegative(t.batch.shared_us));
+  for (const RankTiming& r : t.batch.ranks) {
+    uint8_t body[4 * (1 + 10)];
+    uint8_t* b = PutVarintField(body, 1, static_cast<uint64_t>(r.rank));
+    b = PutVarintField(b, 2, NonNegative(r.rows));
+    b = PutVarintField(b, 3, NonNegative(r.round_trip_us));
+    b = PutVarintField(b, 4, NonNegative(r.compute_us));
+    p = PutTag(p, 7, kDelimited);
+    p = PutVarint(p, static_cast<uint64_t>(b - body));
+    std::memcpy(p, body, static_cast<size_t>(b - body));
+    p += b - body;
+  }
+  p = PutVarintField(p, 8, NonNegative(t.reply_us));
+  p = PutVarintField(p, 9, NonNegative(t.server_us));
+  p = PutVarintField(p, 10, NonNegative(t.batch_tokens));
+  return p;
+}
 
 }  // namespace
 
@@ -288,6 +323,7 @@ bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRe
   out->tokens = tokens;
   out->deadline_ms = req.deadline_ms;
   out->data = req.data;
+  out->timing = req.timing;
   return true;
 }
 
@@ -295,18 +331,22 @@ DType RowTypeOf(moerun::v1::DType dtype) {
   return dtype == moerun::v1::BF16 ? DType::kBF16 : DType::kF32;
 }
 
-AnswerLayout LayoutAnswer(moerun::v1::DType dtype, int64_t tokens, int64_t hidden) {
+AnswerLayout LayoutAnswer(moerun::v1::DType dtype, int64_t tokens, int64_t hidden,
+                          int timing_ranks) {
   AnswerLayout l;
   l.data_bytes = static_cast<size_t>(tokens * hidden) * (dtype == moerun::v1::BF16 ? 2 : 4);
   // Frame length, the data field's tag (1 byte) and its length (a varint of up to 5 bytes).
   l.data_offset = kFrameHeaderBytes + 1 + 5;
   l.capacity = l.data_offset + l.data_bytes + kMaxTrailer;
+  if (timing_ranks >= 0) {
+    l.capacity += kMaxTimingFixed + static_cast<size_t>(timing_ranks) * kMaxRankTiming;
+  }
   return l;
 }
 
 void FinishAnswer(char* buffer, const AnswerLayout& layout, uint64_t id, moerun::v1::DType dtype,
                   int64_t tokens, int64_t hidden, const BatchInfo& info, size_t* offset,
-                  size_t* size) {
+                  size_t* size, const AnswerTiming* timing) {
   auto* base = reinterpret_cast<uint8_t*>(buffer);
   // After the data: the other fields, in field order.
   uint8_t* p = base + layout.data_offset + layout.data_bytes;
@@ -320,6 +360,15 @@ void FinishAnswer(char* buffer, const AnswerLayout& layout, uint64_t id, moerun:
   p = PutVarint(p, static_cast<uint64_t>(hidden));
   p = PutVarintField(p, 7, static_cast<uint64_t>(std::max<int64_t>(0, info.queue_us)));
   p = PutVarintField(p, 8, static_cast<uint64_t>(std::max<int64_t>(0, info.compute_us)));
+  if (timing != nullptr) {
+    // The body at its longest length's room, then its tag and length before it, the body moved
+    // up to them.
+    uint8_t* body = p + 1 + 5;
+    const size_t n = static_cast<size_t>(PutTimingBody(body, *timing) - body);
+    p = PutVarint(PutTag(p, 9, kDelimited), n);
+    std::memmove(p, body, n);
+    p += n;
+  }
   // Before the data: the frame length, the data field's tag and length, right-aligned to it.
   uint8_t head[1 + 5];
   uint8_t* h = PutTag(head, 6, kDelimited);

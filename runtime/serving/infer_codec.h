@@ -31,6 +31,10 @@ struct ServedModel {
   std::vector<int> layers;  // MoE layers served; the first is the default
   int64_t hidden = 0;
   int64_t max_request_tokens = 65536;
+  // The job's expert ranks (first_expert_rank onwards): the per-rank parts of a request's time
+  // (InferResponse.timing, and the /metrics histograms by rank).
+  int first_expert_rank = 0;
+  int expert_ranks = 0;
 };
 
 struct ParsedRequest {
@@ -41,6 +45,13 @@ struct ParsedRequest {
   uint32_t deadline_ms = 0;
   std::string_view data;  // tokens x hidden finite values of dtype, inside the parsed body
   std::string_view key;   // the serving key sent (InferRequest.key), inside the parsed body
+  bool timing = false;    // InferRequest.timing: the answer carries its Timing
+};
+
+// Where a request's time went on the server (InferResponse.timing).
+struct AnswerTiming {
+  int64_t queue_us = 0, reply_us = 0, server_us = 0, batch_tokens = 0;
+  BatchTiming batch;  // gate, dispatch, wait, combine, shared expert, and by expert rank
 };
 
 struct RequestError {
@@ -65,12 +76,14 @@ struct AnswerLayout {
   size_t data_bytes = 0;
   size_t capacity = 0;  // bytes the buffer needs
 };
-AnswerLayout LayoutAnswer(moerun::v1::DType dtype, int64_t tokens, int64_t hidden);
+// `timing_ranks` >= 0: room for a Timing that lists up to that many expert ranks.
+AnswerLayout LayoutAnswer(moerun::v1::DType dtype, int64_t tokens, int64_t hidden,
+                          int timing_ranks = -1);
 // Writes the frame header before the data and the other fields after it; the frame is then
-// buffer[*offset, *offset + *size).
+// buffer[*offset, *offset + *size). `timing` (null: none) needs the layout's room for its ranks.
 void FinishAnswer(char* buffer, const AnswerLayout& layout, uint64_t id, moerun::v1::DType dtype,
                   int64_t tokens, int64_t hidden, const BatchInfo& info, size_t* offset,
-                  size_t* size);
+                  size_t* size, const AnswerTiming* timing = nullptr);
 
 // Whole frames (length prefix included).
 std::string EncodeInferError(uint64_t id, moerun::v1::ErrorCode code, const std::string& message);

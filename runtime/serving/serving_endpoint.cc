@@ -29,6 +29,11 @@ struct ServingEndpoint::Pending {
   std::chrono::milliseconds deadline_ms{0};
   // From the batcher (router thread), read by the I/O thread after the hand-back.
   Status status;
+  BatchInfo info;                 // without its timing pointer: timing and ranks hold it
+  AnswerTiming timing;            // batch: the router's parts (ranks: in `ranks`)
+  std::vector<RankTiming> ranks;  // room for every expert rank, reserved once per slot
+  bool have_timing = false;
+  Clock::time_point batch_done;
   size_t frame_offset = 0, frame_size = 0;
   bool answered = false;
   int heap_pos = -1;        // in the deadline heap, or -1
@@ -153,6 +158,37 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
                                        LatencyBuckets());
   ep->in_flight_gauge_ =
       metrics->AddGauge("moerun_requests_in_flight", "Requests accepted and not yet answered");
+  {
+    auto part = [&](const char* name) {
+      return metrics->AddHistogram(
+          "moerun_request_part_seconds",
+          "Where the requests' time went on the router: queue (arrival to its batch), gate, "
+          "dispatch, wait (for the expert ranks), combine, shared (expert, during the wait), "
+          "reply (batch done to the answer handed to the socket); summed over the "
+          "microbatches of its batch",
+          LatencyBuckets(), {{"part", name}});
+    };
+    PartHistograms& h = ep->parts_;
+    h.queue = part("queue");
+    h.gate = part("gate");
+    h.dispatch = part("dispatch");
+    h.wait = part("wait");
+    h.combine = part("combine");
+    h.shared = part("shared");
+    h.reply = part("reply");
+    for (int r = 0; r < ep->model_.expert_ranks; ++r) {
+      const std::string rank = std::to_string(ep->model_.first_expert_rank + r);
+      h.round_trip.push_back(metrics->AddHistogram(
+          "moerun_expert_round_trip_seconds",
+          "Per request, its batch's round trips with this expert rank: header sent to answer "
+          "received, summed over the batch's microbatches",
+          LatencyBuckets(), {{"rank", rank}}));
+      h.compute.push_back(metrics->AddHistogram(
+          "moerun_expert_compute_seconds",
+          "Per request, this expert rank's own time for its batch's rows, as it reported it",
+          LatencyBuckets(), {{"rank", rank}}));
+    }
+  }
   ep->connections_ = metrics->AddGauge("moerun_serving_connections", "Open serving connections");
   ServingEndpoint* raw = ep.get();
   FramedHandlers h;
@@ -211,6 +247,7 @@ ServingEndpoint::Pending* ServingEndpoint::TakeSlot() {
   if (free_.empty()) {
     slots_.push_back(std::make_unique<Pending>());
     slots_.back()->ep = this;
+    slots_.back()->ranks.reserve(static_cast<size_t>(model_.expert_ranks));
     return slots_.back().get();
   }
   Pending* p = free_.back();
@@ -225,6 +262,7 @@ void ServingEndpoint::FreeSlot(Pending* p) {
   p->lease.Release();
   p->out_lease.Release();
   p->status = Status::Ok();
+  p->have_timing = false;
   p->answered = false;
   p->next = nullptr;
   free_.push_back(p);
@@ -291,7 +329,8 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
   }
   // The body stays (the batcher decodes it in place); the answer needs its own bytes.
   p->lease = std::move(lease);
-  p->layout = LayoutAnswer(p->req.dtype, p->req.tokens, model_.hidden);
+  p->layout = LayoutAnswer(p->req.dtype, p->req.tokens, model_.hidden,
+                           p->req.timing ? model_.expert_ranks : -1);
   if (!server_->TryLease(static_cast<int64_t>(p->layout.capacity), &p->out_lease)) {
     Refuse(*conn, p->req.id, moerun::v1::OVERLOADED,
            "the server holds too many request bytes; retry later");
@@ -394,9 +433,16 @@ void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchIn
   auto* p = static_cast<Pending*>(ctx);
   ServingEndpoint* ep = p->ep;
   p->status = status;
-  if (status.ok()) {
-    FinishAnswer(p->answer.data(), p->layout, p->req.id, p->req.dtype, p->req.tokens,
-                 ep->model_.hidden, info, &p->frame_offset, &p->frame_size);
+  p->batch_done = Clock::now();
+  p->info = info;
+  p->info.timing = nullptr;
+  p->have_timing = info.timing != nullptr;
+  if (p->have_timing) {
+    p->timing.batch = *info.timing;
+    // The ranks are copied (room for every expert rank was reserved: no allocation).
+    const size_t n = std::min(info.timing->ranks.size(), p->ranks.capacity());
+    p->ranks.assign(info.timing->ranks.begin(), info.timing->ranks.begin() + n);
+    p->timing.batch.ranks = p->ranks;
   }
   ep->in_flight_.fetch_sub(1);
   ep->in_flight_gauge_->Set(static_cast<double>(ep->in_flight_.load()));
@@ -411,6 +457,23 @@ void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchIn
   if (wake) {
     boost::asio::post(ep->server_->io(),
                       WithMemory(ep->timers_->wake_mem, [ep] { ep->TakeFinished(); }));
+  }
+}
+
+void ServingEndpoint::ObserveParts(const AnswerTiming& t) {
+  auto s = [](int64_t us) { return static_cast<double>(us) * 1e-6; };
+  parts_.queue->Observe(s(t.queue_us));
+  parts_.gate->Observe(s(t.batch.gate_us));
+  parts_.dispatch->Observe(s(t.batch.dispatch_us));
+  parts_.wait->Observe(s(t.batch.wait_us));
+  parts_.combine->Observe(s(t.batch.combine_us));
+  parts_.shared->Observe(s(t.batch.shared_us));
+  parts_.reply->Observe(s(t.reply_us));
+  for (const RankTiming& r : t.batch.ranks) {
+    const int i = r.rank - model_.first_expert_rank;
+    if (i < 0 || i >= static_cast<int>(parts_.round_trip.size())) continue;
+    parts_.round_trip[static_cast<size_t>(i)]->Observe(s(r.round_trip_us));
+    parts_.compute[static_cast<size_t>(i)]->Observe(s(r.compute_us));
   }
 }
 
@@ -433,6 +496,22 @@ void ServingEndpoint::TakeFinished() {
     Pending* p = fifo;
     fifo = p->next;
     if (p->heap_pos >= 0) timers_->Erase(p);
+    if (p->status.ok()) {
+      // The frame around the data, now that the reply's time is known.
+      const auto now = Clock::now();
+      AnswerTiming& t = p->timing;
+      t.queue_us = p->info.queue_us;
+      t.batch_tokens = p->info.batch_tokens;
+      t.reply_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(now - p->batch_done).count();
+      t.server_us =
+          std::chrono::duration_cast<std::chrono::microseconds>(now - p->received).count();
+      if (!p->have_timing) t.batch = BatchTiming{};
+      FinishAnswer(p->answer.data(), p->layout, p->req.id, p->req.dtype, p->req.tokens,
+                   model_.hidden, p->info, &p->frame_offset, &p->frame_size,
+                   p->req.timing ? &t : nullptr);
+      if (p->have_timing) ObserveParts(t);
+    }
     Answer(*p, ErrorCodeOf(p->status), p->status.message());
     Release(*p);
     FreeSlot(p);

@@ -20,9 +20,14 @@
 // key_grace (runtime/serving/control_auth.h TokenFileWatch); a changed file that cannot be read, or
 // that others may read, keeps the current key (logged).
 //
+// Where a request's time went (queue, gate, dispatch, wait, combine, shared expert, each expert
+// rank's round trip and compute, reply) goes into histograms in `metrics` for every request, and
+// into its answer (InferResponse.timing) when the request asks (InferRequest.timing).
+//
 // BeginDrain: no new connections; new requests get UNAVAILABLE; those in flight finish.
 // Threads: the framed server's I/O thread runs everything but OnBatchDone (the router thread),
-// which hands finished requests back through a list and one wake-up of the I/O thread.
+// which hands finished requests back through a list and one wake-up of the I/O thread; the I/O
+// thread writes the answer's frame around its data then (so that the reply's own time is known).
 #pragma once
 
 #include <atomic>
@@ -104,6 +109,14 @@ class ServingEndpoint {
   Counter* by_code_[10] = {};
   Counter* tokens_ = nullptr;
   Histogram* latency_ = nullptr;
+  // Where the requests' time went (moerun_request_part_seconds{part}), and by expert rank
+  // (moerun_expert_round_trip_seconds{rank}, moerun_expert_compute_seconds{rank}).
+  struct PartHistograms {
+    Histogram *queue, *gate, *dispatch, *wait, *combine, *shared, *reply;
+    std::vector<Histogram*> round_trip, compute;  // by rank - first_expert_rank
+  };
+  PartHistograms parts_{};
+  void ObserveParts(const struct AnswerTiming& t);
   Gauge* in_flight_gauge_ = nullptr;
   Gauge* connections_ = nullptr;
 };

@@ -61,7 +61,8 @@ uint16_t FreePort() {
 // The serving path of `moerun serve` as it runs (ServeRouter on a router rank of an inproc job
 // with peer health and RouterControl, two expert ranks), fed by clients over TCP: after warm-up,
 // requests of 1..16 tokens in F32 and BF16 on two connections, each with the serving key the
-// endpoint requires, allocate nothing, on any thread.
+// endpoint requires, allocate nothing, on any thread; half of them ask where their time went
+// (InferRequest.timing), and their answers say it consistently.
 TEST(AllocationTest, ServingPathPerRequest) {
   SetThreadNotCounted(true);                // this thread only starts and joins the clients
   spdlog::info("serving allocation test");  // the logger exists before the ranks' threads log
@@ -137,9 +138,28 @@ TEST(AllocationTest, ServingPathPerRequest) {
       v1::InferRequest req;
       req.set_id(static_cast<uint64_t>(i + 1));
       req.set_dtype(i % 3 == 0 ? v1::BF16 : v1::F32);
+      req.set_timing(i % 2 == 0);
       SetRequestData(&req, x.data(), rows, hidden, req.dtype());
       ASSERT_TRUE(conns[c]->Call(req, &resp, DeadlineIn(std::chrono::seconds(20))).ok());
       ASSERT_EQ(resp.code(), v1::OK) << resp.message();
+      ASSERT_EQ(resp.has_timing(), req.timing());
+      if (req.timing()) {
+        // Top-4 over the two expert ranks: every row of the batch's microbatches so far went
+        // to one of them, this request's among them; each rank's own time is inside its round
+        // trip; the whole is inside the server's time.
+        const v1::Timing& t = resp.timing();
+        uint64_t assigned = 0;
+        for (const v1::RankTiming& r : t.ranks()) {
+          ASSERT_TRUE(r.rank() == 1 || r.rank() == 2) << r.rank();
+          ASSERT_LE(r.compute_us(), r.round_trip_us());
+          assigned += r.rows();
+        }
+        ASSERT_EQ(assigned % 4, 0u);
+        ASSERT_GE(assigned, 4u * static_cast<uint64_t>(rows));
+        ASSERT_LE(assigned, 4u * t.batch_tokens());
+        ASSERT_LE(t.reply_us(), t.server_us());
+        ASSERT_LE(t.queue_us(), t.server_us());
+      }
       ++*ok;
     }
   };

@@ -140,9 +140,10 @@ TEST(BatcherTest, ArrivalsJoinTheRunningBatchAndRowsAreAnsweredAsSoonAsFinal) {
         EXPECT_EQ(grown, 4);  // request 1 joined; 2 is another layer and 3 is behind it
         EXPECT_EQ(stream->tokens(), 4);
         for (int64_t i = 0; i < grown * 2; ++i) y[i] = x[i] + 1;
-        stream->Done(2);  // request 0's rows are final: answered now, inside the batch
+        stream->Done(2,
+                     BatchTiming{});  // request 0's rows are final: answered now, inside the batch
         EXPECT_EQ(order.ids, (std::vector<int>{0}));
-        stream->Done(2);  // again: nothing answered twice
+        stream->Done(2, BatchTiming{});  // again: nothing answered twice
         EXPECT_EQ(order.ids.size(), 1u);
         return Status::Ok();
       },

@@ -101,7 +101,7 @@ class PiecewiseStream : public BatchStream {
     tokens_ = std::min(total_, tokens_ + step_);
     return tokens_;
   }
-  void Done(int64_t done) override {
+  void Done(int64_t done, const BatchTiming&) override {
     EXPECT_GE(done, done_.empty() ? 0 : done_.back()) << "done only grows";
     done_.push_back(done);
   }
