@@ -24,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -131,12 +131,13 @@ class LocalJob:
 
     Parameters: ``model`` (a model folder), ``ranks``, ``routers`` (router i serves on
     serving port + i), ``transport`` ("mpi" under mpirun, "ucx", or "inproc": one process),
-    ``layers``, ``placement``, ``microbatch_tokens``, ``deadline_ms``, ``batching`` and
-    ``serving`` (dicts of those config sections' keys, e.g. ``serving={"max_frame_bytes":
-    1 << 20}``), ``config`` (more top-level keys), ``ready_timeout`` (s), ``mpirun_args``,
-    ``env`` (more environment), ``kill_with_parent`` (Linux: mpirun gets SIGTERM when the thread
-    that started it dies, so that even a SIGKILLed test run leaves no job behind; start jobs from
-    a thread that lives as long as they do, e.g. the main thread), ``serving_key_file``
+    ``layers`` (model layer indices, or "all": every MoE layer of the model), ``placement``,
+    ``microbatch_tokens``, ``deadline_ms``, ``batching`` and ``serving`` (dicts of those config
+    sections' keys, e.g. ``serving={"max_frame_bytes": 1 << 20}``), ``config`` (more top-level
+    keys), ``ready_timeout`` (s), ``mpirun_args``, ``env`` (more environment),
+    ``kill_with_parent`` (Linux: mpirun gets SIGTERM when the thread that started it dies, so
+    that even a SIGKILLed test run leaves no job behind; start jobs from a thread that lives as
+    long as they do, e.g. the main thread), ``serving_key_file``
     (``moerun serve --serving-key-file``: every request must carry that file's key).
 
     Attributes once started: ``target`` (router 0's serving address), ``targets`` (every
@@ -146,7 +147,7 @@ class LocalJob:
     """
 
     def __init__(self, model: str, *, ranks: int = 4, routers: int = 1, transport: str = "mpi",
-                 layers: Sequence[int] = (0,), placement: str = "round_robin",
+                 layers: Union[str, Sequence[int]] = (0,), placement: str = "round_robin",
                  microbatch_tokens: int = 32, deadline_ms: int = 10000,
                  batching: Optional[Dict] = None, serving: Optional[Dict] = None,
                  config: Optional[Dict] = None, ready_timeout: float = 60.0,
@@ -156,7 +157,12 @@ class LocalJob:
         self.ranks = int(ranks)
         self.routers = int(routers)
         self.transport = transport
-        self.layers = list(layers)
+        if isinstance(layers, str):
+            if layers != "all":
+                raise ValueError(f"layers: a list of layer indices or \"all\", not {layers!r}")
+            self.layers: Union[str, List[int]] = "all"
+        else:
+            self.layers = [int(n) for n in layers]
         self.placement = placement
         self.microbatch_tokens = microbatch_tokens
         self.deadline_ms = deadline_ms

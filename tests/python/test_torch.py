@@ -1,7 +1,12 @@
 """RemoteMoE against a 4-rank `moerun serve` (under mpirun) and LocalMoE / moerun.Layer in-process
 give outputs bitwise equal to `moerun forward`, on every shipped fixture; the example's generated
-tokens are the same both ways."""
+tokens are the same both ways. Models with several MoE layers (examples/python/hf_decoder.py's
+Hugging Face-shaped ones): their MoE blocks written by save_moe_checkpoint and read by moerun,
+every block replaced by replace_moe_blocks (a job serving `layers: all`) and by
+replace_moe_blocks_local, bitwise the same logits."""
 
+import copy
+import json
 import os
 import subprocess
 import sys
@@ -110,3 +115,145 @@ def test_example_generates_the_same_tokens_both_ways():
 
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["identical"] and len(rep["remote_tokens"]) == 4 + 8, rep
+
+
+# --- several MoE layers: find_moe_blocks, save_moe_checkpoint, replace_moe_blocks(_local) -------
+
+sys.path.insert(0, os.path.join(ROOT, "examples", "python"))
+import hf_decoder  # noqa: E402  (Hugging Face-shaped Qwen3-MoE and Mixtral models)
+
+
+def small_model(family="qwen3_moe", seed=0, **changes):
+    """An HF-shaped model, smaller than the example's (3 decoder layers, hidden 64)."""
+    cfg = {**hf_decoder.CONFIGS[family], "hidden_size": 64, "num_hidden_layers": 3,
+           "vocab_size": 128, **changes}
+    torch.manual_seed(seed)
+    return hf_decoder.MODELS[family](hf_decoder.Config(**cfg), seed).eval()
+
+
+def logits(model, ids=(1, 2, 3, 4, 5)):
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)]))
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_save_moe_checkpoint_writes_the_moe_blocks_only(tmp_path):
+    model = small_model(mlp_only_layers=[1])  # layer 1 dense: no MoE block, nothing written
+    blocks = mtorch.find_moe_blocks(model)
+    assert [(b.name, b.layer, b.cls) for b in blocks] == [
+        ("model.layers.0.mlp", 0, "Qwen3MoeSparseMoeBlock"),
+        ("model.layers.2.mlp", 2, "Qwen3MoeSparseMoeBlock")]
+    ckpt = str(tmp_path / "ckpt")
+    names = mtorch.save_moe_checkpoint(model, ckpt)
+    state = model.state_dict()
+    written = safetensors_io.read_tensors(os.path.join(ckpt, "model.safetensors"))
+    assert sorted(written) == sorted(names)
+    assert all(n.startswith(("model.layers.0.mlp.", "model.layers.2.mlp.")) for n in names)
+    assert len(names) == 2 * (1 + 3 * model.config.num_experts)
+    for n in names:
+        assert np.array_equal(written[n].view(np.uint32), state[n].numpy().view(np.uint32)), n
+    with open(os.path.join(ckpt, "config.json")) as f:
+        assert json.load(f) == model.config.to_dict()
+    # moerun reads it: the MoE layers are 0 and 2, and each computes what the block computes.
+    x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3))
+    for b in blocks:
+        layer = moerun.Layer(ckpt, b.layer)
+        want = model.get_submodule(b.name)(x)[0]
+        got = torch.from_numpy(layer.forward(x.numpy()))
+        assert rel(got, want) < 1e-5, b.name
+    with pytest.raises(ValueError, match="layer 1 is a dense layer, not an MoE layer"):
+        moerun.Layer(ckpt, 1)
+
+
+def test_save_moe_checkpoint_bf16_blocks(tmp_path):
+    model = small_model("mixtral")
+    for b in mtorch.find_moe_blocks(model):
+        model.get_submodule(b.name).to(torch.bfloat16)
+    ckpt = str(tmp_path / "ckpt")
+    mtorch.save_moe_checkpoint(model, ckpt)
+    with open(os.path.join(ckpt, "model.safetensors"), "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    gate = header["model.layers.2.block_sparse_moe.gate.weight"]
+    assert gate["dtype"] == "BF16" and gate["shape"] == [8, 64]
+    # The same layer in float32 with the bf16 values: moerun computes it from the BF16 weights.
+    block = model.get_submodule("model.layers.2.block_sparse_moe").float()
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(4))
+    got = torch.from_numpy(moerun.Layer(ckpt, 2).forward(x.numpy()))
+    assert rel(got, block(x)[0]) < 1e-5
+
+
+def test_save_moe_checkpoint_errors(tmp_path):
+    model = small_model()
+    with pytest.raises(ValueError, match="model_type"):
+        mtorch.save_moe_checkpoint(model, str(tmp_path / "a"), {"hidden_size": 64})
+    with pytest.raises(ValueError, match="has no MoE block"):
+        mtorch.save_moe_checkpoint(torch.nn.Linear(2, 2), str(tmp_path / "b"),
+                                   {"model_type": "qwen3_moe"})
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="index.json exists"):
+        mtorch.save_moe_checkpoint(model, str(tmp_path / "c"))
+
+
+def test_find_moe_blocks_needs_a_layer_per_block():
+    Qwen3MoeSparseMoeBlock = type("Qwen3MoeSparseMoeBlock", (torch.nn.Module,), {})
+    two = torch.nn.Module()
+    two.a, two.b = Qwen3MoeSparseMoeBlock(), Qwen3MoeSparseMoeBlock()
+    with pytest.raises(ValueError, match="no decoder layer index"):
+        mtorch.find_moe_blocks(two)
+    one = torch.nn.Module()
+    one.moe = Qwen3MoeSparseMoeBlock()
+    one.moe.inner = Qwen3MoeSparseMoeBlock()  # a block inside a block: listed once
+    assert [(b.name, b.layer) for b in mtorch.find_moe_blocks(one)] == [("moe", None)]
+    same = torch.nn.Module()
+    same.layers = torch.nn.ModuleList([torch.nn.Module()])
+    same.layers[0].mlp, same.layers[0].moe = Qwen3MoeSparseMoeBlock(), Qwen3MoeSparseMoeBlock()
+    with pytest.raises(ValueError, match="both MoE blocks of decoder layer 0"):
+        mtorch.find_moe_blocks(same)
+    model = small_model()
+    assert [b.layer for b in mtorch.find_moe_blocks(model, layers=[2, 0])] == [0, 2]
+
+
+def test_local_job_layers():
+    with pytest.raises(ValueError, match="\"all\""):
+        moerun.job.LocalJob(FIXTURES, layers="every")
+    assert moerun.job.LocalJob(FIXTURES, layers="all").layers == "all"
+    assert moerun.job.LocalJob(FIXTURES, layers=(2, 0)).layers == [2, 0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_replace_every_moe_layer_remote_and_local(family, tmp_path):
+    """Every MoE layer of a 3-layer model on a 4-rank job (`layers: all`): the logits are those
+    of every layer in process, bit for bit, and those of the PyTorch blocks up to rounding; a
+    block of a layer the job does not serve is told so at its first call."""
+    model = small_model(family)
+    ckpt = str(tmp_path / "ckpt")
+    mtorch.save_moe_checkpoint(model, ckpt)
+    want = logits(model)
+    local = copy.deepcopy(model)
+    names = mtorch.replace_moe_blocks_local(local, ckpt)
+    attr = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    assert names == [f"model.layers.{i}.{attr}" for i in range(3)]
+    assert all(isinstance(local.get_submodule(n), mtorch.LocalMoE) for n in names)
+    y_local = logits(local)
+    assert rel(y_local, want) < 1e-5
+    with moerun.job.LocalJob(ckpt, ranks=4, layers="all") as job, \
+            moerun.Client(job.target) as client:
+        remote = copy.deepcopy(model)
+        assert mtorch.replace_moe_blocks(remote, client) == names
+        assert [remote.get_submodule(n).layer for n in names] == [0, 1, 2]
+        y_remote = logits(remote)
+        assert np.array_equal(y_remote.numpy().view(np.uint32), y_local.numpy().view(np.uint32))
+        # One layer remote, the others PyTorch's.
+        mixed = copy.deepcopy(model)
+        assert mtorch.replace_moe_blocks(mixed, client, layers=[1]) == [names[1]]
+        assert rel(logits(mixed), want) < 1e-5
+        # A model with a fourth MoE layer, which the job does not serve.
+        bigger = small_model(family, num_hidden_layers=4)
+        mtorch.replace_moe_blocks(bigger, client)
+        with pytest.raises(moerun.InvalidArgumentError, match="layer 3 is not served"):
+            logits(bigger)
