@@ -8,7 +8,9 @@ module, and the MoE layer computed in-process by moerun's CPU kernels.
     y2 = layer.forward(x)                              # bitwise y
 
 Modules: moerun.client (Client), moerun.aio (AsyncClient), moerun.errors (the server's error
-codes as exceptions), moerun.torch (RemoteMoE), moerun.ctl (what moectl answers), moerun.bench.
+codes as exceptions), moerun.torch (RemoteMoE, LocalMoE, replace_moe_blocks, save_moe_checkpoint),
+moerun.ctl (what moectl answers), moerun.job (LocalJob: a local `moerun serve`), moerun.bench,
+moerun.safetensors_io (read and write safetensors files).
 """
 
 import pkgutil as _pkgutil
