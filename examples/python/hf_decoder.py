@@ -30,7 +30,8 @@ logits' relative difference at the first step, and its tokens), not compared bit
 
 Exit code 0 when the job's tokens and logits equal the in-process ones, 1 when they differ, 2 on
 bad arguments (including a --target that cannot be reached or does not serve every MoE layer of
-the model), 3 when the local job could not be started or the job failed while generating.
+the model, and a config moerun does not serve), 3 when the local job could not be started (no
+mpirun, no moerun binary or compiled moerun.Layer) or the job failed while generating.
 """
 
 import argparse
@@ -539,6 +540,15 @@ def check_served(model: nn.Module, names: List[str], target: str) -> None:
                              f"{block.layer}): {e.message}") from e
 
 
+def check_moerun_reads(ckpt: str, layer: int) -> None:
+    """moerun.Layer loads an MoE layer of the checkpoint: a config that PyTorch builds but moerun
+    does not serve (e.g. hidden_act gelu) is told here, before a job is started on it."""
+    try:
+        moerun.Layer(ckpt, layer, 1)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise UsageError(f"--config: moerun does not serve this model: {e}") from e
+
+
 def write_serve_yaml(folder: str) -> str:
     path = os.path.join(folder, "serve.yaml")
     with open(path, "w", encoding="utf-8") as f:
@@ -593,6 +603,9 @@ def main(argv=None) -> int:
         p.print_usage(sys.stderr)
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # moerun.Layer without the compiled moerun._layer
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return 3
 
 
 def run(a) -> int:
@@ -619,12 +632,20 @@ def run(a) -> int:
     moe_layers = [b.layer for b in blocks]
 
     if a.save:
-        mtorch.save_moe_checkpoint(model, a.save)
+        try:
+            mtorch.save_moe_checkpoint(model, a.save)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--save {a.save}: {e}") from e
+        check_moerun_reads(a.save, moe_layers[0])
         yaml = write_serve_yaml(a.save)
+        try:
+            binary = moerun.job.find_binary("moerun")
+        except FileNotFoundError:
+            binary = "moerun"
         print(f"wrote {a.save}: config.json, model.safetensors ({len(blocks)} MoE layers), "
               f"serve.yaml. Serve it and run against it:\n"
               f"  mpirun --oversubscribe --bind-to none -np 4 "
-              f"{moerun.job.find_binary('moerun')} serve --config {yaml} --listen 127.0.0.1:5700\n"
+              f"{binary} serve --config {yaml} --listen 127.0.0.1:5700\n"
               f"  {sys.executable} {os.path.relpath(__file__)} --target 127.0.0.1:5700"
               + (f" --family {a.family}" if not a.config and a.family != "qwen3_moe" else "")
               + (f" --config {a.config}" if a.config else "")
@@ -635,6 +656,7 @@ def run(a) -> int:
     try:
         ckpt = os.path.join(work, "checkpoint")
         mtorch.save_moe_checkpoint(model, ckpt)
+        check_moerun_reads(ckpt, moe_layers[0])
         return compare(a, config, model, ckpt, prompt, moe_layers)
     finally:
         shutil.rmtree(work, ignore_errors=True)

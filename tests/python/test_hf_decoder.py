@@ -144,3 +144,24 @@ def test_unreachable_target_exits_2(needs_build, capsys):
     port = moerun.job.free_port()  # nothing listens there
     code, err = main_exit_code(["--target", f"127.0.0.1:{port}", "--new-tokens", "2"], capsys)
     assert code == 2 and f"--target 127.0.0.1:{port}: " in err, err
+
+
+def test_config_moerun_does_not_serve_exits_2(needs_build, capsys, tmp_path):
+    """PyTorch builds it (gelu experts), moerun refuses it: told before any job starts."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**hf_decoder.CONFIGS["qwen3_moe"], "hidden_act": "gelu"}))
+    code, err = main_exit_code(["--config", str(cfg)], capsys)
+    assert code == 2, err
+    assert "moerun does not serve this model" in err and "hidden_act" in err, err
+
+
+def test_save_into_a_folder_of_shards_exits_2(needs_build, capsys, tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    code, err = main_exit_code(["--save", str(tmp_path)], capsys)
+    assert code == 2 and "index.json exists" in err, err
+
+
+def test_no_mpirun_exits_3(needs_build, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # the local job's launcher is not there
+    code, err = main_exit_code(["--new-tokens", "2"], capsys)
+    assert code == 3 and "the local job did not start: mpirun not found" in err, err
