@@ -72,6 +72,7 @@ Doorbell& Doorbell::operator=(Doorbell&& o) noexcept {
     name_ = std::move(o.name_);
     host_ = std::move(o.host_);
     peers_ = std::move(o.peers_);
+    rung_at_ = std::move(o.rung_at_);
     rings_ = o.rings_;
     failures_ = o.failures_;
   }
@@ -84,6 +85,7 @@ Doorbell::~Doorbell() {
 
 void Doorbell::SetPeers(const std::vector<std::string>& names) {
   peers_.assign(names.size(), std::string());
+  rung_at_.assign(names.size(), std::chrono::steady_clock::time_point{});
   for (size_t i = 0; i < names.size(); ++i) {
     if (names[i] == name_ || DoorbellHost(names[i]) != host_) continue;
     sockaddr_un addr;
@@ -98,10 +100,13 @@ int Doorbell::ringable() const {
   return n;
 }
 
-void Doorbell::Ring(int peer) {
+void Doorbell::Ring(int peer, std::chrono::steady_clock::time_point now) {
   if (fd_ < 0 || peer < 0 || static_cast<size_t>(peer) >= peers_.size()) return;
   const std::string& a = peers_[static_cast<size_t>(peer)];
   if (a.empty()) return;
+  auto& last = rung_at_[static_cast<size_t>(peer)];
+  if (now - last < kCoalesce) return;
+  last = now;
   const char one = 1;
   const ssize_t n =
       ::sendto(fd_, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL,

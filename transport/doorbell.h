@@ -42,8 +42,13 @@ class Doorbell {
   // The peers' names by rank (this rank's own included, never rung); a peer whose host differs
   // from this one's, or whose name is empty or malformed, is never rung.
   void SetPeers(const std::vector<std::string>& names);
-  // Rings `peer`'s bell (no-op for peers without one).
-  void Ring(int peer);
+  // Rings `peer`'s bell (no-op for peers without one). A ring within kCoalesce of the last one to
+  // the same peer is skipped: a waiter woken spins a while before it blocks again (at least
+  // IdleBackoff's spin phase), so it sees the second message without a ring of its own (a
+  // dispatch's header and rows cost one ring, not two).
+  void Ring(int peer) { Ring(peer, std::chrono::steady_clock::now()); }
+  void Ring(int peer, std::chrono::steady_clock::time_point now);  // (tests give the time)
+  static constexpr std::chrono::microseconds kCoalesce{10};
   // Blocks until a ring arrives or `max` passes; drains what is queued. True when rung.
   bool Wait(std::chrono::microseconds max);
   bool open() const { return fd_ >= 0; }
@@ -58,6 +63,7 @@ class Doorbell {
   std::string host_;
   // Per peer: the socket address's path bytes (NUL first), empty when not ringable.
   std::vector<std::string> peers_;
+  std::vector<std::chrono::steady_clock::time_point> rung_at_;  // by peer
   uint64_t rings_ = 0, failures_ = 0;
 };
 

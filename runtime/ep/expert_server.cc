@@ -111,11 +111,13 @@ Status ExpertServer::ServeRouter(int r, bool* progressed) {
     MOERUN_RETURN_IF_ERROR(Pong(r, h.seq));
     return Status::Ok();
   }
-  if (h.kind == static_cast<uint32_t>(EpKind::kControl)) {
+  if (h.kind == static_cast<uint32_t>(EpKind::kControl) ||
+      h.kind == static_cast<uint32_t>(EpKind::kEcho)) {
     if (!rs.header_req.valid()) {
       MOERUN_ASSIGN_OR_RETURN(rs.header_req,
                               t_->Irecv(r, kTagHeader, rs.header.data(), header_bytes_));
     }
+    if (h.kind == static_cast<uint32_t>(EpKind::kEcho)) return Echo(r, h);
     MOERUN_RETURN_IF_ERROR(control_->OnMessage(r, h));
     return Status::Ok();
   }
@@ -227,6 +229,43 @@ Status ExpertServer::Serve() {
       q = Request{};
     }
   }
+  return Status::Ok();
+}
+
+Result<float*> ExpertServer::ResultBuffer(int router, size_t bytes) {
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  const int slot = rs.next_out;
+  rs.next_out ^= 1;
+  if (rs.out_req[slot].valid()) {
+    MOERUN_RETURN_IF_ERROR(t_->Wait(rs.out_req[slot], DeadlineIn(opts_.deadline), "result send"));
+    rs.out_req[slot] = Request{};
+  }
+  // The rows, then the trailer that says whether they are the answer.
+  MOERUN_RETURN_IF_ERROR(ReserveIo(rs.out[slot], bytes + sizeof(EpResultTrailer)));
+  return rs.out[slot].as<float>();
+}
+
+Status ExpertServer::Echo(int router, const EpHeaderFixed& h) {
+  if (h.rows < 0 || h.hidden <= 0 || h.rows * h.hidden * int64_t{4} > kMaxEchoBytes) {
+    return Status::Corrupt("rank " + std::to_string(t_->rank()) + ": echo of " +
+                           std::to_string(h.rows) + " x " + std::to_string(h.hidden) +
+                           " from router " + std::to_string(router));
+  }
+  RouterState& rs = routers_[static_cast<size_t>(router)];
+  const size_t bytes = static_cast<size_t>(h.rows * h.hidden) * sizeof(float);
+  const int k = rs.next_in;
+  rs.next_in = k ^ 1;
+  MOERUN_RETURN_IF_ERROR(ReserveIo(rs.in[k], bytes));
+  MOERUN_RETURN_IF_ERROR(
+      t_->Recv(router, kTagRows, rs.in[k].data(), bytes, DeadlineIn(opts_.deadline)));
+  const int slot = rs.next_out;
+  MOERUN_ASSIGN_OR_RETURN(float* out, ResultBuffer(router, bytes));
+  std::memcpy(out, rs.in[k].data(), bytes);
+  EpResultTrailer answer;
+  answer.seq = h.seq;
+  std::memcpy(reinterpret_cast<char*>(out) + bytes, &answer, sizeof answer);
+  MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot],
+                          t_->Isend(router, kTagResult, out, bytes + sizeof(EpResultTrailer)));
   return Status::Ok();
 }
 
@@ -394,14 +433,7 @@ Status ExpertServer::Handle(int router, const EpHeaderFixed& h, const EpEntry* e
   // straight from the kernels when rows need no padding.
   RouterState& rs = routers_[static_cast<size_t>(router)];
   const int slot = rs.next_out;
-  rs.next_out ^= 1;
-  if (rs.out_req[slot].valid()) {
-    MOERUN_RETURN_IF_ERROR(t_->Wait(rs.out_req[slot], DeadlineIn(opts_.deadline), "result send"));
-    rs.out_req[slot] = Request{};
-  }
-  // The rows, then the trailer that says whether they are the answer.
-  MOERUN_RETURN_IF_ERROR(ReserveIo(rs.out[slot], bytes + sizeof(EpResultTrailer)));
-  float* out = rs.out[slot].as<float>();
+  MOERUN_ASSIGN_OR_RETURN(float* out, ResultBuffer(router, bytes));
   EpResultTrailer answer;
   answer.seq = h.seq;
   const auto compute_start = SteadyClock::now();

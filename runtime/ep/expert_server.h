@@ -164,6 +164,10 @@ class ExpertServer {
   // Takes the router's next header if it has arrived and starts receiving its rows.
   Status LookAhead(int router);
   Status Pong(int router, uint32_t seq);
+  // kEcho: receives the header's rows and sends them back with a trailer (no compute).
+  Status Echo(int router, const EpHeaderFixed& h);
+  // The next of the two result buffers of `router` (its previous send from it waited for).
+  Result<float*> ResultBuffer(int router, size_t bytes);
   // Canary rows of the microbatch: recomputed with the new weights, counted.
   void RunCanaries(const EpHeaderFixed& h, const EpEntry* entries, const float* in, float* out);
 

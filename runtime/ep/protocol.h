@@ -38,7 +38,12 @@ inline constexpr int kTagControl = 15;
 inline constexpr int kTagControlBody = 16;
 inline constexpr uint32_t kEpMagic = 0x45454f4d;  // "MOEE"
 
-enum class EpKind : uint32_t { kDispatch = 1, kShutdown = 2, kPing = 3, kControl = 4 };
+// kEcho: `rows` x `hidden` floats follow on kTagRows; the expert rank sends them back as a
+// result (rows, then a trailer) without computing anything: the floor of a dispatch's round
+// trip (moebench serve --floor).
+enum class EpKind : uint32_t { kDispatch = 1, kShutdown = 2, kPing = 3, kControl = 4, kEcho = 5 };
+// The most bytes an echo may carry.
+inline constexpr int64_t kMaxEchoBytes = int64_t{256} << 20;
 
 struct EpHeaderFixed {
   uint32_t magic = kEpMagic;

@@ -52,6 +52,48 @@ Status RouterRank::Forward(int number, const float* x, int64_t tokens, float* ou
   return l->Forward(x, tokens, out, deadline, stream);
 }
 
+Result<int64_t> RouterRank::EchoRoundTrip(int rank, const float* x, int64_t rows, int64_t hidden,
+                                          float* out, Deadline deadline) {
+  if (rank < placement_->num_routers() || rank >= placement_->num_ranks()) {
+    return Status::InvalidArgument("rank " + std::to_string(rank) + " is not an expert rank");
+  }
+  if (rows < 1 || hidden < 1 || rows * hidden * int64_t{4} > kMaxEchoBytes) {
+    return Status::InvalidArgument("an echo of " + std::to_string(rows) + " x " +
+                                   std::to_string(hidden) + " floats");
+  }
+  if (health_ && health_->dead_mask()[static_cast<size_t>(rank)]) {
+    return Status::Unavailable("expert rank " + std::to_string(rank) + " is dead");
+  }
+  const size_t bytes = static_cast<size_t>(rows * hidden) * sizeof(float);
+  echo_header_.assign(header_bytes_, 0);
+  EpHeaderFixed h;
+  h.kind = static_cast<uint32_t>(EpKind::kEcho);
+  h.seq = ++echo_seq_;
+  h.rows = rows;
+  h.hidden = static_cast<int32_t>(hidden);
+  std::memcpy(echo_header_.data(), &h, sizeof h);
+  echo_in_.resize(bytes / sizeof(float) + sizeof(EpResultTrailer) / sizeof(float));
+  const auto t0 = SteadyClock::now();
+  Request reqs[3];
+  MOERUN_ASSIGN_OR_RETURN(
+      reqs[0], t_->Irecv(rank, kTagResult, echo_in_.data(), bytes + sizeof(EpResultTrailer)));
+  MOERUN_ASSIGN_OR_RETURN(reqs[1], t_->Isend(rank, kTagHeader, echo_header_.data(), header_bytes_));
+  MOERUN_ASSIGN_OR_RETURN(reqs[2], t_->Isend(rank, kTagRows, x, bytes));
+  MOERUN_RETURN_IF_ERROR(t_->WaitAll(reqs, deadline, "echo"));
+  const auto us =
+      std::chrono::duration_cast<std::chrono::microseconds>(SteadyClock::now() - t0).count();
+  EpResultTrailer tr;
+  std::memcpy(static_cast<void*>(&tr), reinterpret_cast<const char*>(echo_in_.data()) + bytes,
+              sizeof tr);
+  if (tr.magic != kEpMagic || tr.seq != h.seq || tr.code != 0 ||
+      std::memcmp(echo_in_.data(), x, bytes) != 0) {
+    return Status::Corrupt("expert rank " + std::to_string(rank) +
+                           " did not send the echo's rows back as they were");
+  }
+  std::memcpy(out, echo_in_.data(), bytes);
+  return us;
+}
+
 Status RouterRank::Poll() {
   if (health_) health_->Poll();
   return control_ ? control_->Poll() : Status::Ok();

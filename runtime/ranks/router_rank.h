@@ -54,6 +54,13 @@ class RouterRank {
   // With a `stream`, the batch grows while it runs (RouterLayer::Forward).
   Status Forward(int number, const float* x, int64_t tokens, float* out,
                  Deadline deadline = Deadline::max(), BatchStream* stream = nullptr);
+  // The floor of a dispatch's round trip with expert rank `rank` (between batches): `rows` rows of
+  // `hidden` floats from x go there and come back (a kEcho header: no compute), into out, bitwise.
+  // Returns the round trip in microseconds. Errors: a rank that is not an expert rank, a size
+  // over kMaxEchoBytes, a transfer that fails or misses the deadline, an answer that is not the
+  // rows sent.
+  Result<int64_t> EchoRoundTrip(int rank, const float* x, int64_t rows, int64_t hidden, float* out,
+                                Deadline deadline);
   // Between batches and when idle: health probes and late transfers, control messages and the
   // steps of a migration. An error from the control channel ends the router's part.
   Status Poll();
@@ -71,6 +78,9 @@ class RouterRank {
   std::unique_ptr<PeerHealth> health_;
   std::unique_ptr<RouterControl> control_;
   bool finished_ = false;
+  uint32_t echo_seq_ = 0;
+  std::vector<char> echo_header_;
+  std::vector<float> echo_in_;
 };
 
 // Tells every expert rank that router `t->rank()` stops (a kShutdown header). Ranks `dead` marks

@@ -45,8 +45,34 @@ Status RouterService::Run(std::atomic<bool>& stop, RouterServiceHooks hooks) {
   return control_failed_;
 }
 
+Status RouterService::Probe(const float* x, int64_t tokens, float* out, Deadline deadline,
+                            BatchStream* stream) {
+  // Each expert rank in turn: the batch's rows there and back.
+  const int64_t hidden = opts_.model.hidden;
+  probe_ranks_.clear();
+  for (int r = opts_.model.first_expert_rank;
+       r < opts_.model.first_expert_rank + opts_.model.expert_ranks; ++r) {
+    if (router_.health() != nullptr && router_.health()->dead_mask()[static_cast<size_t>(r)]) {
+      continue;
+    }
+    MOERUN_ASSIGN_OR_RETURN(const int64_t us,
+                            router_.EchoRoundTrip(r, x, tokens, hidden, out, deadline));
+    RankTiming t;
+    t.rank = r;
+    t.rows = tokens;
+    t.round_trip_us = us;
+    probe_ranks_.push_back(t);
+  }
+  if (probe_ranks_.empty()) return Status::Unavailable("no live expert rank to probe");
+  BatchTiming timing;
+  timing.ranks = probe_ranks_;
+  if (stream != nullptr) stream->Done(tokens, timing);
+  return Status::Ok();
+}
+
 Status RouterService::Forward(int layer, const float* x, int64_t tokens, float* out,
                               Deadline deadline, BatchStream* stream) {
+  if (layer == kTransportProbeLayer) return Probe(x, tokens, out, deadline, stream);
   Status s = router_.Forward(layer, x, tokens, out, deadline, stream);
   // Experts whose every copy died are being re-placed (router 0's recovery migration): the batch
   // waits for them, bounded by its deadline; the control moves on meanwhile (no microbatch of

@@ -64,6 +64,9 @@ class RouterService {
   RouterService(RouterRank& router, RouterServiceOptions options);
   Status Forward(int layer, const float* x, int64_t tokens, float* out, Deadline deadline,
                  BatchStream* stream);
+  // A transport probe (InferRequest.probe = PROBE_TRANSPORT): the rows to each live expert rank
+  // and back (RouterRank::EchoRoundTrip); the stream learns each round trip.
+  Status Probe(const float* x, int64_t tokens, float* out, Deadline deadline, BatchStream* stream);
   bool StopRequested();  // on stop: drain, then true
   void Poll();           // the router rank, then hooks_.tick
 
@@ -76,6 +79,7 @@ class RouterService {
   Status control_failed_;
   bool draining_ = false;
   std::chrono::steady_clock::time_point drain_until_{};
+  std::vector<RankTiming> probe_ranks_;
   Counter* batches_ = nullptr;
   Counter* batch_tokens_ = nullptr;
 };

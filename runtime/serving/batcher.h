@@ -39,6 +39,10 @@
 
 namespace moerun {
 
+// The "layer" of a transport probe (InferRequest.probe = PROBE_TRANSPORT): a batch of its own,
+// which the router answers by sending its rows to each expert rank and back.
+inline constexpr int kTransportProbeLayer = -2;
+
 struct BatcherOptions {
   int64_t max_batch_tokens = 256;
   int64_t max_wait_us = 500;

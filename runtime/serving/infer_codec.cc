@@ -32,6 +32,7 @@ struct WireRequest {
   uint32_t deadline_ms = 0;
   std::string_view key;
   bool timing = false;
+  int32_t probe = 0;
 };
 
 // The wire format as Protobuf 3's parser reads it (parse_context.h): a tag is a varint of at
@@ -161,6 +162,9 @@ bool ReadWire(std::string_view body, WireRequest* r) {
     } else if (field == 8 && wire == 0) {
       if (!in.Varint64(&v)) return false;
       r->timing = v != 0;
+    } else if (field == 9 && wire == 0) {
+      if (!in.Varint64(&v)) return false;
+      r->probe = static_cast<int32_t>(v);
     } else if (!in.SkipField(tag)) {
       return false;
     }
@@ -324,6 +328,12 @@ bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRe
   out->deadline_ms = req.deadline_ms;
   out->data = req.data;
   out->timing = req.timing;
+  if (req.probe < 0 || req.probe > moerun::v1::PROBE_TRANSPORT) {
+    return Fail(error, id, moerun::v1::INVALID_ARGUMENT,
+                "probe must be PROBE_NONE, PROBE_CLIENT or PROBE_TRANSPORT (got " +
+                    std::to_string(req.probe) + ")");
+  }
+  out->probe = static_cast<moerun::v1::Probe>(req.probe);
   return true;
 }
 

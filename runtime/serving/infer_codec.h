@@ -46,6 +46,7 @@ struct ParsedRequest {
   std::string_view data;  // tokens x hidden finite values of dtype, inside the parsed body
   std::string_view key;   // the serving key sent (InferRequest.key), inside the parsed body
   bool timing = false;    // InferRequest.timing: the answer carries its Timing
+  moerun::v1::Probe probe = moerun::v1::PROBE_NONE;
 };
 
 // Where a request's time went on the server (InferResponse.timing).

@@ -4,6 +4,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include <algorithm>
+#include <cstring>
 
 #include "base/log.h"
 #include "runtime/serving/buffer_pool.h"
@@ -337,13 +338,14 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
     return FreeSlot(p);
   }
   p->answer = server_->buffers().Take(p->layout.capacity);
+  if (p->req.probe == moerun::v1::PROBE_CLIENT) return AnswerProbe(p);
   p->deadline_ms = p->req.deadline_ms > 0 ? std::chrono::milliseconds(p->req.deadline_ms)
                                           : opts_.default_deadline;
   p->deadline_ms = std::min(p->deadline_ms, opts_.max_deadline);
   p->deadline = p->received + p->deadline_ms;
 
   BatchRequest br;
-  br.layer = p->req.layer;
+  br.layer = p->req.probe == moerun::v1::PROBE_TRANSPORT ? kTransportProbeLayer : p->req.layer;
   br.x = p->req.data.data();
   br.x_type = RowTypeOf(p->req.dtype);
   br.out = p->answer.data() + p->layout.data_offset;
@@ -460,6 +462,19 @@ void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchIn
   }
 }
 
+void ServingEndpoint::AnswerProbe(Pending* p) {
+  // The answer is the request's own data, as a layer's answer would be laid out: the client's
+  // round trip with the same bytes and no work behind it.
+  std::memcpy(p->answer.data() + p->layout.data_offset, p->req.data.data(), p->req.data.size());
+  AnswerTiming t;
+  t.server_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - p->received).count();
+  FinishAnswer(p->answer.data(), p->layout, p->req.id, p->req.dtype, p->req.tokens, model_.hidden,
+               BatchInfo{}, &p->frame_offset, &p->frame_size, p->req.timing ? &t : nullptr);
+  Answer(*p, moerun::v1::OK, "");
+  FreeSlot(p);
+}
+
 void ServingEndpoint::ObserveParts(const AnswerTiming& t) {
   auto s = [](int64_t us) { return static_cast<double>(us) * 1e-6; };
   parts_.queue->Observe(s(t.queue_us));
@@ -510,7 +525,7 @@ void ServingEndpoint::TakeFinished() {
       FinishAnswer(p->answer.data(), p->layout, p->req.id, p->req.dtype, p->req.tokens,
                    model_.hidden, p->info, &p->frame_offset, &p->frame_size,
                    p->req.timing ? &t : nullptr);
-      if (p->have_timing) ObserveParts(t);
+      if (p->have_timing && p->req.probe == moerun::v1::PROBE_NONE) ObserveParts(t);
     }
     Answer(*p, ErrorCodeOf(p->status), p->status.message());
     Release(*p);

@@ -20,6 +20,11 @@
 // key_grace (runtime/serving/control_auth.h TokenFileWatch); a changed file that cannot be read, or
 // that others may read, keeps the current key (logged).
 //
+// Probes (InferRequest.probe) measure the path's floor: PROBE_CLIENT is answered at once on the
+// I/O thread with the request's own data (the client connection's round trip, same bytes);
+// PROBE_TRANSPORT goes through the batcher as a batch of its own (kTransportProbeLayer), which
+// the router answers with a ping-pong of its rows with each expert rank.
+//
 // Where a request's time went (queue, gate, dispatch, wait, combine, shared expert, each expert
 // rank's round trip and compute, reply) goes into histograms in `metrics` for every request, and
 // into its answer (InferResponse.timing) when the request asks (InferRequest.timing).
@@ -81,9 +86,10 @@ class ServingEndpoint {
   void Release(Pending& p);
   Pending* TakeSlot();
   void FreeSlot(Pending* p);
-  void Arm(Pending* p);  // the request's deadline joins the timer's heap
-  void OnDeadlines();    // the timer fired: answer what is past its deadline
-  void TakeFinished();   // I/O thread: the requests the router thread handed back
+  void Arm(Pending* p);          // the request's deadline joins the timer's heap
+  void AnswerProbe(Pending* p);  // PROBE_CLIENT: answered at once with its own data
+  void OnDeadlines();            // the timer fired: answer what is past its deadline
+  void TakeFinished();           // I/O thread: the requests the router thread handed back
   void LogRefusedKey(FramedConnection& conn, bool missing);  // I/O thread
   void OnConnections(int n);                                 // I/O thread
   void ArmKeyLogTimer();

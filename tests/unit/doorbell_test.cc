@@ -54,6 +54,19 @@ TEST(DoorbellTest, ARingEndsAWaitAtOnceAndARingBeforeTheWaitIsNotLost) {
   EXPECT_EQ(a->ring_failures(), 0u);
 }
 
+TEST(DoorbellTest, RingsInQuickSuccessionToOnePeerAreOne) {
+  Result<Doorbell> a = Doorbell::Open();
+  Result<Doorbell> b = Doorbell::Open();
+  ASSERT_TRUE(a.ok() && b.ok());
+  a->SetPeers({a->name(), b->name()});
+  const auto t0 = Clock::now();
+  a->Ring(1, t0);
+  a->Ring(1, t0 + Doorbell::kCoalesce / 2);  // a header and its rows: one ring
+  EXPECT_EQ(a->rings_sent(), 1u);
+  a->Ring(1, t0 + Doorbell::kCoalesce * 2);
+  EXPECT_EQ(a->rings_sent(), 2u);
+}
+
 TEST(DoorbellTest, PeersOnAnotherHostOrWithoutABellAreNeverRung) {
   Result<Doorbell> a = Doorbell::Open();
   ASSERT_TRUE(a.ok());
