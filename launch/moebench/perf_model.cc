@@ -148,21 +148,27 @@ ServedPrediction PredictServed(const ModelShape& m, const MachineProfile& p, Dep
     s.tokens_per_s = s.capacity_tokens_per_s;
     return s;
   }
-  // The least fixed point of b = offered * C(b), from one request up (C grows with b).
-  const double fill_ms = offered > 0 ? cap / offered * 1e3 : max_wait_us / 1e3;
-  const double wait_ms = std::min(max_wait_us / 1e3, fill_ms);
+  // The least fixed point of b = offered * C(b), from one request up (C grows with b): the
+  // router takes what arrived while its last batch ran, and never waits for more.
+  (void)max_wait_us;  // the growth window of a running batch: not modelled (see the header)
   double b = tpr;
   for (int i = 0; i < 200; ++i) {
-    const double c = std::max(layer_ms(b), wait_ms);
-    const double next = std::clamp(offered * c / 1e3, tpr, cap);
+    const double next = std::clamp(offered * layer_ms(b) / 1e3, tpr, cap);
     if (std::fabs(next - b) < 1e-6 * b) break;
     b = next;
   }
   s.batch_tokens = b;
   s.batch_ms = layer_ms(b);
-  s.cycle_ms = std::max(s.batch_ms, wait_ms);
-  s.p50_ms = 0.5 * s.cycle_ms + s.batch_ms + overhead_us / 1e3;
-  s.p99_ms = 0.99 * s.cycle_ms + s.batch_ms + overhead_us / 1e3;
+  s.cycle_ms = s.batch_ms;
+  // The router is busy a share u of the time (batches per second x their time); a request that
+  // finds it busy waits for the rest of the batch, a uniform part of it: P(wait > x) =
+  // u (1 - x / C), whose quantile q is C (1 - (1 - q) / u) where u > 1 - q, else 0.
+  const double u = std::min(1.0, offered / b * s.batch_ms / 1e3);
+  auto wait_quantile = [&](double q) {
+    return u > 1 - q ? s.cycle_ms * (1 - (1 - q) / u) : 0.0;
+  };
+  s.p50_ms = wait_quantile(0.50) + s.batch_ms + overhead_us / 1e3;
+  s.p99_ms = wait_quantile(0.99) + s.batch_ms + overhead_us / 1e3;
   s.tokens_per_s = offered;
   return s;
 }

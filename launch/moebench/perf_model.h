@@ -99,14 +99,16 @@ double RankExpertMs(const ModelShape& m, const MachineProfile& p, const Deployme
 LayerPrediction PredictLayer(const ModelShape& m, const MachineProfile& p, const Deployment& d);
 
 // Serving through the router's batcher at `rate` requests/s of `tokens_per_request` tokens each
-// (Poisson arrivals, every request for this one layer). The batcher starts a batch when the
-// router is free and either max_batch_tokens are waiting or the oldest request has waited
-// max_wait_us. Steady state as a cycle: a batch of b tokens takes S(b) (PredictLayer); the cycle
-// is C = max(S(b), max_wait) (S(b) when the arrivals fill a batch first), b = rate * tpr * C
-// (at least one request, at most max_batch_tokens), solved by fixed-point iteration. A request
-// waits a uniform part of one cycle, then its batch's S(b): p50 = C / 2 + S + overhead,
-// p99 = 0.99 * C + S + overhead. Saturated (the largest batch cannot keep up with the rate):
-// tokens/s is the capacity and the latencies grow without bound (reported as saturated).
+// (Poisson arrivals, every request for this one layer). The batcher never waits for batch-mates:
+// a free router takes whatever is queued (up to max_batch_tokens) at once. Steady state as a
+// cycle: a batch of b tokens takes S(b) (PredictLayer), b = rate * tpr * S(b) (what arrived while
+// the last one ran; at least one request, at most max_batch_tokens), solved by fixed-point
+// iteration. The router is busy a share u = (batches/s) * S(b); a request that finds it busy
+// waits a uniform part of the running batch: the wait's quantile q is S (1 - (1 - q) / u) where
+// u > 1 - q, else 0; p50 and p99 add S(b) and the overhead. (Arrivals that join the running batch
+// within max_wait_us, as its next microbatch, are not modelled: they make the wait shorter.)
+// Saturated (the largest batch cannot keep up with the rate): tokens/s is the capacity and the
+// latencies grow without bound (reported as saturated).
 struct ServedPrediction {
   bool saturated = false;
   double batch_tokens = 0;
