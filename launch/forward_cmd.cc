@@ -243,6 +243,7 @@ int RunDistributed(const ForwardFlags& f, JobLaunch& job, Isa isa) {
   opts.source.seed = f.layer.seed;
   opts.source.gate_skew = f.layer.gate_skew;
   opts.source.experts = f.layer.experts;
+  opts.source.intermediate = f.layer.intermediate;
   opts.threads = f.layer.threads;
   opts.isa = isa;
   ExpertSetup expert_setup;
@@ -314,6 +315,7 @@ int PlanMemory(const ForwardFlags& f) {
   src.preset = f.layer.preset;
   src.seed = f.layer.seed;
   src.experts = f.layer.experts;
+  src.intermediate = f.layer.intermediate;
   auto dtype = ParseWeightDType(f.layer.dtype);
   if (!dtype.ok()) return FailWith(dtype.status());
   src.dtype = *dtype;
@@ -374,6 +376,9 @@ std::function<int()> AddForwardCommand(CLI::App& app) {
       ->default_val(0.0);
   cmd->add_option("--experts", flags->layer.experts,
                   "Preset expert count (default: as many as fit in 4 GB)");
+  cmd->add_option("--intermediate", flags->layer.intermediate,
+                  "Preset expert intermediate size, scaled down (a multiple of 32; default: the "
+                  "model's)");
   cmd->add_option("--dtype", flags->layer.dtype,
                   "Preset weight type: f32, bf16, f16, fp8 (e4m3, 128x128 blocks), mxfp4")
       ->default_val("f32");

@@ -33,6 +33,12 @@ Status ValidateLayerFlags(const LayerFlags& f) {
   }
   if (f.layer < -1) return Status::InvalidArgument("--layer must not be negative");
   if (f.experts < 0) return Status::InvalidArgument("--experts must not be negative");
+  if (f.intermediate < 0 || f.intermediate > (int64_t{1} << 22)) {
+    return Status::InvalidArgument("--intermediate must be in 0..4194304 (0: the model's)");
+  }
+  if (f.intermediate > 0 && !f.model.empty()) {
+    return Status::InvalidArgument("--intermediate scales a preset, not a --model checkpoint");
+  }
   if (!std::isfinite(f.gate_skew) || f.gate_skew < 0 || f.gate_skew > 8) {
     return Status::InvalidArgument("--gate-skew must be in 0..8 (a Zipf exponent over experts)");
   }
@@ -72,14 +78,38 @@ Result<DType> ParseWeightDType(const std::string& name) {
                                  "'");
 }
 
-Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFlags& f,
-                                                                  const CpuKernels& kernels,
-                                                                  int threads) {
+namespace {
+
+PresetOptions PresetOptionsFor(const LayerFlags& f, DType dtype, int threads) {
+  return PresetOptions{.seed = f.seed,
+                       .experts = f.experts,
+                       .intermediate = f.intermediate,
+                       .dtype = dtype,
+                       .layer = f.layer,
+                       .gate_skew = f.gate_skew,
+                       .threads = threads};
+}
+
+}  // namespace
+
+Result<ModelSpec> SpecFromFlags(const LayerFlags& f) {
   if (f.model.empty() == f.preset.empty()) {
     return Status::InvalidArgument("give exactly one of --model DIR and --preset NAME");
   }
+  if (!f.model.empty()) return LoadModelSpec(f.model);
+  MOERUN_ASSIGN_OR_RETURN(const DType dtype, ParseWeightDType(f.dtype));
+  std::string note;
+  MOERUN_ASSIGN_OR_RETURN(ModelSpec spec,
+                          PresetSpec(f.preset, PresetOptionsFor(f, dtype, 1), &note));
+  if (!note.empty()) spdlog::info("{}", note);
+  return spec;
+}
+
+Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFlags& f,
+                                                                  const CpuKernels& kernels,
+                                                                  int threads) {
+  MOERUN_ASSIGN_OR_RETURN(ModelSpec spec, SpecFromFlags(f));
   if (!f.model.empty()) {
-    MOERUN_ASSIGN_OR_RETURN(ModelSpec spec, LoadModelSpec(f.model));
     MOERUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(f.model));
     LoadOptions opts;
     opts.layer = f.layer;
@@ -88,16 +118,8 @@ Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFla
     MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, LoadLayer(*ckpt, spec, kernels, opts));
     return std::make_shared<const MoeLayerWeights>(std::move(w));
   }
-  PresetOptions opts;
-  opts.seed = f.seed;
-  opts.gate_skew = f.gate_skew;
-  opts.experts = f.experts;
-  opts.layer = f.layer;
-  opts.threads = threads;
-  MOERUN_ASSIGN_OR_RETURN(opts.dtype, ParseWeightDType(f.dtype));
-  std::string note;
-  MOERUN_ASSIGN_OR_RETURN(ModelSpec spec, PresetSpec(f.preset, opts, &note));
-  if (!note.empty()) spdlog::info("{}", note);
+  MOERUN_ASSIGN_OR_RETURN(const DType dtype, ParseWeightDType(f.dtype));
+  PresetOptions opts = PresetOptionsFor(f, dtype, threads);
   if (f.layer >= 0) MOERUN_RETURN_IF_ERROR(ResolveMoeLayer(spec, f.layer).status());
   opts.progress = ProgressLogger("generating " + f.preset);
   MOERUN_ASSIGN_OR_RETURN(MoeLayerWeights w, BuildPresetLayer(spec, kernels, opts));

@@ -16,6 +16,7 @@ struct LayerFlags {
   std::string preset;         // --preset NAME
   uint64_t seed = 1;          // --seed
   int experts = 0;            // --experts (presets)
+  int64_t intermediate = 0;   // --intermediate (presets): scaled expert intermediate size
   double gate_skew = 0.0;     // --gate-skew (presets): Zipf exponent of the routing
   std::string dtype = "f32";  // --dtype (presets): f32 | bf16 | f16 | fp8 | mxfp4
   int layer = -1;             // --layer
@@ -30,6 +31,10 @@ Status ValidateLayerFlags(const LayerFlags& f);
 Result<Isa> ChooseIsa(const std::string& flag);
 // --dtype: f32, bf16, f16, fp8 (F8_E4M3: 128 x 128 blocks) or mxfp4 (F4: 32-input groups).
 Result<DType> ParseWeightDType(const std::string& name);
+
+// The model's spec as the flags describe it (a preset's experts and intermediate size scaled as
+// they say; a preset's note, if any, is logged), without loading any weights.
+Result<ModelSpec> SpecFromFlags(const LayerFlags& f);
 
 // Loads the layer named by the flags for `kernels`; logs progress for big layers.
 Result<std::shared_ptr<const MoeLayerWeights>> LoadLayerFromFlags(const LayerFlags& f,

@@ -162,6 +162,7 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   o.source.seed = c.seed;
   o.source.gate_skew = c.gate_skew;
   o.source.experts = c.experts;
+  o.source.intermediate = c.intermediate;
   MOERUN_ASSIGN_OR_RETURN(o.source.dtype, ParseWeightDType(c.dtype));
   o.threads = c.threads;
   MOERUN_ASSIGN_OR_RETURN(o.isa, ChooseIsa(c.isa));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "base/log.h"
+#include "runtime/model/preset.h"
 
 namespace moerun {
 namespace {
@@ -182,7 +183,7 @@ Status ReadPinned(const Reader& r, ServeConfig* c) {
                                  " must be a list of expert numbers");
 }
 
-// preset: NAME, or {name, seed, experts, dtype, gate_skew}.
+// preset: NAME, or {name, seed, experts, intermediate, dtype, gate_skew}.
 Status ReadPreset(const Reader& r, const std::string& source, ServeConfig* c) {
   const YAML::Node p = r.node()["preset"];
   if (!p) return Status::Ok();
@@ -190,15 +191,17 @@ Status ReadPreset(const Reader& r, const std::string& source, ServeConfig* c) {
     c->preset = p.as<std::string>();
     return Status::Ok();
   }
-  return ReadTable(Reader(p, source + ": \"preset\""),
-                   std::vector<Key<ServeConfig>>{
-                       Text("name", &ServeConfig::preset),
-                       Number("seed", &ServeConfig::seed, uint64_t{0}, UINT64_MAX),
-                       Number("experts", &ServeConfig::experts, 0, 65536),
-                       Text("dtype", &ServeConfig::dtype),
-                       Number("gate_skew", &ServeConfig::gate_skew, 0.0, 8.0),
-                   },
-                   c);
+  return ReadTable(
+      Reader(p, source + ": \"preset\""),
+      std::vector<Key<ServeConfig>>{
+          Text("name", &ServeConfig::preset),
+          Number("seed", &ServeConfig::seed, uint64_t{0}, UINT64_MAX),
+          Number("experts", &ServeConfig::experts, 0, 65536),
+          Number("intermediate", &ServeConfig::intermediate, int64_t{0}, int64_t{1} << 22),
+          Text("dtype", &ServeConfig::dtype),
+          Number("gate_skew", &ServeConfig::gate_skew, 0.0, 8.0),
+      },
+      c);
 }
 
 // layers: [n, ...] or "all".
@@ -393,6 +396,14 @@ Result<ServeConfig> ParseServeConfig(const std::string& text, const std::string&
   }
   c.model = Resolve(c.model, base_dir);
   MOERUN_RETURN_IF_ERROR(ParseFiles(root, source, base_dir, &c));
+  if (c.intermediate > 0) {  // the preset's own size bounds it: checked here, naming the key
+    ModelSpec spec;
+    if (Result<ModelSpec> full = PresetFullSpec(c.preset); full.ok()) spec = *full;
+    if (spec.expert_inter > 0) {
+      MOERUN_RETURN_IF_ERROR(
+          ScaleIntermediate(c.preset, c.intermediate, &spec).WithContext(source + ": \"preset\""));
+    }
+  }
   return c;
 }
 

@@ -56,7 +56,8 @@ struct ServeConfig {
   std::string preset;
   uint64_t seed = 1;
   int experts = 0;
-  double gate_skew = 0.0;  // preset.gate_skew: Zipf exponent of the routing
+  int64_t intermediate = 0;  // preset.intermediate: a scaled expert intermediate size (0: real)
+  double gate_skew = 0.0;    // preset.gate_skew: Zipf exponent of the routing
   std::string dtype = "f32";
   // Layers to serve: empty = the model's first MoE layer; {-1} = every MoE layer.
   std::vector<int> layers;

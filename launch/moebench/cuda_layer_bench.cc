@@ -67,6 +67,7 @@ Result<DeviceLayer> BuildLayer(const LayerFlags& lf, const CudaLayerOptions& opt
   PresetOptions preset;
   preset.seed = lf.seed;
   preset.experts = lf.experts > 0 ? lf.experts : full.num_experts;
+  preset.intermediate = lf.intermediate;
   preset.layer = lf.layer;
   preset.budget_bytes = std::numeric_limits<size_t>::max();
   MOERUN_ASSIGN_OR_RETURN(preset.dtype, ParseWeightDType(lf.dtype));

@@ -117,6 +117,7 @@ Result<std::vector<TypedLayer>> LoadTypedLayers(const LayerFlags& flags, const C
       for (const auto& [name, t] : types) {
         PresetOptions o;
         o.dtype = t;
+        o.intermediate = lf.intermediate;
         MOERUN_ASSIGN_OR_RETURN(ModelSpec s, PresetSpec(lf.preset, o, nullptr));
         experts = experts == 0 ? s.num_experts : std::min(experts, s.num_experts);
       }

@@ -223,6 +223,24 @@ size_t ExpertBytes(int64_t hidden, int64_t inter, DType dtype) {
 
 }  // namespace
 
+Status ScaleIntermediate(const std::string& name, int64_t inter, ModelSpec* s) {
+  if (inter == 0) return Status::Ok();
+  const int64_t full = s->expert_inter;
+  if (inter < kMxGroup || inter > full || inter % kMxGroup != 0) {
+    return Status::InvalidArgument("intermediate " + std::to_string(inter) +
+                                   ": must be a multiple of " + std::to_string(kMxGroup) + " in [" +
+                                   std::to_string(kMxGroup) + ", " + std::to_string(full) + "] (" +
+                                   name + "'s expert intermediate size is " + std::to_string(full) +
+                                   "; 0 keeps it)");
+  }
+  if (s->shared_inter > 0) {  // the same factor, rounded to whole groups of 32
+    const int64_t scaled = (s->shared_inter * inter + full * kMxGroup / 2) / (full * kMxGroup);
+    s->shared_inter = std::max<int64_t>(1, scaled) * kMxGroup;
+  }
+  s->expert_inter = inter;
+  return Status::Ok();
+}
+
 std::vector<std::string> PresetNames() {
   std::vector<std::string> out;
   for (const auto& p : kPresets) out.push_back(p.name);
@@ -249,6 +267,7 @@ Result<ModelSpec> PresetSpec(const std::string& name, const PresetOptions& opts,
   if (!IsPackableType(opts.dtype)) {
     return Status::InvalidArgument("preset weights must be F32, BF16, F16, F8_E4M3 or F4");
   }
+  MOERUN_RETURN_IF_ERROR(ScaleIntermediate(name, opts.intermediate, &s));
   const int full = s.num_experts;
   const int groups = s.gate.n_group;
   int n = full;

@@ -4,7 +4,10 @@
 // process gets the same values, and a rank generates only the experts it hosts, straight into
 // packed form (nothing is written to disk). By default a preset keeps as many experts as fit in
 // 4 GB of expert weights as they are held (FP8 and MXFP4 count their codes and scales, so they
-// keep more experts) and says so; --experts N overrides. Thread-safe.
+// keep more experts) and says so; --experts N overrides. `intermediate` scales the experts'
+// intermediate size down (a whole model's layers on a small machine), the shared expert's by the
+// same factor; everything else (hidden size, top-k, groups, layers) keeps the real shape.
+// Thread-safe.
 //
 // FP8 and MXFP4 weights are the random values quantized the way real checkpoints are made; the
 // router stays F32, and the shared expert takes the routed experts' type (as in DeepSeek-V3's FP8
@@ -28,7 +31,11 @@ namespace moerun {
 
 struct PresetOptions {
   uint64_t seed = 1;
-  int experts = 0;            // 0: as many as fit in `budget_bytes` (at most the real count)
+  int experts = 0;  // 0: as many as fit in `budget_bytes` (at most the real count)
+  // 0: the model's expert intermediate size; else this one: a multiple of 32 (MXFP4's group of
+  // inputs), at most the model's. A shared expert is scaled by the same factor (a multiple of 32,
+  // at least 32).
+  int64_t intermediate = 0;
   DType dtype = DType::kF32;  // expert weights: F32, BF16, F16, F8_E4M3 (FP8) or F4 (MXFP4)
   int layer = -1;             // -1: the first MoE layer
   size_t budget_bytes = size_t{4} << 30;
@@ -45,8 +52,14 @@ struct PresetOptions {
 std::vector<std::string> PresetNames();
 // The full-size spec of a preset (as in the model's published config.json).
 Result<ModelSpec> PresetFullSpec(const std::string& name);
-// The spec actually built: experts scaled to the budget (a note says so) or to opts.experts.
+// The spec actually built: experts scaled to the budget (a note says so) or to opts.experts, and
+// the intermediate sizes to opts.intermediate.
 Result<ModelSpec> PresetSpec(const std::string& name, const PresetOptions& opts, std::string* note);
+
+// Sets spec's expert intermediate size to `inter` and scales its shared expert's by the same
+// factor (PresetOptions::intermediate; 0 changes nothing). kInvalidArgument, naming the model's
+// size, for a size that is not a multiple of 32 in [32, the model's].
+Status ScaleIntermediate(const std::string& name, int64_t inter, ModelSpec* spec);
 
 // Builds the layer's weights. `spec` comes from PresetSpec.
 Result<MoeLayerWeights> BuildPresetLayer(const ModelSpec& spec, const CpuKernels& kernels,

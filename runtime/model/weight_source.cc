@@ -144,6 +144,7 @@ Result<ModelSpec> SpecOf(const WeightSource& source, std::string* note) {
   PresetOptions o;
   o.seed = source.seed;
   o.experts = source.experts;
+  o.intermediate = source.intermediate;
   o.dtype = source.dtype;
   return PresetSpec(source.preset, o, note);
 }

@@ -27,7 +27,8 @@ struct WeightSource {
   std::optional<ModelSpec> spec;  // any shape, with seeded weights as presets make them
   uint64_t seed = 1;
   int experts = 0;
-  double gate_skew = 0.0;  // presets: Zipf exponent of the routing (runtime/model/preset.h)
+  int64_t intermediate = 0;  // presets: a scaled expert intermediate size (0: the model's)
+  double gate_skew = 0.0;    // presets: Zipf exponent of the routing (runtime/model/preset.h)
   DType dtype = DType::kF32;
 };
 

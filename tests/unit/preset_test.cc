@@ -56,6 +56,68 @@ TEST(PresetTest, ScalesExpertsToTheBudget) {
   EXPECT_EQ(PresetSpec("llama", o, &note).status().code(), StatusCode::kNotFound);
 }
 
+// preset.intermediate: the experts' intermediate size scaled down, the shared expert's by the same
+// factor; the rest of the shape stays; sizes that are not whole groups of 32 are refused.
+TEST(PresetTest, ScalesTheIntermediateSize) {
+  PresetOptions o;
+  o.experts = 16;
+  o.intermediate = 256;
+  o.dtype = DType::kBF16;
+  auto d = PresetSpec("deepseek-v3", o, nullptr);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->expert_inter, 256);
+  EXPECT_EQ(d->shared_inter, 256);  // 2048 of 2048, scaled alike
+  EXPECT_EQ(d->hidden, 7168);
+  EXPECT_EQ(d->top_k, 8);
+  EXPECT_EQ(d->gate.n_group, 8);
+  EXPECT_EQ(d->moe_layers.size(), 58u);
+  o.intermediate = 96;
+  auto q = PresetSpec("qwen3-30b-a3b", o, nullptr);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->expert_inter, 96);
+  EXPECT_EQ(q->shared_inter, 0);  // none to scale
+  ModelSpec s;
+  s.expert_inter = 1280, s.shared_inter = 640;  // a shared expert half the size: stays half
+  ASSERT_TRUE(ScaleIntermediate("x", 320, &s).ok());
+  EXPECT_EQ(s.shared_inter, 160);
+  for (int64_t bad : {16, 100, 800, 2080, -32}) {
+    o.intermediate = bad;
+    auto e = PresetSpec(bad == 800 ? "qwen3-30b-a3b" : "deepseek-v3", o, nullptr);
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_NE(e.status().message().find("multiple of 32"), std::string::npos)
+        << e.status().message();
+  }
+  // The default (0) keeps the real size, and with it the budget's expert count.
+  o.intermediate = 0;
+  o.experts = 0;
+  auto full = PresetSpec("deepseek-v3", o, nullptr);
+  o.intermediate = 256;
+  auto scaled = PresetSpec("deepseek-v3", o, nullptr);
+  ASSERT_TRUE(full.ok() && scaled.ok());
+  EXPECT_EQ(full->expert_inter, 2048);
+  EXPECT_GT(scaled->num_experts, full->num_experts);  // smaller experts: more fit in 4 GB
+}
+
+// A scaled preset layer is built at the scaled size: its experts and its shared expert.
+TEST(PresetTest, ScaledIntermediateLayerHasTheScaledShape) {
+  PresetOptions o;
+  o.experts = 16;
+  o.intermediate = 64;
+  auto spec = PresetSpec("deepseek-v3", o, nullptr);
+  ASSERT_TRUE(spec.ok());
+  const CpuKernels& k = KernelsFor(Isa::kScalar);
+  o.layer = 3;
+  o.load_expert.assign(16, false);
+  o.load_expert[5] = true;
+  auto w = BuildPresetLayer(*spec, k, o);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(w->experts[5].inter, 64);
+  EXPECT_EQ(w->experts[5].w2.k(), 64);
+  ASSERT_TRUE(w->shared.has_value());
+  EXPECT_EQ(w->shared->inter, 64);
+  EXPECT_EQ(w->shared->hidden, 7168);
+}
+
 TEST(PresetTest, SameWeightsEveryBuildAndOnlyRequestedExperts) {
   const CpuKernels& k = KernelsFor(Isa::kScalar);
   const ModelSpec s = testing::SmallSpec(Family::kGptOss);

@@ -23,6 +23,26 @@ TEST(ServeConfigTest, ShippedConfigsParse) {
   EXPECT_EQ(q->layers, std::vector<int>{-1});
 }
 
+TEST(ServeConfigTest, PresetIntermediate) {
+  auto c = ParseServeConfig("preset: {name: deepseek-v3, experts: 16, intermediate: 256}\n",
+                            "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->intermediate, 256);
+  for (const char* bad : {"preset: {name: deepseek-v3, intermediate: 100}\n",
+                          "preset: {name: deepseek-v3, intermediate: 4096}\n",
+                          "preset: {name: qwen3-30b-a3b, intermediate: 800}\n"}) {
+    auto e = ParseServeConfig(bad, "c.yaml", "");
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_NE(e.status().message().find("c.yaml: \"preset\": intermediate"), std::string::npos)
+        << e.status().message();
+    EXPECT_NE(e.status().message().find("multiple of 32"), std::string::npos)
+        << e.status().message();
+  }
+  auto neg = ParseServeConfig("preset: {name: deepseek-v3, intermediate: -1}\n", "c.yaml", "");
+  ASSERT_FALSE(neg.ok());
+  EXPECT_NE(neg.status().message().find("intermediate"), std::string::npos);
+}
+
 TEST(ServeConfigTest, EveryKey) {
   auto c = ParseServeConfig(R"(
 model: m
