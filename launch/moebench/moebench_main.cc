@@ -1,7 +1,8 @@
 // moebench: benchmarks that compare moerun against a baseline measured in the same run and
 // print JSON. Subcommands: layer (one MoE layer vs the reference loop and OpenBLAS sgemm; on CUDA
 // vs its floor and torch._grouped_mm), transport (dispatch + combine vs MPI_Alltoallv), serve
-// (load on a router's serving endpoint), replay (placements judged on recorded routing),
+// (load on a router's serving endpoint), decode (a model's decode, one MoE layer at a time, against
+// a serving job), replay (placements judged on recorded routing),
 // cache-replay (the expert cache over recorded routing, against Belady's optimum), and sgemm (the
 // baseline's child process). Bad flags exit with 2.
 #include <CLI/CLI.hpp>
@@ -13,6 +14,7 @@
 #include "launch/layer_flags.h"
 #include "launch/moebench/cache_replay.h"
 #include "launch/moebench/calibrate.h"
+#include "launch/moebench/decode_bench.h"
 #include "launch/moebench/layer_bench.h"
 #include "launch/moebench/model_cmd.h"
 #include "launch/moebench/replay_bench.h"
@@ -42,6 +44,9 @@ int main(int argc, char** argv) {
         ->default_val(0.0);
     layer->add_option("--experts", lf.layer.experts,
                       "Preset expert count (default: fit 4 GB; --device cuda: all)");
+    layer->add_option("--intermediate", lf.layer.intermediate,
+                      "Preset expert intermediate size, scaled down (a multiple of 32; default: "
+                      "the model's)");
     layer
         ->add_option("--dtype", lf.layer.dtype,
                      "Preset weights: f32, bf16, f16, fp8, mxfp4; a comma-separated list "
@@ -120,11 +125,7 @@ int main(int argc, char** argv) {
     moerun::bench::ServeBenchFlags sf;
     CLI::App* serve = app.add_subcommand(
         "serve", "Load a router's serving endpoint (closed or open loop), optionally verified");
-    serve
-        ->add_option("--target", sf.target,
-                     "HOST:PORT of a router; HOST:PORT,HOST:PORT,... several routers of one "
-                     "job: a request whose router dies is sent once more to the next")
-        ->required();
+    moerun::bench::AddClientOptions(serve, &sf.client);
     serve->add_option("--concurrency", sf.concurrency, "Connections")->default_val(1);
     serve->add_option("--duration", sf.duration_s, "Measured seconds")->default_val(10);
     serve->add_option("--tokens-per-request", sf.tokens_per_request, "Tokens per request")
@@ -142,26 +143,7 @@ int main(int argc, char** argv) {
     serve->add_flag("--verify", sf.verify,
                     "Check every answer bitwise against the local layer (exit 3 when the only "
                     "failures are answers that differ from it)");
-    auto* serve_model = serve->add_option("--model", sf.layer.model, "--verify: model folder");
-    auto* serve_preset = serve->add_option("--preset", sf.layer.preset, "--verify: preset name");
-    serve_model->excludes(serve_preset);
-    serve->add_option("--seed", sf.layer.seed, "--verify: preset seed")->default_val(1);
-    serve
-        ->add_option("--gate-skew", sf.layer.gate_skew,
-                     "--verify: preset routing skew (as the server's preset.gate_skew)")
-        ->default_val(0.0);
-    serve->add_option("--experts", sf.layer.experts, "--verify: preset expert count");
-    serve
-        ->add_option("--weights-dtype", sf.layer.dtype,
-                     "--verify: preset weights f32, bf16, f16, fp8, mxfp4")
-        ->default_val("f32");
-    serve->add_option("--threads", sf.layer.threads, "--verify: threads of the local layer");
-    serve->add_option("--key-file", sf.key_file,
-                      "Serving key file (chmod 600), for a server with serving.key_file");
-    serve->add_option("--tls-ca-file", sf.tls_ca_file,
-                      "Speak TLS, verifying the server with this PEM CA file (serving.tls)");
-    serve->add_option("--tls-server-name", sf.tls_server_name,
-                      "Name the server's certificate must carry (default: the target's host)");
+    moerun::bench::AddVerifyLayerOptions(serve, &sf.layer);
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
     serve->add_option("--plot", sf.plot,
                       "Also draw latency and throughput per second of the run: an SVG FILE");
@@ -169,6 +151,56 @@ int main(int argc, char** argv) {
     // command line does (one line, exit 2) before anything connects.
     serve->callback([&sf] {
       if (const moerun::Status s = moerun::bench::Validate(sf); !s.ok()) {
+        throw CLI::ValidationError(s.message());
+      }
+    });
+
+    moerun::bench::DecodeBenchFlags df;
+    CLI::App* decode = app.add_subcommand(
+        "decode",
+        "A model's decode against a serving job: S sequences through every MoE layer in turn, "
+        "the hidden state flowing, attention emulated by sleeping, ping-pong micro-batches");
+    moerun::bench::AddClientOptions(decode, &df.client);
+    decode
+        ->add_option("--sequences", df.sequences,
+                     "S: sequences decoded together (one token "
+                     "each per layer)")
+        ->default_val(1);
+    decode
+        ->add_option("--pingpong", df.pingpong,
+                     "M: micro-batches of S/M sequences whose layers interleave, each on its "
+                     "own connection")
+        ->default_val(1);
+    decode->add_option("--layers", df.layers,
+                       "Layers, ascending, e.g. 3,5-9 (default: every MoE layer the job serves)");
+    decode
+        ->add_option("--attention-us", df.attention_us,
+                     "One layer's attention time for all S sequences, emulated by sleeping (not "
+                     "spinning: the cores stay the job's); a micro-batch sleeps its share")
+        ->default_val(0.0);
+    decode->add_option("--steps", df.steps, "Measured decode steps (instead of --duration)");
+    decode->add_option("--duration", df.duration_s, "Measured seconds (default 10)");
+    decode->add_option("--warmup", df.warmup_steps, "Decode steps left out of the statistics")
+        ->default_val(1);
+    decode->add_option("--dtype", df.dtype, "Request data: f32 or bf16")->default_val("f32");
+    decode
+        ->add_option("--deadline-ms", df.deadline_ms,
+                     "Deadline sent in each request; the client waits 5 s more (default: the "
+                     "server's deadline, and 60 s)")
+        ->default_val(0);
+    decode->add_option("--hidden", df.hidden, "Hidden size (without --model/--preset)");
+    decode->add_option("--inputs", df.inputs, "Distinct start states, cycled over the steps")
+        ->default_val(4);
+    decode->add_option("--seed-inputs", df.seed_inputs, "Seed of the start states")->default_val(1);
+    decode->add_flag("--verify", df.verify,
+                     "Check every answer bitwise against the same layers computed in process "
+                     "(exit 3 when the only failures are answers that differ)");
+    decode->add_flag("--parts", df.parts,
+                     "Ask for each answer's server timing and report each part's p50");
+    moerun::bench::AddVerifyLayerOptions(decode, &df.layer);
+    decode->add_flag("--json", df.json, "Print the JSON report on stdout");
+    decode->callback([&df] {
+      if (const moerun::Status s = moerun::bench::Validate(df); !s.ok()) {
         throw CLI::ValidationError(s.message());
       }
     });
@@ -366,6 +398,7 @@ int main(int argc, char** argv) {
     if (calibrate->parsed()) return moerun::bench::RunCalibrate(calf);
     if (model_cmd->parsed()) return moerun::bench::RunModel(mf);
     if (serve->parsed()) return moerun::bench::RunServeBench(sf);
+    if (decode->parsed()) return moerun::bench::RunDecodeBench(df);
     if (replay->parsed()) return moerun::bench::RunReplayBench(rf);
     if (cache_replay->parsed()) return moerun::bench::RunCacheReplay(cf);
     if (sgemm->parsed()) {

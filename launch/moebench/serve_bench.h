@@ -23,14 +23,12 @@
 #include <string>
 
 #include "launch/layer_flags.h"
+#include "launch/moebench/client_common.h"
 
 namespace moerun::bench {
 
-// moebench serve --verify's exit code when the only failures are wrong answers.
-inline constexpr int kExitAnswersDiffer = 3;
-
 struct ServeBenchFlags {
-  std::string target;              // --target HOST:PORT[,HOST:PORT...] (failover)
+  ClientFlags client;              // --target, --key-file, --tls-ca-file, --tls-server-name
   int concurrency = 1;             // --concurrency: connections
   double duration_s = 10;          // --duration: measured seconds
   int64_t tokens_per_request = 1;  // --tokens-per-request
@@ -45,13 +43,7 @@ struct ServeBenchFlags {
   LayerFlags layer;  // --layer (also the request's layer), and with --verify --model/--preset,
                      // --seed, --experts, --weights-dtype (into layer.dtype)
   bool json = false;
-  std::string plot;      // --plot FILE.svg: latency and throughput per second of the run
-  std::string key_file;  // --key-file: the serving key sent in every request (chmod 600)
-  // TLS (a server with serving.tls): --tls-ca-file FILE, the CA the server's certificate is
-  // verified with (implies TLS); --tls-server-name NAME, the name it must carry (default: the
-  // host of each --target).
-  std::string tls_ca_file;
-  std::string tls_server_name;
+  std::string plot;  // --plot FILE.svg: latency and throughput per second of the run
 };
 
 int RunServeBench(const ServeBenchFlags& f);

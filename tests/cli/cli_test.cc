@@ -987,6 +987,42 @@ void ExpectBadArguments(const ProcessResult& r, const std::string& binary,
   EXPECT_TRUE(Contains(out, "(see --help)")) << r.output;
 }
 
+// moebench decode: flags that make no sense end at the parse (exit 2, one line) before anything
+// connects; the sizes of S and M, the layer list, the duration, what --verify needs.
+TEST(MoebenchTest, DecodeBadFlagsExit2WithOneLine) {
+  const auto decode = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {
+        "decode", "--target", "127.0.0.1:1", "--preset", "qwen3-30b-a3b", "--experts", "8"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Moebench(args);
+  };
+  ExpectBadArguments(decode({"--sequences", "0"}), "moebench", "--sequences");
+  ExpectBadArguments(decode({"--sequences", "2", "--pingpong", "3"}), "moebench", "--pingpong 3");
+  ExpectBadArguments(decode({"--pingpong", "0"}), "moebench", "--pingpong");
+  ExpectBadArguments(decode({"--layers", "3,x"}), "moebench", "--layers");
+  ExpectBadArguments(decode({"--layers", "5-2"}), "moebench", "ends below its start");
+  ExpectBadArguments(decode({"--steps", "5", "--duration", "2"}), "moebench", "not both");
+  ExpectBadArguments(decode({"--attention-us", "-1"}), "moebench", "--attention-us");
+  ExpectBadArguments(decode({"--dtype", "f16"}), "moebench", "--dtype");
+  ExpectBadArguments(decode({"--intermediate", "-32"}), "moebench", "--intermediate");
+  ExpectBadArguments(decode({"--inputs", "0"}), "moebench", "--inputs");
+  ExpectBadArguments(Moebench({"decode", "--target", "127.0.0.1:1", "--verify"}), "moebench",
+                     "--verify needs the model");
+  ExpectBadArguments(Moebench({"decode", "--target", "127.0.0.1:1", "--hidden", "64"}), "moebench",
+                     "--layers");
+  ExpectBadArguments(Moebench({"decode", "--sequences", "4"}), "moebench", "--target");
+  ExpectBadArguments(Moebench({"decode", "--target", "nohost"}), "moebench", "nohost");
+}
+
+// No job at the target: a clear error naming it, exit 1, before any layer is computed.
+TEST(MoebenchTest, DecodeWithNoJobNamesTheTarget) {
+  const ProcessResult r = Moebench({"decode", "--target", "127.0.0.1:1", "--preset",
+                                    "qwen3-30b-a3b", "--experts", "8", "--verify"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  ExpectFailure(r, {"127.0.0.1:1"});
+  EXPECT_FALSE(Contains(r.output, "generating")) << "built the layers first:\n" << r.output;
+}
+
 TEST(CommandLineTest, BadArgumentsExit2WithOneLineInEveryBinary) {
   const std::string m = FixtureDir(kQwen);
   const std::string in = m + "/golden.safetensors";

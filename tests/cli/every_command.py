@@ -34,6 +34,7 @@ VALID = {
     ("moebench", "layer"): ["--preset", "mixtral-8x7b"],
     ("moebench", "transport"): ["--tokens", "8"],
     ("moebench", "serve"): ["--target", "127.0.0.1:1", "--hidden", "8"],
+    ("moebench", "decode"): ["--target", "127.0.0.1:1", "--hidden", "8", "--layers", "0"],
     ("moebench", "sgemm"): ["--shapes", "1x1x1"],
     ("moebench", "replay"): ["--trace", os.path.join(TMP, "t.npy")],
     ("moebench", "cache-replay"): ["--trace", os.path.join(TMP, "t.npy")],
@@ -64,6 +65,8 @@ VALID = {
 MANUAL = [
     (["moebench", "serve", "--target", "127.0.0.1:1"], "--hidden", True),
     (["moebench", "serve"], "--target", True),
+    (["moebench", "decode", "--target", "127.0.0.1:1"], "--hidden", True),
+    (["moebench", "decode"], "--target", True),
     (["moerun", "forward", "--model", FIXTURE, "--preset", "mixtral-8x7b", "--input", INPUT,
       "--output", OUT], "excludes", True),
     (["moerun"], "subcommand", True),
@@ -91,7 +94,11 @@ for path, flag, value in [
         (("moebench", "transport"), "--routers", "0"),
         (("moebench", "serve"), "--dtype", "f64"),
         (("moebench", "serve"), "--concurrency", "0"),
-        (("moebench", "serve"), "--duration", "-1")]:
+        (("moebench", "serve"), "--duration", "-1"),
+        (("moebench", "decode"), "--pingpong", "2"),
+        (("moebench", "decode"), "--sequences", "0"),
+        (("moebench", "decode"), "--layers", "3-1"),
+        (("moebench", "decode"), "--dtype", "f64")]:
     MANUAL.append((list(path) + VALID[path] + [flag, value], flag, True))
 MANUAL.append((["moerun", "forward", "--preset", "mixtral-8x7b", "--input", INPUT, "--output", OUT,
                 "--dtype", "int3"], "--dtype", True))

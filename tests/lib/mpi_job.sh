@@ -29,3 +29,17 @@ cleanup_job() {
   if [[ -n "$MPI_PID" ]]; then kill -KILL "$MPI_PID" 2>/dev/null; wait "$MPI_PID" 2>/dev/null; fi
   if [[ -n ${KEEP_WORK:-} ]]; then echo "work folder kept: $WORK" >&2; else rm -rf "$WORK"; fi
 }
+
+# Waits up to $2 seconds (default 30) for process $1, a child of this shell, to exit: returns its
+# exit status, or 124 while it still runs.
+wait_exit_within() {
+  local pid=$1 tenths=$((${2:-30} * 10))
+  for _ in $(seq "$tenths"); do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      wait "$pid"
+      return $?
+    fi
+    sleep 0.1
+  done
+  return 124
+}

@@ -14,6 +14,8 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; [[ -f $work/log ]] && tail -30 "$work/log"; exit 1; }
+# shellcheck source=../lib/mpi_job.sh
+source "$(dirname "$0")/../lib/mpi_job.sh"  # wait_exit_within
 
 wait_ready() {  # pid
   for _ in $(seq 300); do
@@ -22,17 +24,6 @@ wait_ready() {  # pid
     sleep 0.1
   done
   return 1
-}
-
-wait_exit() {  # pid -> its exit code, or 124 after 30 s
-  for _ in $(seq 300); do
-    if ! kill -0 "$1" 2>/dev/null; then
-      wait "$1"
-      return $?
-    fi
-    sleep 0.1
-  done
-  return 124
 }
 
 # 1. inproc: configs/tiny.yaml runs 4 ranks as threads.
@@ -44,7 +35,7 @@ pids+=("$pid")
 wait_ready "$pid" || fail "inproc serve never became ready"
 grep -q "all 4 ranks ready" "$work/log" || fail "no 'all 4 ranks ready' line"
 kill -TERM "$pid"
-wait_exit "$pid"
+wait_exit_within "$pid" 30
 rc=$?
 [[ $rc -eq 0 ]] || fail "inproc serve exited $rc after SIGTERM"
 grep -q "shut down cleanly" "$work/log" || fail "no clean shutdown line"
@@ -67,7 +58,7 @@ for p in $(pgrep -f "serve --config"); do
 done
 [[ -n $router ]] || fail "could not find the router rank's process"
 kill -TERM "$router"
-wait_exit "$pid"
+wait_exit_within "$pid" 30
 rc=$?
 [[ $rc -eq 0 ]] || fail "mpirun serve exited $rc after SIGTERM to the router"
 grep -q "shut down cleanly" "$work/log" || fail "no clean shutdown line under mpirun"

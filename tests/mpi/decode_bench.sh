@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# moebench decode against a real `moerun serve` job under mpirun: 3 ranks (a router and two expert
+# ranks) serving 4 layers of the qwen3-30b-a3b preset scaled to 8 experts of intermediate size 64
+# (ready in seconds), over $MOERUN_TEST_TRANSPORT (default mpi). Checks, in order:
+#   1. --verify with S=6 in 2 ping-pong micro-batches, attention and --parts: exit 0; the JSON's
+#      layers are the 4 the job serves (of the preset's 48), every answer verified, the counts
+#      add up (steps x layers x micro-batches), the lone requests measured;
+#   2. the negative control: another preset seed, so every answer differs: exit 3;
+#   3. bad input against the job: a layer it does not serve, requests over its max_request_tokens
+#      (S=16 in one micro-batch; S=16 in 2 micro-batches is fine): exit 2 naming them;
+#   4. the router killed (kill -9) in the middle of a run: exit 1 within seconds, naming the step,
+#      the layer and the micro-batch; then, the job gone: exit 1 naming the target.
+# Everything it starts is killed on exit, also on failure.
+#   decode_bench.sh MOERUN_BIN MOEBENCH_BIN
+set -uo pipefail
+MOERUN=$(realpath "${1:?usage: decode_bench.sh MOERUN MOEBENCH}")
+MOEBENCH=$(realpath "${2:?usage: decode_bench.sh MOERUN MOEBENCH}")
+TRANSPORT=${MOERUN_TEST_TRANSPORT:-mpi}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+WORK=$(mktemp -d /tmp/moerun-decode.XXXXXX)
+TAG="decode-$$-$RANDOM$RANDOM"
+MPI_PID=""
+BENCH_PID=""
+# shellcheck source=../lib/mpi_job.sh
+source "$(dirname "$0")/../lib/mpi_job.sh"
+# shellcheck source=../serving/ports.sh
+source "$(dirname "$0")/../serving/ports.sh"
+cleanup() {
+  [[ -n $BENCH_PID ]] && kill -KILL "$BENCH_PID" 2>/dev/null
+  cleanup_job
+}
+trap cleanup EXIT
+trap 'exit 130' INT; trap 'exit 143' TERM
+fail() {
+  echo "FAIL: $*"
+  for f in bench.err serve.log; do
+    [[ -f $WORK/$f ]] && { echo "--- $f (tail):"; tail -30 "$WORK/$f"; }
+  done
+  exit 1
+}
+
+write_config() {
+  cat >"$WORK/decode.yaml" <<EOF
+preset: {name: qwen3-30b-a3b, seed: 1, experts: 8, intermediate: 64, dtype: f32}
+layers: [0, 1, 2, 3]
+routers: 1
+placement: linear
+deadline_ms: 10000
+batching: {max_batch_tokens: 64, max_wait_us: 0}
+serving: {listen: 127.0.0.1:$PORT, metrics_listen: 127.0.0.1:$((PORT + 200)),
+          max_request_tokens: 8}
+EOF
+}
+start_serving write_config env MOERUN_TEST_TAG="$TAG" timeout 300 mpirun --oversubscribe \
+  --bind-to none --mca mpi_yield_when_idle 1 -np 3 -x MOERUN_TEST_TAG "$MOERUN" serve \
+  --config "$WORK/decode.yaml" --transport "$TRANSPORT" --ready-file "$WORK/ready" ||
+  fail "serve did not get ready"
+MPI_PID=$SERVE_PID
+TARGET=127.0.0.1:$PORT
+MODEL=(--preset qwen3-30b-a3b --experts 8 --intermediate 64)
+
+# 1. Verified decode: S=6 in two micro-batches of 3, every layer the job serves.
+"$MOEBENCH" decode --target "$TARGET" --sequences 6 --pingpong 2 --steps 4 --warmup 1 \
+  --attention-us 300 --parts --verify "${MODEL[@]}" --threads 1 --json \
+  >"$WORK/bench.json" 2>"$WORK/bench.err" || fail "moebench decode --verify exited $?"
+python3 - "$WORK/bench.json" <<'PY' || fail "the JSON report is not as expected"
+import json, sys
+r = json.load(open(sys.argv[1]))
+def check(cond, what):
+    if not cond:
+        sys.exit(f"{what}: {json.dumps(r)[:2000]}")
+check(r["bench"] == "decode", "bench")
+check(r["layers"] == [0, 1, 2, 3], "the layers the job serves")
+check(r["sequences"] == 6 and r["pingpong"] == 2 and r["microbatches"] == [3, 3], "split")
+check(r["steps"] == 4 and r["failed_steps"] == 0 and r["tokens"] == 24, "steps and tokens")
+check(r["ok"] == 4 * 4 * 2 and r["requests"] == r["ok"], "one answer per step, layer, micro-batch")
+check(r["verify"] and r["verified"] == r["ok"], "every answer verified")
+check(r["errors"] == {} and r["error_count"] == 0 and r["stopped"] is None, "no error")
+check(r["warmup"]["steps"] == 1 and r["warmup"]["errors"] == 0, "warm-up")
+check(r["tokens_per_s"] > 0 and r["wall_s"] > 0, "throughput")
+check(r["tpot_ms"]["count"] == 4 and r["tpot_ms"]["p50"] > 0, "time per token")
+check(r["layer_round_trip_ms"]["count"] == 32, "round trips")
+check(r["tpot_ms"]["p50"] >= r["layer_round_trip_ms"]["p50"], "a step holds its layers")
+check(r["lone"]["round_trip_ms"]["count"] == 8 and r["lone"]["step_ms"] > 0, "lone requests")
+check(r["attention_sleep_ms"]["count"] == 32, "attention slept before every layer")
+check(r["parts_requested"], "--parts")
+p = r["parts"]  # null until the server fills InferResponse.timing
+check(p is None or (p["answers"] > 0 and all(v >= 0 for v in p["p50_us"].values())), "parts")
+PY
+grep -q "verified 32/32 bitwise" "$WORK/bench.err" || fail "no verified count in the summary"
+grep -q "a lone request p50" "$WORK/bench.err" || fail "no lone latency beside the throughput"
+echo "PASS decode --verify S=6 --pingpong 2 over $TRANSPORT: $(grep -o '[0-9.]* tokens/s' \
+  "$WORK/bench.err" | head -1)"
+
+# 2. The negative control: other weights, so every answer differs.
+"$MOEBENCH" decode --target "$TARGET" --sequences 2 --steps 1 --warmup 0 --verify \
+  --preset qwen3-30b-a3b --experts 8 --intermediate 64 --seed 2 --threads 1 \
+  >/dev/null 2>"$WORK/bench.err"
+rc=$?
+[[ $rc == 3 ]] || fail "another seed: exit $rc, not 3"
+grep -q "differs from the local layer at token" "$WORK/bench.err" || fail "no mismatch named"
+echo "PASS a different model: exit 3, the mismatch named"
+
+# 3. Bad input the job refuses: exit 2, naming it.
+"$MOEBENCH" decode --target "$TARGET" --layers 0,9 --steps 1 "${MODEL[@]}" \
+  >/dev/null 2>"$WORK/bench.err"
+rc=$?
+[[ $rc == 2 ]] || fail "a layer not served: exit $rc, not 2"
+grep -q "layer 9" "$WORK/bench.err" && grep -q "is not served" "$WORK/bench.err" ||
+  fail "the layer not served is not named"
+"$MOEBENCH" decode --target "$TARGET" --sequences 16 --steps 1 "${MODEL[@]}" \
+  >/dev/null 2>"$WORK/bench.err"
+rc=$?
+[[ $rc == 2 ]] || fail "S=16 over max_request_tokens 8: exit $rc, not 2"
+grep -q "tokens must be in \[1, 8\]" "$WORK/bench.err" || fail "the size refusal is not quoted"
+"$MOEBENCH" decode --target "$TARGET" --sequences 16 --pingpong 2 --steps 1 --warmup 0 \
+  "${MODEL[@]}" >/dev/null 2>"$WORK/bench.err" || fail "S=16 in 2 micro-batches of 8 failed"
+echo "PASS refusals: a layer not served, requests over max_request_tokens (exit 2)"
+
+# 4. The router dies in the middle of a run.
+"$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
+  "${MODEL[@]}" --json >"$WORK/killed.json" 2>"$WORK/bench.err" &
+BENCH_PID=$!
+for _ in $(seq 100); do
+  grep -q "micro-batches" "$WORK/bench.err" && break
+  sleep 0.1
+done
+sleep 0.5
+router=$(rank_pid 0)
+[[ -n $router ]] || fail "cannot find the router rank"
+kill -KILL "$router"
+t0=$SECONDS
+wait_exit_within "$BENCH_PID" 30
+rc=$?
+[[ $rc == 124 ]] && fail "decode still runs 30 s after the router died"
+BENCH_PID=""
+[[ $rc == 1 ]] || fail "router killed: exit $rc, not 1"
+grep -q "stopped: step [0-9]*, layer [0-9], micro-batch [01]" "$WORK/bench.err" ||
+  fail "the lost connection's step, layer and micro-batch are not named"
+python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); sys.exit(r["stopped"] is None)' \
+  "$WORK/killed.json" || fail "the JSON does not say why the run stopped"
+echo "PASS router killed mid-run: exit 1 after $((SECONDS - t0)) s: $(grep -o 'stopped: .*' \
+  "$WORK/bench.err" | head -1)"
+wait_exit_within "$MPI_PID" 10
+"$MOEBENCH" decode --target "$TARGET" --steps 1 "${MODEL[@]}" >/dev/null 2>"$WORK/bench.err"
+rc=$?
+[[ $rc == 1 ]] || fail "no job: exit $rc, not 1"
+grep -q "$TARGET" "$WORK/bench.err" || fail "no job: the target is not named"
+echo "PASS the job gone: exit 1 naming $TARGET"
