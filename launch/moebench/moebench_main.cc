@@ -145,6 +145,10 @@ int main(int argc, char** argv) {
                     "failures are answers that differ from it)");
     moerun::bench::AddVerifyLayerOptions(serve, &sf.layer);
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
+    serve->add_flag("--floor", sf.floor,
+                    "After the run, as long again: the round trip's floor measured beside it "
+                    "(client and transport ping-pongs, the layer in process) and x_floor; "
+                    "needs --verify and --concurrency 1");
     serve->add_option("--plot", sf.plot,
                       "Also draw latency and throughput per second of the run: an SVG FILE");
     // The flags' combinations are checked while parsing, so that a bad one ends as any bad

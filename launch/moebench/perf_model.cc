@@ -164,9 +164,7 @@ ServedPrediction PredictServed(const ModelShape& m, const MachineProfile& p, Dep
   // finds it busy waits for the rest of the batch, a uniform part of it: P(wait > x) =
   // u (1 - x / C), whose quantile q is C (1 - (1 - q) / u) where u > 1 - q, else 0.
   const double u = std::min(1.0, offered / b * s.batch_ms / 1e3);
-  auto wait_quantile = [&](double q) {
-    return u > 1 - q ? s.cycle_ms * (1 - (1 - q) / u) : 0.0;
-  };
+  auto wait_quantile = [&](double q) { return u > 1 - q ? s.cycle_ms * (1 - (1 - q) / u) : 0.0; };
   s.p50_ms = wait_quantile(0.50) + s.batch_ms + overhead_us / 1e3;
   s.p99_ms = wait_quantile(0.99) + s.batch_ms + overhead_us / 1e3;
   s.tokens_per_s = offered;

@@ -1,4 +1,5 @@
 #include "launch/moebench/serve_bench.h"
+#include "launch/moebench/serve_floor.h"
 
 #include <algorithm>
 #include <atomic>
@@ -48,7 +49,11 @@ struct Workload {
   std::vector<std::string> bodies;
   std::vector<std::string> expected;  // empty unless verifying
   std::string key;                    // the serving key sent in every request (--key-file)
-  milliseconds wait{60000};           // how long a client waits for one answer
+  // --floor: the inputs as the server sees them, and the layer in process.
+  std::vector<std::vector<float>> inputs;
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<MoeLayer> layer;
+  milliseconds wait{60000};  // how long a client waits for one answer
 };
 
 // The frame of request `id` for body `b`: header, the id field, the body (one gather write).
@@ -354,6 +359,11 @@ Status Validate(const ServeBenchFlags& f) {
     return bad("several --target routers (failover) need the closed loop: drop --rate");
   }
   if (f.concurrency < 1 || f.concurrency > 1024) return bad("--concurrency must be in 1..1024");
+  if (f.floor && (!f.verify || f.concurrency != 1 || f.rate > 0 || targets.size() > 1)) {
+    return bad(
+        "--floor measures a lone request's floor: it needs --verify (the layer in process), "
+        "--concurrency 1, the closed loop (no --rate) and one --target");
+  }
   if (!std::isfinite(f.duration_s) || f.duration_s <= 0 || f.duration_s > 86400) {
     return bad("--duration must be in (0, 86400] seconds");
   }
@@ -447,6 +457,11 @@ Status BuildWorkload(const ServeBenchFlags& f, Workload* w) {
     v1::InferRequest expect;  // the answer's data, rounded as the server rounds it
     SetRequestData(&expect, out.data(), w->tokens, w->hidden, w->dtype);
     w->expected.push_back(std::move(*expect.mutable_data()));
+    if (f.floor) w->inputs.push_back(std::move(x));
+  }
+  if (f.floor) {
+    w->pool = std::move(pool);
+    w->layer = std::move(layer);
   }
   return Status::Ok();
 }
@@ -604,6 +619,33 @@ int RunServeBench(const ServeBenchFlags& f) {
   report["retried"] = all.retried;
   report["measure_start_unix_s"] = measure_unix_s;
   report["timeline"] = timeline;
+  if (f.floor) {
+    // The floor phase, on the first connection, once the run is over.
+    FloorInputs fin;
+    std::unique_ptr<ServeConnection> conn = clients.front()->TakeConnection();
+    fin.connection = conn.get();
+    fin.bodies = w.bodies;
+    fin.inputs = w.inputs;
+    fin.expected = w.expected;
+    fin.tokens = w.tokens;
+    fin.layer = w.layer.get();
+    fin.duration_s = f.duration_s;
+    fin.wait = w.wait;
+    Result<json> floor = conn ? MeasureFloor(fin) : Status::Unavailable("the connection broke");
+    if (!floor.ok()) return FailWith(floor.status().WithContext("--floor"));
+    report["floor"] = *floor;
+    const json& fl = *floor;
+    std::fprintf(stderr,
+                 "floor (%lld rounds, p50 ms): client ping-pong %.3f + transport ping-pong %.3f "
+                 "+ layer in process %.3f = %.3f | round trip p50 %.3f p99 %.3f: x_floor %.2f, "
+                 "p99/p50 %.2f\n",
+                 static_cast<long long>(fl["rounds"].get<int64_t>()),
+                 fl["client_pingpong_ms"]["p50"].get<double>(),
+                 fl["transport_pingpong_ms"]["p50"].get<double>(),
+                 fl["layer_ms"]["p50"].get<double>(), fl["floor_ms"].get<double>(),
+                 fl["round_trip_ms"]["p50"].get<double>(), fl["round_trip_ms"]["p99"].get<double>(),
+                 fl["x_floor"].get<double>(), fl["p99_over_p50"].get<double>());
+  }
   if (f.json) std::printf("%s\n", report.dump(2).c_str());
 
   std::fprintf(

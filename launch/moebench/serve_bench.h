@@ -44,6 +44,10 @@ struct ServeBenchFlags {
                      // --seed, --experts, --weights-dtype (into layer.dtype)
   bool json = false;
   std::string plot;  // --plot FILE.svg: latency and throughput per second of the run
+  // --floor: after the run, a phase as long as it measures the floor of a lone request's round
+  // trip beside it (launch/moebench/serve_floor.h); needs --verify (the layer in process),
+  // --concurrency 1, the closed loop and one target.
+  bool floor = false;
 };
 
 int RunServeBench(const ServeBenchFlags& f);

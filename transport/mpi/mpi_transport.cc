@@ -122,7 +122,7 @@ class MpiTransport : public Transport {
     }
     e.phase = Phase::kPosted;
     CountSent(peer, bytes);
-    bell_.Ring(peer);  // a peer blocked in WaitForActivity looks now
+    bell_.Ring(peer);  // a peer asleep in WaitForActivity looks now
     return Request{MakeId(index), peer};
   }
 
@@ -191,7 +191,9 @@ class MpiTransport : public Transport {
   // Open MPI's progress only polls: a rank that has nothing to do blocks on its doorbell
   // (transport/doorbell.h), which every Isend to it rings. Peers on other hosts do not ring: there
   // the wait ends by its timeout, as a sleep did.
-  bool WaitForActivity(std::chrono::microseconds max) override { return bell_.Wait(max); }
+  bool WaitForActivity(std::chrono::microseconds max) override {
+    return bell_.Wait(max, [this] { return AnythingToDo(); });
+  }
   bool wakes_on_arrival() const override { return bell_.ringable() > 0; }
 
   [[noreturn]] void Abort(int exit_code) override {
@@ -246,6 +248,26 @@ class MpiTransport : public Transport {
     e.phase = Phase::kFree;
     ++e.generation;
     free_.push_back(index);
+  }
+
+  // Whether a Test would make progress now: a posted request has completed, or a message waits
+  // for one of the unmatched receives (a message nobody asked for yet does not count: it would
+  // keep a waiting rank awake). The doorbell's last look before sleeping.
+  bool AnythingToDo() {
+    for (const Entry& e : entries_) {
+      if (e.phase != Phase::kPosted || e.req == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      MPI_Request req = e.req;
+      MPI_Request_get_status(req, &done, MPI_STATUS_IGNORE);
+      if (done) return true;
+    }
+    for (uint32_t index : unmatched_) {
+      const Entry& e = entries_[index];
+      int flag = 0;
+      MPI_Iprobe(e.peer, e.tag, comm_, &flag, MPI_STATUS_IGNORE);
+      if (flag) return true;
+    }
+    return false;
   }
 
   // Every waiting receive is matched now and then whatever is tested: a rank that waits only on
@@ -370,6 +392,9 @@ Result<std::unique_ptr<Transport>> CreateMpiTransport() {
     names[r].assign(p, strnlen(p, Doorbell::kNameBytes));
   }
   if (bell.open()) bell.SetPeers(names);
+  // Every rank has mapped its peers' asleep words: their names can go.
+  MPI_Barrier(comm);
+  bell.Unlink();
   return std::unique_ptr<Transport>(new MpiTransport(comm, std::move(bell)));
 }
 
