@@ -73,7 +73,7 @@ Result<json> MeasureFloor(const FloorInputs& in) {
   const std::string transport = ProbeFields(v1::PROBE_TRANSPORT, true);
   const int64_t hidden = in.layer->weights().spec.hidden;
   std::vector<float> out(static_cast<size_t>(in.tokens * hidden));
-  std::vector<double> round_trip, client_ms, transport_ms, layer_ms;
+  std::vector<double> round_trip, client_ms, transport_ms, layer_ms, single_ms;
   std::map<int, std::vector<double>> by_rank;
   std::map<std::string, std::vector<double>> parts;
   v1::InferResponse resp;
@@ -125,11 +125,18 @@ Result<json> MeasureFloor(const FloorInputs& in) {
     t0 = Clock::now();
     MOERUN_RETURN_IF_ERROR(in.layer->Forward(in.inputs[p].data(), in.tokens, out.data()));
     layer_ms.push_back(MsSince(t0));
+    if (in.layer_single != nullptr) {
+      t0 = Clock::now();
+      MOERUN_RETURN_IF_ERROR(in.layer_single->Forward(in.inputs[p].data(), in.tokens, out.data()));
+      single_ms.push_back(MsSince(t0));
+    }
   }
   json r;
   r["rounds"] = round_trip.size();
   const double rt50 = P50(round_trip);
-  const double floor = P50(client_ms) + P50(transport_ms) + P50(layer_ms);
+  const double layer50 =
+      single_ms.empty() ? P50(layer_ms) : std::min(P50(layer_ms), P50(single_ms));
+  const double floor = P50(client_ms) + P50(transport_ms) + layer50;
   json by = json::object();
   for (auto& [rank, v] : by_rank) by[std::to_string(rank)] = P50(v);
   json part50 = json::object();
@@ -140,6 +147,9 @@ Result<json> MeasureFloor(const FloorInputs& in) {
   r["client_pingpong_ms"] = LatencyJson(&client_ms);
   r["transport_pingpong_ms"] = LatencyJson(&transport_ms);
   r["layer_ms"] = LatencyJson(&layer_ms);
+  r["layer_threads"] = in.layer_threads;
+  if (!single_ms.empty()) r["layer_single_thread_ms"] = LatencyJson(&single_ms);
+  r["layer_p50_used_ms"] = layer50;
   r["floor_ms"] = floor;
   r["x_floor"] = floor > 0 ? rt50 / floor : 0.0;
   r["p99_over_p50"] = rt50 > 0 ? r["round_trip_ms"]["p99"].get<double>() / rt50 : 0.0;

@@ -8,7 +8,9 @@
 //   3. a transport probe (PROBE_TRANSPORT): the router sends the request's rows to each expert
 //      rank in turn and gets them back, no compute: the transport's own round trip between the
 //      router and an expert rank (mpi, ucx: whichever the job runs), as the router timed it;
-//   4. the layer in this process, for the same tokens: its compute.
+//   4. the layer in this process, for the same tokens: its compute (with the flags' threads and
+//      with one thread, whichever is faster: a lone token's layer may lose more to waking a
+//      thread pool than it gains from it).
 // The floor is the sum of the p50s of 2, 3 and 4 (what a request must pay at least: its bytes
 // both ways on the client's connection and on the transport, and the layer's work), and
 // x_floor = p50 of 1 / floor (ours / the physical floor: 1 is the best possible). Rounds
@@ -35,14 +37,17 @@ struct FloorInputs {
   std::vector<std::vector<float>> inputs;
   std::vector<std::string> expected;  // empty: answers are not compared
   int64_t tokens = 0;
-  MoeLayer* layer = nullptr;  // the same layer, in process
-  double duration_s = 5;      // rounds until then (at least 20 rounds)
+  MoeLayer* layer = nullptr;         // the same layer, in process
+  MoeLayer* layer_single = nullptr;  // and on one thread (null: not timed)
+  int layer_threads = 0;             // layer's
+  double duration_s = 5;             // rounds until then (at least 20 rounds)
   std::chrono::milliseconds wait{60000};
 };
 
 // The report: rounds; round_trip_ms, client_pingpong_ms, transport_pingpong_ms (every expert
 // rank's round trips pooled; transport_by_rank_p50_ms by rank) and layer_ms as latency JSON;
-// floor_ms, x_floor, p99_over_p50 (of the round trip); parts_p50_ms (the request's Timing).
+// floor_ms, x_floor, p99_over_p50 (of the round trip); parts_p50_ms (the request's Timing);
+// layer_single_thread_ms beside layer_ms (the floor takes the lower p50).
 // Errors: a failed or wrong answer of any kind (a probe answer that is not its request's data).
 Result<nlohmann::json> MeasureFloor(const FloorInputs& in);
 

@@ -118,6 +118,40 @@ grep -q "tokens must be in \[1, 8\]" "$WORK/bench.err" || fail "the size refusal
   "${MODEL[@]}" >/dev/null 2>"$WORK/bench.err" || fail "S=16 in 2 micro-batches of 8 failed"
 echo "PASS refusals: a layer not served, requests over max_request_tokens (exit 2)"
 
+# 3b. The floor of a lone request (moebench serve --floor) on the same job: its parts are there,
+#     both expert ranks answered the transport probe, and every answer was checked.
+"$MOEBENCH" serve --target "$TARGET" --concurrency 1 --duration 1 --warmup 0.2 --layer 0 \
+  --verify "${MODEL[@]}" --threads 1 --floor --json >"$WORK/floor.json" 2>"$WORK/bench.err" ||
+  fail "moebench serve --floor exited $?"
+python3 - "$WORK/floor.json" <<'PY' || fail "the floor report is not as expected"
+import json, sys
+r = json.load(open(sys.argv[1]))
+f = r["floor"]
+def check(cond, what):
+    if not cond:
+        sys.exit(f"{what}: {json.dumps(f)[:2000]}")
+check(r["error_count"] == 0 and r["verified"] == r["ok"] > 0, "the run's answers")
+check(f["rounds"] >= 20 and f["round_trip_ms"]["count"] == f["rounds"], "rounds")
+check(sorted(f["transport_by_rank_p50_ms"]) == ["1", "2"], "both expert ranks probed")
+check(f["transport_pingpong_ms"]["count"] == 2 * f["rounds"], "a round trip per rank per round")
+check(all(f[k]["p50"] > 0 for k in ("client_pingpong_ms", "transport_pingpong_ms", "layer_ms")),
+      "every part of the floor measured")
+check(abs(f["floor_ms"] - f["client_pingpong_ms"]["p50"] - f["transport_pingpong_ms"]["p50"]
+          - f["layer_p50_used_ms"]) < 1e-9, "the floor is the sum")
+check(abs(f["x_floor"] * f["floor_ms"] - f["round_trip_ms"]["p50"]) < 1e-9, "x_floor")
+for part in ("queue", "gate", "dispatch", "wait", "combine", "reply", "server"):
+    check(part in f["parts_p50_ms"], "the request's part " + part)
+check(f["parts_p50_ms"]["server"] <= f["round_trip_ms"]["p99"], "server time inside the trip")
+PY
+grep -q "x_floor" "$WORK/bench.err" || fail "no x_floor in the summary"
+echo "PASS serve --floor over $TRANSPORT: $(grep -o 'x_floor [0-9.]*' "$WORK/bench.err")"
+"$MOEBENCH" serve --target "$TARGET" --concurrency 2 --duration 1 --verify "${MODEL[@]}" \
+  --floor >/dev/null 2>"$WORK/bench.err"
+rc=$?
+[[ $rc == 2 ]] && grep -q "concurrency 1" "$WORK/bench.err" ||
+  fail "--floor with 2 connections: exit $rc, not 2 naming --concurrency 1"
+echo "PASS --floor refused with 2 connections"
+
 # 4. The router dies in the middle of a run.
 "$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
   "${MODEL[@]}" --json >"$WORK/killed.json" 2>"$WORK/bench.err" &
