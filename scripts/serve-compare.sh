@@ -8,8 +8,11 @@
 # bootstrap interval of it over the rounds (fixed seed), so that a loss can be told from the
 # machine's noise: run the base against itself (BASE_BIN_DIR twice) to see that noise.
 #   scripts/serve-compare.sh BASE_BIN_DIR [NEW_BIN_DIR] [SECONDS] [ROUNDS] [CONFIG] [DTYPE] [TOKENS]
+#                            [CONNECTIONS] [TRANSPORT]
 # BASE_BIN_DIR holds the other build's moerun (for example the previous commit's build/bin).
-# Defaults: build/bin, 5 s, 3 rounds (6 runs per build), configs/tiny.yaml, f32, 16 tokens.
+# Defaults: build/bin, 5 s, 3 rounds (6 runs per build), configs/tiny.yaml, f32, 16 tokens,
+# 4 connections, the config's transport (mpi under mpirun unless it names one). A preset config
+# is verified against the same preset (its name, seed, experts, intermediate and dtype).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: scripts/serve-compare.sh BASE_BIN_DIR [NEW_BIN_DIR] [SECONDS] [ROUNDS] [CONFIG] [DTYPE] [TOKENS]}
@@ -19,8 +22,17 @@ rounds=${4:-3}
 config=${5:-configs/tiny.yaml}
 dtype=${6:-f32}
 tokens=${7:-16}
+connections=${8:-4}
+transport=${9:-}
 model=$(sed -n 's/^model: *//p' "$config" | sed 's/ *#.*//')
-[[ -n $model ]] && model="$(dirname "$config")/$model"
+if [[ -n $model ]]; then
+  layer_flags=(--model "$(dirname "$config")/$model")
+else
+  # A preset: moebench builds the same layer from the config's preset keys.
+  read -r -a layer_flags < <(python3 scripts/preset-flags.py "$config")
+fi
+transport_flag=()
+[[ -n $transport ]] && transport_flag=(--transport "$transport")
 for b in "$base" "$new"; do
   [[ -x $b/moerun ]] || { echo "serve-compare: no moerun in $b" >&2; exit 2; }
 done
@@ -47,7 +59,7 @@ run() {
   local bin=$1 label=$2 port=$((5700 + RANDOM % 2000))
   rm -f "$work/ready" "$work/pid"
   mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 4 \
-    "$bin/moerun" serve --config "$config" --listen "127.0.0.1:$port" \
+    "$bin/moerun" serve --config "$config" "${transport_flag[@]}" --listen "127.0.0.1:$port" \
     --metrics-listen "127.0.0.1:$((port + 3000))" --ready-file "$work/ready" \
     --pid-file "$work/pid" >"$work/serve-$label.log" 2>&1 &
   mpi_pid=$!
@@ -57,8 +69,9 @@ run() {
     sleep 0.1
   done
   [[ -f $work/ready ]] || { echo "serve-compare: $bin/moerun did not start" >&2; exit 1; }
-  "$new/moebench" serve --target "127.0.0.1:$port" --concurrency 4 --duration "$seconds" \
-    --tokens-per-request "$tokens" --dtype "$dtype" --verify --model "$model" --json \
+  "$new/moebench" serve --target "127.0.0.1:$port" --concurrency "$connections" \
+    --duration "$seconds" --tokens-per-request "$tokens" --dtype "$dtype" --verify \
+    "${layer_flags[@]}" --json \
     >"$work/bench.json" 2>"$work/bench.log"
   stop_serve
   python3 - "$work/bench.json" >>"$work/$label" <<'EOF'
@@ -76,7 +89,8 @@ for _ in $(seq "$rounds"); do
   run "$new" new
   run "$base" base
 done
-python3 - "$work/base" "$work/new" "$base" "$new" "$config" "$dtype" "$tokens" "$seconds" <<'EOF'
+python3 - "$work/base" "$work/new" "$base" "$new" "$config" "$dtype" "$tokens" "$seconds" \
+  "$connections" "${transport:-default}" <<'EOF'
 import json, statistics, sys
 def read(p):
     rows = [tuple(map(float, l.split())) for l in open(p) if l.strip()]
@@ -85,7 +99,8 @@ b_rps, b_p50 = read(sys.argv[1])
 n_rps, n_p50 = read(sys.argv[2])
 out = {
     "bench": "serve-compare", "config": sys.argv[5], "dtype": sys.argv[6],
-    "tokens_per_request": int(sys.argv[7]), "concurrency": 4, "seconds_per_run": float(sys.argv[8]),
+    "tokens_per_request": int(sys.argv[7]), "concurrency": int(sys.argv[9]),
+    "transport": sys.argv[10], "seconds_per_run": float(sys.argv[8]),
     "base": {"bin": sys.argv[3], "requests_per_s": b_rps, "p50_ms": b_p50,
              "median_requests_per_s": statistics.median(b_rps),
              "median_p50_ms": statistics.median(b_p50)},
