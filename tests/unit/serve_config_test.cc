@@ -23,6 +23,16 @@ TEST(ServeConfigTest, ShippedConfigsParse) {
   EXPECT_EQ(q->layers, std::vector<int>{-1});
 }
 
+// The whole-model decode configs: every MoE layer, the experts' intermediate size scaled.
+TEST(ServeConfigTest, DecodeConfigsParse) {
+  for (const char* name : {"deepseek-v3-decode", "qwen3-30b-a3b-decode", "gpt-oss-20b-decode"}) {
+    auto c = LoadServeConfig(testing::DataDir() + "/../../configs/" + name + ".yaml");
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status().ToString();
+    EXPECT_EQ(c->layers, std::vector<int>{-1}) << name;
+    EXPECT_GT(c->experts, 0) << name;
+  }
+}
+
 TEST(ServeConfigTest, PresetIntermediate) {
   auto c = ParseServeConfig("preset: {name: deepseek-v3, experts: 16, intermediate: 256}\n",
                             "c.yaml", "");
