@@ -109,12 +109,12 @@ Status ProbeLayers(bool layers_given, Setup* s) {
       served.push_back(layer);
       continue;
     }
-    const std::string why = "layer " + std::to_string(layer) + " (a request of " +
-                            std::to_string(tokens) + " tokens): the job at " + client.target() +
-                            " answers " + ErrorCodeKind(response.code()) + ": " +
-                            response.message();
+    const std::string why =
+        "the job at " + client.target() + " refuses layer " + std::to_string(layer) +
+        " (a request of " + std::to_string(tokens) + " x " + std::to_string(s->w.hidden) +
+        " values): " + ErrorCodeKind(response.code()) + ": " + response.message();
     if (response.code() != v1::INVALID_ARGUMENT) return Status::Unavailable(why);
-    if (layers_given) return Status::InvalidArgument("--layers: " + why);
+    if (layers_given) return Status::InvalidArgument(why);
     if (first_refusal.empty()) first_refusal = why;
   }
   if (served.empty()) {
@@ -136,10 +136,14 @@ Status ProbeLayers(bool layers_given, Setup* s) {
 void RunSteps(const DecodeBenchFlags& f, Setup* s, DecodeResult* r) {
   const int m = static_cast<int>(s->microbatches.size());
   std::vector<std::unique_ptr<MicroBatchRunner>> runners;
-  for (int i = 0; i < m; ++i) {
+  for (int i = 0; i < m; ++i) {  // connected now: no step's time holds a connect (or handshake)
+    auto client = std::make_unique<FailoverClient>(s->targets, static_cast<size_t>(i), s->client);
+    if (Status st = client->Connect(); !st.ok()) {
+      r->stopped = "micro-batch " + std::to_string(i) + ": " + st.ToString();
+      return;
+    }
     runners.push_back(std::make_unique<MicroBatchRunner>(
-        s->w, s->run, i, s->microbatches[static_cast<size_t>(i)],
-        std::make_unique<FailoverClient>(s->targets, static_cast<size_t>(i), s->client)));
+        s->w, s->run, i, s->microbatches[static_cast<size_t>(i)], std::move(client)));
   }
   struct Slot {
     int64_t step = 0;
@@ -169,7 +173,9 @@ void RunSteps(const DecodeBenchFlags& f, Setup* s, DecodeResult* r) {
     const bool measured = step >= f.warmup_steps;
     if (step == f.warmup_steps) {
       FailoverClient lone(s->targets, 0, s->client);
-      Result<std::vector<double>> ms = LoneRoundTrips(s->w, s->run, &lone, kLonePasses);
+      const Status connected = lone.Connect();  // the lone requests' times hold no connect
+      Result<std::vector<double>> ms =
+          connected.ok() ? LoneRoundTrips(s->w, s->run, &lone, kLonePasses) : connected;
       if (!ms.ok()) {
         r->stopped = ms.status().ToString();
         break;

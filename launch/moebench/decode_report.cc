@@ -106,12 +106,12 @@ void PrintDecodeSummary(const DecodeBenchFlags& f, const json& report, const Dec
   const json& lone = report["lone"];
   std::fprintf(
       stderr,
-      "decode %s: S=%lld in %d micro-batches (%s), %zu layers, hidden %lld, %s, attention %.0f "
+      "decode %s: S=%lld in %d micro-batch%s (%s), %zu layers, hidden %lld, %s, attention %.0f "
       "us/layer: %lld steps, %lld tokens | %.1f tokens/s, time per token p50 %.3f ms p99 %.3f "
       "ms | layer round trip p50 %.3f ms p99 %.3f ms | a lone request p50 %.3f ms (a lone "
       "sequence's step %.3f ms, %.1f tokens/s)%s\n",
       f.client.target.c_str(), static_cast<long long>(report["sequences"].get<int64_t>()),
-      f.pingpong, sizes.c_str(), report["layers"].size(),
+      f.pingpong, f.pingpong == 1 ? "" : "es", sizes.c_str(), report["layers"].size(),
       static_cast<long long>(report["hidden"].get<int64_t>()), f.dtype.c_str(), f.attention_us,
       static_cast<long long>(r.steps), static_cast<long long>(r.tokens),
       report["tokens_per_s"].get<double>(), tpot["p50"].get<double>(), tpot["p99"].get<double>(),

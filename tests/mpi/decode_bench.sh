@@ -8,7 +8,11 @@
 #   2. the negative control: another preset seed, so every answer differs: exit 3;
 #   3. bad input against the job: a layer it does not serve, requests over its max_request_tokens
 #      (S=16 in one micro-batch; S=16 in 2 micro-batches is fine): exit 2 naming them;
-#   4. the router killed (kill -9) in the middle of a run: exit 1 within seconds, naming the step,
+#   3b. moebench serve --floor on the same job (the floor's parts, both expert ranks probed) and
+#      its refusal with 2 connections;
+#   4. the router frozen (kill -STOP) in the middle of a run: exit 1 once the deadline passed,
+#      naming the step, the layer and the micro-batch; resumed, it serves again;
+#   5. the router killed (kill -9) in the middle of a run: exit 1 within seconds, naming the step,
 #      the layer and the micro-batch; then, the job gone: exit 1 naming the target.
 # Everything it starts is killed on exit, also on failure.
 #   decode_bench.sh MOERUN_BIN MOEBENCH_BIN
@@ -107,7 +111,7 @@ echo "PASS a different model: exit 3, the mismatch named"
   >/dev/null 2>"$WORK/bench.err"
 rc=$?
 [[ $rc == 2 ]] || fail "a layer not served: exit $rc, not 2"
-grep -q "layer 9" "$WORK/bench.err" && grep -q "is not served" "$WORK/bench.err" ||
+grep -q "refuses layer 9" "$WORK/bench.err" && grep -q "is not served" "$WORK/bench.err" ||
   fail "the layer not served is not named"
 "$MOEBENCH" decode --target "$TARGET" --sequences 16 --steps 1 "${MODEL[@]}" \
   >/dev/null 2>"$WORK/bench.err"
@@ -152,7 +156,33 @@ rc=$?
   fail "--floor with 2 connections: exit $rc, not 2 naming --concurrency 1"
 echo "PASS --floor refused with 2 connections"
 
-# 4. The router dies in the middle of a run.
+# 4. The router frozen (kill -STOP) in the middle of a run: no answer within the deadline stops
+# the run (exit 1, naming it); once it resumes, the job serves again.
+"$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
+  --deadline-ms 300 "${MODEL[@]}" >/dev/null 2>"$WORK/bench.err" &
+BENCH_PID=$!
+for _ in $(seq 100); do
+  grep -q "micro-batches" "$WORK/bench.err" && break
+  sleep 0.1
+done
+sleep 0.5
+router=$(rank_pid 0)
+[[ -n $router ]] || fail "cannot find the router rank"
+kill -STOP "$router"
+t0=$SECONDS
+wait_exit_within "$BENCH_PID" 30
+rc=$?
+kill -CONT "$router"
+[[ $rc == 124 ]] && fail "decode still runs 30 s after the router froze"
+BENCH_PID=""
+[[ $rc == 1 ]] || fail "router frozen: exit $rc, not 1"
+grep -q "stopped: step [0-9]*, layer [0-9], micro-batch [01].*deadline exceeded" "$WORK/bench.err" ||
+  fail "the missed deadline's step, layer and micro-batch are not named"
+echo "PASS router frozen mid-run: exit 1 after $((SECONDS - t0)) s (deadline 300 ms + 5 s)"
+"$MOEBENCH" decode --target "$TARGET" --sequences 2 --steps 2 --warmup 0 "${MODEL[@]}" \
+  >/dev/null 2>"$WORK/bench.err" || fail "the job does not serve once the router resumed"
+
+# 5. The router dies in the middle of a run.
 "$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
   "${MODEL[@]}" --json >"$WORK/killed.json" 2>"$WORK/bench.err" &
 BENCH_PID=$!
