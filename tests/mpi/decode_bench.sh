@@ -156,55 +156,54 @@ rc=$?
   fail "--floor with 2 connections: exit $rc, not 2 naming --concurrency 1"
 echo "PASS --floor refused with 2 connections"
 
+# Starts a decode run in the background (BENCH_PID; its JSON in run.json, stderr in bench.err),
+# waits until it runs, then sends signal $1 to the router rank (ROUTER); the rest are its flags.
+signal_router_mid_run() {
+  local sig=$1
+  shift
+  "$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
+    "${MODEL[@]}" "$@" >"$WORK/run.json" 2>"$WORK/bench.err" &
+  BENCH_PID=$!
+  for _ in $(seq 100); do
+    grep -q "micro-batches" "$WORK/bench.err" && break
+    sleep 0.1
+  done
+  sleep 0.5
+  ROUTER=$(rank_pid 0)
+  [[ -n $ROUTER ]] || fail "cannot find the router rank"
+  kill "-$sig" "$ROUTER"
+}
+# Waits (30 s at most) for that run to end: its exit status in RC (124: still running), the
+# seconds it took in WAITED.
+wait_bench() {
+  local t0=$SECONDS
+  wait_exit_within "$BENCH_PID" 30
+  RC=$?
+  WAITED=$((SECONDS - t0))
+  [[ $RC == 124 ]] || BENCH_PID=""
+}
+
 # 4. The router frozen (kill -STOP) in the middle of a run: no answer within the deadline stops
 # the run (exit 1, naming it); once it resumes, the job serves again.
-"$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
-  --deadline-ms 300 "${MODEL[@]}" >/dev/null 2>"$WORK/bench.err" &
-BENCH_PID=$!
-for _ in $(seq 100); do
-  grep -q "micro-batches" "$WORK/bench.err" && break
-  sleep 0.1
-done
-sleep 0.5
-router=$(rank_pid 0)
-[[ -n $router ]] || fail "cannot find the router rank"
-kill -STOP "$router"
-t0=$SECONDS
-wait_exit_within "$BENCH_PID" 30
-rc=$?
-kill -CONT "$router"
-[[ $rc == 124 ]] && fail "decode still runs 30 s after the router froze"
-BENCH_PID=""
-[[ $rc == 1 ]] || fail "router frozen: exit $rc, not 1"
+signal_router_mid_run STOP --deadline-ms 300
+wait_bench
+kill -CONT "$ROUTER"
+[[ $RC == 1 ]] || fail "router frozen: exit $RC, not 1 (124: still running after 30 s)"
 grep -q "stopped: step [0-9]*, layer [0-9], micro-batch [01].*deadline exceeded" "$WORK/bench.err" ||
   fail "the missed deadline's step, layer and micro-batch are not named"
-echo "PASS router frozen mid-run: exit 1 after $((SECONDS - t0)) s (deadline 300 ms + 5 s)"
+echo "PASS router frozen mid-run: exit 1 after $WAITED s (deadline 300 ms + 5 s)"
 "$MOEBENCH" decode --target "$TARGET" --sequences 2 --steps 2 --warmup 0 "${MODEL[@]}" \
   >/dev/null 2>"$WORK/bench.err" || fail "the job does not serve once the router resumed"
 
 # 5. The router dies in the middle of a run.
-"$MOEBENCH" decode --target "$TARGET" --sequences 4 --pingpong 2 --duration 60 --warmup 0 \
-  "${MODEL[@]}" --json >"$WORK/killed.json" 2>"$WORK/bench.err" &
-BENCH_PID=$!
-for _ in $(seq 100); do
-  grep -q "micro-batches" "$WORK/bench.err" && break
-  sleep 0.1
-done
-sleep 0.5
-router=$(rank_pid 0)
-[[ -n $router ]] || fail "cannot find the router rank"
-kill -KILL "$router"
-t0=$SECONDS
-wait_exit_within "$BENCH_PID" 30
-rc=$?
-[[ $rc == 124 ]] && fail "decode still runs 30 s after the router died"
-BENCH_PID=""
-[[ $rc == 1 ]] || fail "router killed: exit $rc, not 1"
+signal_router_mid_run KILL --json
+wait_bench
+[[ $RC == 1 ]] || fail "router killed: exit $RC, not 1 (124: still running after 30 s)"
 grep -q "stopped: step [0-9]*, layer [0-9], micro-batch [01]" "$WORK/bench.err" ||
   fail "the lost connection's step, layer and micro-batch are not named"
 python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); sys.exit(r["stopped"] is None)' \
-  "$WORK/killed.json" || fail "the JSON does not say why the run stopped"
-echo "PASS router killed mid-run: exit 1 after $((SECONDS - t0)) s: $(grep -o 'stopped: .*' \
+  "$WORK/run.json" || fail "the JSON does not say why the run stopped"
+echo "PASS router killed mid-run: exit 1 after $WAITED s: $(grep -o 'stopped: .*' \
   "$WORK/bench.err" | head -1)"
 wait_exit_within "$MPI_PID" 10
 "$MOEBENCH" decode --target "$TARGET" --steps 1 "${MODEL[@]}" >/dev/null 2>"$WORK/bench.err"
