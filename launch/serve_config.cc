@@ -234,6 +234,7 @@ std::vector<Key<BatcherOptions>> BatchingKeys() {
       Number("max_wait_us", &B::max_wait_us, int64_t{0}, int64_t{60000000}),
       Number("max_queue_tokens", &B::max_queue_tokens, int64_t{1}, int64_t{1} << 30),
       Number("max_queue_requests", &B::max_queue_requests, 1, 1 << 20),
+      Number("spin_us", &B::spin_us, int64_t{0}, int64_t{1000000}),
   };
 }
 

@@ -1,5 +1,7 @@
 #include "runtime/serving/batcher.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -107,6 +109,7 @@ Status Batcher::Submit(const BatchRequest& r) {
     ++count_;
     queued_tokens_ += r.tokens;
   }
+  submitted_.fetch_add(1, std::memory_order_relaxed);
   cv_.notify_one();
   return Status::Ok();
 }
@@ -270,7 +273,22 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
         tokens = TakeLocked(layer, opts_.max_batch_tokens);
       }
       if (tokens == 0 && stopping_ && count_ == 0 && expired_.empty()) return;
-      if (tokens == 0 && expired_.empty()) cv_.wait_until(lock, Clock::now() + poll);
+      if (tokens == 0 && expired_.empty()) {
+        // Just after a batch the next request is likely near (a client's answer, its next
+        // request): look for it a while, yielding the core, before sleeping; one that comes
+        // then is taken without a thread wake-up (10-50 µs on a loaded or virtual machine).
+        const auto spin_until = last_batch_end_ + std::chrono::microseconds(opts_.spin_us);
+        if (Clock::now() < spin_until) {
+          const uint64_t seen = submitted_.load(std::memory_order_relaxed);
+          lock.unlock();
+          while (submitted_.load(std::memory_order_relaxed) == seen && Clock::now() < spin_until &&
+                 !stop_requested()) {
+            sched_yield();
+          }
+          lock.lock();
+        }
+        if (count_ == 0) cv_.wait_until(lock, Clock::now() + poll);
+      }
     }
     AnswerExpired();
     if (tokens == 0) {
@@ -295,6 +313,7 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     Running run(*this, layer, tokens, started);
     const Status st = forward(layer, in, tokens, out_.as<float>(), deadline, &run);
     run.Answer(run.tokens(), st);
+    last_batch_end_ = Clock::now();
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.batches;

@@ -9,6 +9,8 @@
 // max_wait_us caps the growth under load: a batch takes newcomers for at most max_wait_us after
 // it starts (and up to max_batch_tokens), then ends at a batch boundary, where the router polls
 // its control (placement switches, health); 0: a batch is what was queued when it started.
+// After a batch the router's thread looks for the next request for spin_us (yielding its core)
+// before it sleeps, so that a client's next request is taken without a thread wake-up.
 //
 // Submit is thread-safe and allocates nothing: the request names the caller's input and output
 // buffers (valid until its callback) and a plain callback. The input may be F32 or BF16 (a
@@ -25,6 +27,7 @@
 // naming the cause; the other requests of its batch are answered as usual (rows are independent).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -48,6 +51,9 @@ struct BatcherOptions {
   int64_t max_wait_us = 500;
   int64_t max_queue_tokens = 65536;
   int max_queue_requests = 4096;
+  // After a batch, how long the router's thread keeps looking for the next request (yielding its
+  // core) before it sleeps; 0: it sleeps at once.
+  int64_t spin_us = 300;
 };
 
 // What a request's callback learns besides its status.
@@ -123,6 +129,8 @@ class Batcher {
   size_t head_ = 0, count_ = 0;
   int64_t queued_tokens_ = 0;
   bool stopping_ = false;
+  std::atomic<uint64_t> submitted_{0};  // requests queued so far (the idle spin watches it)
+  Clock::time_point last_batch_end_{};  // Run's thread only
   BatcherStats stats_;
   std::vector<Slot> batch_, expired_;
   std::vector<Clock::time_point> joined_;  // by batch_ index: when its rows joined the batch
