@@ -13,6 +13,9 @@
 # Defaults: build/bin, 5 s, 3 rounds (6 runs per build), configs/tiny.yaml, f32, 16 tokens,
 # 4 connections, the config's transport (mpi under mpirun unless it names one). A preset config
 # is verified against the same preset (its name, seed, experts, intermediate and dtype).
+# BASE_CONFIG=FILE (environment) serves the base build with another config of the same model
+# (for example the old batcher with max_wait_us 0 against the shipped config). p99 is reported
+# beside p50.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: scripts/serve-compare.sh BASE_BIN_DIR [NEW_BIN_DIR] [SECONDS] [ROUNDS] [CONFIG] [DTYPE] [TOKENS]}
@@ -20,6 +23,7 @@ new=${2:-build/bin}
 seconds=${3:-5}
 rounds=${4:-3}
 config=${5:-configs/tiny.yaml}
+base_config=${BASE_CONFIG:-$config}
 dtype=${6:-f32}
 tokens=${7:-16}
 connections=${8:-4}
@@ -56,10 +60,11 @@ trap 'stop_serve; rm -rf "$work"' EXIT
 # One run: serve with build $1 (4 ranks under mpirun), drive it for $seconds, append
 # "req_s p50_ms" to $work/$2.
 run() {
-  local bin=$1 label=$2 port=$((5700 + RANDOM % 2000))
+  local bin=$1 label=$2 port=$((5700 + RANDOM % 2000)) cfg=$config
+  [[ $label == base ]] && cfg=$base_config
   rm -f "$work/ready" "$work/pid"
   mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 4 \
-    "$bin/moerun" serve --config "$config" "${transport_flag[@]}" --listen "127.0.0.1:$port" \
+    "$bin/moerun" serve --config "$cfg" "${transport_flag[@]}" --listen "127.0.0.1:$port" \
     --metrics-listen "127.0.0.1:$((port + 3000))" --ready-file "$work/ready" \
     --pid-file "$work/pid" >"$work/serve-$label.log" 2>&1 &
   mpi_pid=$!
@@ -79,7 +84,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 if r["error_count"] or r["verified"] != r["ok"]:
     sys.exit("serve-compare: errors or unverified answers: %s" % json.dumps(r["errors"]))
-print(r["requests_per_s"], r["latency_ms"]["p50"])
+print(r["requests_per_s"], r["latency_ms"]["p50"], r["latency_ms"]["p99"])
 EOF
 }
 
@@ -90,23 +95,23 @@ for _ in $(seq "$rounds"); do
   run "$base" base
 done
 python3 - "$work/base" "$work/new" "$base" "$new" "$config" "$dtype" "$tokens" "$seconds" \
-  "$connections" "${transport:-default}" <<'EOF'
+  "$connections" "${transport:-default}" "$base_config" <<'EOF'
 import json, statistics, sys
 def read(p):
     rows = [tuple(map(float, l.split())) for l in open(p) if l.strip()]
-    return [r[0] for r in rows], [r[1] for r in rows]
-b_rps, b_p50 = read(sys.argv[1])
-n_rps, n_p50 = read(sys.argv[2])
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+b_rps, b_p50, b_p99 = read(sys.argv[1])
+n_rps, n_p50, n_p99 = read(sys.argv[2])
 out = {
     "bench": "serve-compare", "config": sys.argv[5], "dtype": sys.argv[6],
     "tokens_per_request": int(sys.argv[7]), "concurrency": int(sys.argv[9]),
     "transport": sys.argv[10], "seconds_per_run": float(sys.argv[8]),
-    "base": {"bin": sys.argv[3], "requests_per_s": b_rps, "p50_ms": b_p50,
-             "median_requests_per_s": statistics.median(b_rps),
-             "median_p50_ms": statistics.median(b_p50)},
-    "new": {"bin": sys.argv[4], "requests_per_s": n_rps, "p50_ms": n_p50,
+    "base": {"bin": sys.argv[3], "config": sys.argv[11], "requests_per_s": b_rps, "p50_ms": b_p50,
+             "p99_ms": b_p99, "median_requests_per_s": statistics.median(b_rps),
+             "median_p50_ms": statistics.median(b_p50), "median_p99_ms": statistics.median(b_p99)},
+    "new": {"bin": sys.argv[4], "requests_per_s": n_rps, "p50_ms": n_p50, "p99_ms": n_p99,
             "median_requests_per_s": statistics.median(n_rps),
-            "median_p50_ms": statistics.median(n_p50)},
+            "median_p50_ms": statistics.median(n_p50), "median_p99_ms": statistics.median(n_p99)},
 }
 out["speedup_vs_base"] = out["new"]["median_requests_per_s"] / out["base"]["median_requests_per_s"]
 # Rounds ran A B B A: runs 2i and 2i+1 of each build belong to round i.
