@@ -30,7 +30,12 @@ json PartsJson(DecodeStats* s) {
       ranks[std::to_string(rank)][what] = Percentile(v, 0.5);
     }
   }
-  return {{"answers", s->with_timing}, {"p50_us", p50}, {"ranks_p50_us", ranks}};
+  std::sort(s->batch_tokens.begin(), s->batch_tokens.end());
+  return {{"answers", s->with_timing},
+          {"p50_us", p50},
+          {"ranks_p50_us", ranks},
+          {"batch_tokens_p50",
+           s->batch_tokens.empty() ? json(nullptr) : json(Percentile(s->batch_tokens, 0.5))}};
 }
 
 }  // namespace
@@ -138,6 +143,10 @@ void PrintDecodeSummary(const DecodeBenchFlags& f, const json& report, const Dec
       line += fmt::format("; rank {}:", rank);
       for (const auto& [what, us] : v.items())
         line += fmt::format(" {} {:.0f}", what, us.get<double>());
+    }
+    if (parts["batch_tokens_p50"].is_number()) {
+      line += fmt::format("; the batch that computed it: {:.0f} tokens",
+                          parts["batch_tokens_p50"].get<double>());
     }
     std::fprintf(stderr, "decode: parts, p50 us per layer round trip (%lld answers): %s\n",
                  static_cast<long long>(parts["answers"].get<int64_t>()), line.c_str());

@@ -54,6 +54,7 @@ void DecodeStats::Merge(const DecodeStats& o) {
   attention_ms.insert(attention_ms.end(), o.attention_ms.begin(), o.attention_ms.end());
   with_timing += o.with_timing;
   Append(&parts_us, o.parts_us);
+  batch_tokens.insert(batch_tokens.end(), o.batch_tokens.begin(), o.batch_tokens.end());
   Append(&rank_round_trip_us, o.rank_round_trip_us);
   Append(&rank_compute_us, o.rank_compute_us);
 }
@@ -84,9 +85,7 @@ void MicroBatchRunner::RecordParts(const v1::InferResponse& r, double round_trip
     const double client_us = round_trip_ms * 1000.0 - static_cast<double>(t.server_us());
     stats_.parts_us["network_and_client"].push_back(std::max(0.0, client_us));
   }
-  if (t.batch_tokens() > 0) {
-    stats_.parts_us["batch_tokens"].push_back(static_cast<double>(t.batch_tokens()));
-  }
+  if (t.batch_tokens() > 0) stats_.batch_tokens.push_back(static_cast<double>(t.batch_tokens()));
   for (const v1::RankTiming& rt : t.ranks()) {
     if (rt.round_trip_us() > 0) {
       stats_.rank_round_trip_us[rt.rank()].push_back(static_cast<double>(rt.round_trip_us()));

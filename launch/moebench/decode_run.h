@@ -31,6 +31,7 @@ struct DecodeStats {
   // compute.
   int64_t with_timing = 0;
   std::map<std::string, std::vector<double>> parts_us;
+  std::vector<double> batch_tokens;  // of the batch that computed each answer
   std::map<int, std::vector<double>> rank_round_trip_us;
   std::map<int, std::vector<double>> rank_compute_us;
 

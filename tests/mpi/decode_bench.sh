@@ -89,8 +89,13 @@ check(r["tpot_ms"]["p50"] >= r["layer_round_trip_ms"]["p50"], "a step holds its 
 check(r["lone"]["round_trip_ms"]["count"] == 8 and r["lone"]["step_ms"] > 0, "lone requests")
 check(r["attention_sleep_ms"]["count"] == 32, "attention slept before every layer")
 check(r["parts_requested"], "--parts")
-p = r["parts"]  # null until the server fills InferResponse.timing
-check(p is None or (p["answers"] > 0 and all(v >= 0 for v in p["p50_us"].values())), "parts")
+p = r["parts"]  # the server fills InferResponse.timing: every answer carries it
+check(p is not None and p["answers"] == r["ok"], "parts in every answer")
+for part in ("wait", "server", "network_and_client"):  # (a part 0 in every answer is left out)
+    check(p["p50_us"].get(part, 0) > 0, "the part " + part)
+check(p["p50_us"]["server"] <= r["layer_round_trip_ms"]["max"] * 1000, "server time in the trip")
+check(sorted(p["ranks_p50_us"]) == ["1", "2"], "both expert ranks' parts")
+check(3 <= p["batch_tokens_p50"] <= 6, "a batch holds one or both micro-batches")
 PY
 grep -q "verified 32/32 bitwise" "$WORK/bench.err" || fail "no verified count in the summary"
 grep -q "a lone request p50" "$WORK/bench.err" || fail "no lone latency beside the throughput"
