@@ -47,9 +47,10 @@ void AddClientOptions(CLI::App* cmd, ClientFlags* f) {
                   "Name the server's certificate must carry (default: the target's host)");
 }
 
-void AddVerifyLayerOptions(CLI::App* cmd, LayerFlags* f) {
-  auto* model = cmd->add_option("--model", f->model, "--verify: model folder");
-  auto* preset = cmd->add_option("--preset", f->preset, "--verify: preset name");
+void AddVerifyLayerOptions(CLI::App* cmd, LayerFlags* f, const std::string& model_use) {
+  const std::string use = model_use.empty() ? "--verify" : model_use + "; --verify";
+  auto* model = cmd->add_option("--model", f->model, "Model folder (" + use + ")");
+  auto* preset = cmd->add_option("--preset", f->preset, "Preset name (" + use + ")");
   model->excludes(preset);
   cmd->add_option("--seed", f->seed, "--verify: preset seed")->default_val(1);
   cmd->add_option("--gate-skew", f->gate_skew,

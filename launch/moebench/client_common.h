@@ -39,7 +39,8 @@ struct ClientFlags {
 void AddClientOptions(CLI::App* cmd, ClientFlags* f);
 // Adds the flags of the local layer that --verify computes: --model, --preset (exclusive),
 // --seed, --gate-skew, --experts, --intermediate, --weights-dtype (into f->dtype), --threads.
-void AddVerifyLayerOptions(CLI::App* cmd, LayerFlags* f);
+// `model_use` says what --model and --preset are for besides --verify ("": nothing).
+void AddVerifyLayerOptions(CLI::App* cmd, LayerFlags* f, const std::string& model_use = "");
 
 // The targets parse; --tls-server-name comes with --tls-ca-file. No I/O.
 Status ValidateClientFlags(const ClientFlags& f);

@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
                      "(exit 3 when the only failures are answers that differ)");
     decode->add_flag("--parts", df.parts,
                      "Ask for each answer's server timing and report each part's p50");
-    moerun::bench::AddVerifyLayerOptions(decode, &df.layer);
+    moerun::bench::AddVerifyLayerOptions(decode, &df.layer, "its MoE layers and hidden size");
     decode->add_flag("--json", df.json, "Print the JSON report on stdout");
     decode->callback([&df] {
       if (const moerun::Status s = moerun::bench::Validate(df); !s.ok()) {
