@@ -15,7 +15,8 @@
 # is verified against the same preset (its name, seed, experts, intermediate and dtype).
 # BASE_CONFIG=FILE (environment) serves the base build with another config of the same model
 # (for example the old batcher with max_wait_us 0 against the shipped config). p99 is reported
-# beside p50.
+# beside p50. INPUTS=N: distinct request inputs (default 64; fewer for large requests: each is
+# computed once by the local layer before the run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: scripts/serve-compare.sh BASE_BIN_DIR [NEW_BIN_DIR] [SECONDS] [ROUNDS] [CONFIG] [DTYPE] [TOKENS]}
@@ -76,7 +77,7 @@ run() {
   [[ -f $work/ready ]] || { echo "serve-compare: $bin/moerun did not start" >&2; exit 1; }
   "$new/moebench" serve --target "127.0.0.1:$port" --concurrency "$connections" \
     --duration "$seconds" --tokens-per-request "$tokens" --dtype "$dtype" --verify \
-    "${layer_flags[@]}" --json \
+    "${layer_flags[@]}" --inputs "${INPUTS:-64}" --json \
     >"$work/bench.json" 2>"$work/bench.log"
   stop_serve
   python3 - "$work/bench.json" >>"$work/$label" <<'EOF'
