@@ -1,5 +1,7 @@
 #include "transport/ucx/ucx_endpoints.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "base/log.h"
@@ -12,6 +14,7 @@ void UcxEndpoints::Assign(std::vector<std::vector<uint8_t>> addresses) {
   const size_t n = addresses_.size();
   failed_.assign(n, UCS_OK);
   eps_.assign(n, nullptr);
+  native_put_.assign(n, 0);
   generation_.assign(n, 0);
   contexts_.reserve(n);
 }
@@ -34,6 +37,7 @@ Status UcxEndpoints::Open(int peer) {
                                UcsError(s));
   }
   failed_[pi] = UCS_OK;
+  native_put_[pi] = EndpointHasRmaLane(eps_[pi]) ? 1 : 0;
   return Status::Ok();
 }
 
@@ -84,6 +88,20 @@ void UcxEndpoints::OnPeerError(const ErrorContext& ctx, ucs_status_t status) {
     failed_[pi] = status;
     spdlog::warn("ucx: rank {} failed: {}", peer, UcsError(status));
   }
+}
+
+bool EndpointHasRmaLane(ucp_ep_h ep) {
+  // UCX has no query for it (ucp_ep_query names no lanes in 1.13): its own description of the
+  // endpoint's lanes says, one line per lane, " rma#<priority>" on those puts may use.
+  char* text = nullptr;
+  size_t length = 0;
+  FILE* out = open_memstream(&text, &length);
+  if (out == nullptr) return false;
+  ucp_ep_print_info(ep, out);
+  std::fclose(out);
+  const bool rma = text != nullptr && std::string(text, length).find(" rma#") != std::string::npos;
+  std::free(text);
+  return rma;
 }
 
 }  // namespace moerun::ucx

@@ -49,6 +49,10 @@ class UcxEndpoints {
   const std::vector<uint8_t>& address(int peer) const {
     return addresses_[static_cast<size_t>(peer)];
   }
+  // Whether UCX writes a put to `peer` with the hardware (the endpoint has an RMA lane: RDMA
+  // verbs, xpmem, ...) rather than emulating it in software with active messages (TCP, sysv/posix
+  // shared memory, CMA in UCX 1.13). Known once the endpoint is open.
+  bool native_put(int peer) const { return native_put_[static_cast<size_t>(peer)] != 0; }
   // UCS_OK while the peer is alive, else the error that failed it.
   ucs_status_t failure(int peer) const { return failed_[static_cast<size_t>(peer)]; }
   bool failed(int peer) const {
@@ -76,6 +80,11 @@ class UcxEndpoints {
   std::vector<uint32_t> generation_;             // per peer: the generation of eps_[peer]
   std::vector<std::unique_ptr<ErrorContext>> contexts_;  // every endpoint's, closed ones' too
   std::vector<ucs_status_t> failed_;
+  std::vector<uint8_t> native_put_;  // per peer: native_put()
 };
+
+// Whether the endpoint's lanes include an RMA lane (" rma#N" in UCX's description of its lanes,
+// the lanes ucp_put_nbx uses; without one UCX emulates puts with active messages).
+bool EndpointHasRmaLane(ucp_ep_h ep);
 
 }  // namespace moerun::ucx

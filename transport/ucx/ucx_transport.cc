@@ -57,9 +57,31 @@ void UcxTransport::ChooseProtocol() {
   }
   if (opts_.protocol == UcxProtocol::kTag) {
     opts_.put_min = std::numeric_limits<size_t>::max();
-  } else if (loud()) {
+  } else if (opts_.protocol == UcxProtocol::kPut && loud()) {
     spdlog::info("ucx: messages of {} bytes and more go by put (MOERUN_UCX_PUT_MIN)",
                  opts_.put_min);
+  }
+}
+
+void UcxTransport::LogPutPeers() const {
+  if (opts_.protocol != UcxProtocol::kAuto || !loud()) return;
+  int peers = 0;
+  int native = 0;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || endpoints_.failed(p)) continue;
+    ++peers;
+    if (endpoints_.native_put(p)) ++native;
+  }
+  if (native > 0) {
+    spdlog::info("ucx: messages of {} bytes and more go by put to {} of {} peer(s) (hardware RMA; "
+                 "MOERUN_UCX_PUT_MIN); to the others as UCX tagged messages",
+                 opts_.put_min, native, peers);
+  } else {
+    // UCX 1.13 emulates puts with active messages where an endpoint has no RMA lane; the
+    // target acknowledges each one and aborts the process (ucs_fatal) when that acknowledgement
+    // fails because the sender has just died. Tagged rendezvous is also faster there.
+    spdlog::info("ucx: no peer's endpoint has hardware RMA (UCX would emulate puts in software): "
+                 "large messages go as UCX tagged messages (MOERUN_UCX_PROTOCOL=put forces puts)");
   }
 }
 
@@ -93,6 +115,7 @@ Status UcxTransport::Connect(int rank, std::vector<std::vector<uint8_t>> addrs) 
                  boot_ == nullptr ? " (joined as rank " + std::to_string(rank_) + ")" : "",
                  tls ? tls : "(UCX's default)");
   }
+  LogPutPeers();
   return Status::Ok();
 }
 
@@ -148,7 +171,7 @@ Status UcxTransport::ReplacePeer(int peer, std::span<const uint8_t> address) {
 
 Result<Request> UcxTransport::Isend(int peer, int tag, const void* buf, size_t bytes) {
   MOERUN_RETURN_IF_ERROR(endpoints_.Check(peer, "send"));
-  const bool put = bytes >= opts_.put_min;
+  const bool put = UsePut(peer, bytes);
   MOERUN_ASSIGN_OR_RETURN(const uint32_t index, ops_.New(put ? Kind::kPutSend : Kind::kEagerSend,
                                                          peer, tag, const_cast<void*>(buf), bytes));
   // On an error, the op is released.
@@ -159,7 +182,7 @@ Result<Request> UcxTransport::Isend(int peer, int tag, const void* buf, size_t b
 
 Result<Request> UcxTransport::Irecv(int peer, int tag, void* buf, size_t bytes) {
   MOERUN_RETURN_IF_ERROR(endpoints_.Check(peer, "receive"));
-  const bool put = bytes >= opts_.put_min;
+  const bool put = UsePut(peer, bytes);
   MOERUN_ASSIGN_OR_RETURN(const uint32_t index,
                           ops_.New(put ? Kind::kPutRecv : Kind::kEagerRecv, peer, tag, buf, bytes));
   // On an error, the op is released.

@@ -1,8 +1,12 @@
 // The ucx transport: host memory over UCX (InfiniBand/RoCE verbs, shared memory, TCP: whatever
 // UCX_TLS allows). No UCX type appears outside transport/ucx/.
 //
-// Messages below `put_min` bytes go as UCX tagged eager messages. Larger ones are written by the
-// sender straight into the receive buffer with ucp_put_nbx (zero copy):
+// Messages below `put_min` bytes go as UCX tagged eager messages. Larger ones go as UCX tagged
+// messages too (UCX's rendezvous) where the peer's endpoint has no RMA lane and puts are not
+// forced: UCX would emulate a put with active messages, slower than its rendezvous, and UCX 1.13
+// aborts (ucs_fatal) a process whose acknowledgement of an emulated put fails because the sender
+// has just died. Where the endpoint has hardware RMA (or MOERUN_UCX_PROTOCOL=put), they are
+// written by the sender straight into the receive buffer with ucp_put_nbx (zero copy):
 //   1. the receiver's Irecv sends a ready-to-receive note (RTR: request id, size, address and the
 //      remote key of the registered region holding the buffer) to the sender;
 //   2. the sender's Isend takes the RTRs of its (peer, tag) channel in order, checks the size,
@@ -41,9 +45,11 @@
 
 namespace moerun {
 
-// How large messages move (MOERUN_UCX_PROTOCOL). kAuto: by put, except when UCX_TLS offers TCP
-// only: UCX 1.13 emulates puts over TCP in software, about 3x slower than its tagged rendezvous
-// there (measured: README), so large messages then go as UCX tagged messages.
+// How large messages move (MOERUN_UCX_PROTOCOL). kAuto: by put to the peers whose endpoint has
+// hardware RMA (an RMA lane: verbs, xpmem), else as UCX tagged messages: UCX 1.13 emulates puts
+// over TCP and sysv/posix/CMA shared memory in software, about 3x slower than its tagged
+// rendezvous over TCP and ~5 % slower over shared memory here (docs/operator-guide.md), and not
+// safe against a sender's death (above). kPut: puts to every peer; kTag: tagged messages only.
 enum class UcxProtocol { kAuto, kPut, kTag };
 
 struct UcxOptions {

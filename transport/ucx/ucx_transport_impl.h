@@ -101,6 +101,15 @@ class UcxTransport : public Transport {
   bool loud() const { return boot_ == nullptr || rank_ == 0; }
   // Chooses eager or put for large messages (UcxProtocol, UCX_TLS) and logs the choice.
   void ChooseProtocol();
+  // After the endpoints are open: under auto, logs to how many peers puts go (UsePut).
+  void LogPutPeers() const;
+  // Whether a message of `bytes` to or from `peer` goes by put: at put_min bytes and more, when
+  // puts are forced or (auto) the peer's endpoint writes puts with the hardware. Both sides of a
+  // message decide alike (their endpoints have the same lanes).
+  bool UsePut(int peer, size_t bytes) const {
+    if (bytes < opts_.put_min) return false;
+    return opts_.protocol == UcxProtocol::kPut || endpoints_.native_put(peer);
+  }
 
   void Progress();
   // Advances an op's protocol: true when it completed, an error when it failed, false while in
