@@ -73,15 +73,17 @@ void UcxTransport::LogPutPeers() const {
     if (endpoints_.native_put(p)) ++native;
   }
   if (native > 0) {
-    spdlog::info("ucx: messages of {} bytes and more go by put to {} of {} peer(s) (hardware RMA; "
-                 "MOERUN_UCX_PUT_MIN); to the others as UCX tagged messages",
-                 opts_.put_min, native, peers);
+    spdlog::info(
+        "ucx: messages of {} bytes and more go by put to {} of {} peer(s) (hardware RMA; "
+        "MOERUN_UCX_PUT_MIN); to the others as UCX tagged messages",
+        opts_.put_min, native, peers);
   } else {
     // UCX 1.13 emulates puts with active messages where an endpoint has no RMA lane; the
     // target acknowledges each one and aborts the process (ucs_fatal) when that acknowledgement
     // fails because the sender has just died. Tagged rendezvous is also faster there.
-    spdlog::info("ucx: no peer's endpoint has hardware RMA (UCX would emulate puts in software): "
-                 "large messages go as UCX tagged messages (MOERUN_UCX_PROTOCOL=put forces puts)");
+    spdlog::info(
+        "ucx: no peer's endpoint has hardware RMA (UCX would emulate puts in software): "
+        "large messages go as UCX tagged messages (MOERUN_UCX_PROTOCOL=put forces puts)");
   }
 }
 
