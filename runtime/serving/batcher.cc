@@ -268,7 +268,6 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
       joined_.clear();
       // The router is free: whatever is queued goes now (no request waits for batch-mates).
       DropExpired(Clock::now());
-      if (count_ > 0) WaitForReturningLocked(lock);
       if (count_ > 0) {
         layer = ring_[head_].req.layer;
         tokens = TakeLocked(layer, opts_.max_batch_tokens);
@@ -315,8 +314,6 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     const Status st = forward(layer, in, tokens, out_.as<float>(), deadline, &run);
     run.Answer(run.tokens(), st);
     last_batch_end_ = Clock::now();
-    last_ = LastBatch{layer, static_cast<int64_t>(batch_.size()), run.tokens(),
-                      last_batch_end_ - started};
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.batches;
@@ -325,19 +322,6 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
       stats_.nonfinite += run.nonfinite();
     }
     idle();
-  }
-}
-
-void Batcher::WaitForReturningLocked(std::unique_lock<std::mutex>& lock) {
-  // Worth it only when the wait is small beside a batch (at most a tenth of the last one), the
-  // last batch served several requests and the queue holds fewer tokens of its layer than it had.
-  const auto cap = std::chrono::microseconds(opts_.max_wait_us);
-  if (opts_.max_wait_us <= 0 || last_.requests < 2 || last_.took < 10 * cap) return;
-  if (ring_[head_].req.layer != last_.layer) return;
-  const int64_t want = std::min(last_.tokens, opts_.max_batch_tokens);
-  const auto until = last_batch_end_ + cap;
-  while (count_ > 0 && queued_tokens_ < want && !stopping_ && Clock::now() < until) {
-    cv_.wait_until(lock, until);
   }
 }
 

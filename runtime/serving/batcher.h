@@ -11,13 +11,6 @@
 // its control (placement switches, health); 0: a batch is what was queued when it started.
 // After a batch the router's thread looks for the next request for spin_us (yielding its core)
 // before it sleeps, so that a client's next request is taken without a thread wake-up.
-// Regrouping under load: when the last batch served several requests and took at least ten
-// times max_wait_us (a compute-bound layer at saturation), its clients come back together; a
-// batch started with the first of them alone would split them into a lone microbatch and the
-// rest, each reading the experts' weights once (8 % of the throughput on the Qwen3-30B-A3B shape
-// at 8 connections x 128 tokens). So then the free router waits for the queue to hold as many
-// tokens of that layer as the last batch had, up to max_wait_us after it ended. A lone client,
-// small batches (latency-bound) and max_wait_us 0 never wait.
 //
 // Submit is thread-safe and allocates nothing: the request names the caller's input and output
 // buffers (valid until its callback) and a plain callback. The input may be F32 or BF16 (a
@@ -125,8 +118,6 @@ class Batcher {
   // `room` tokens (at least one when `room` allows it and batch_ is empty) (lock held); returns
   // their tokens. Requests past their deadline go to expired_ instead.
   int64_t TakeLocked(int layer, int64_t room);
-  // The regrouping wait (lock held; see the file comment): returns at once unless it applies.
-  void WaitForReturningLocked(std::unique_lock<std::mutex>& lock);
   void DropExpired(Clock::time_point now);
   void AnswerExpired();
 
@@ -140,11 +131,6 @@ class Batcher {
   bool stopping_ = false;
   std::atomic<uint64_t> submitted_{0};  // requests queued so far (the idle spin watches it)
   Clock::time_point last_batch_end_{};  // Run's thread only
-  struct LastBatch {                    // Run's thread only: the batch before
-    int layer = 0;
-    int64_t requests = 0, tokens = 0;
-    Clock::duration took{};
-  } last_;
   BatcherStats stats_;
   std::vector<Slot> batch_, expired_;
   std::vector<Clock::time_point> joined_;  // by batch_ index: when its rows joined the batch

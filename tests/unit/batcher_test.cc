@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,72 +81,6 @@ TEST(BatcherTest, ALoneRequestIsServedAtOnceWhateverMaxWait) {
   EXPECT_EQ(done.calls.load(), 1);  // served without more requests arriving
   stop = true;
   runner.join();
-}
-
-// Regrouping (batcher.h): after a slow batch of several requests (at least ten times
-// max_wait_us), the first of its clients to come back waits for the others, up to max_wait_us,
-// instead of leaving them a batch of their own. After a slow batch of one request, nothing waits.
-TEST(BatcherTest, TheClientsOfASlowBatchAreRegroupedButALoneClientNeverWaits) {
-  BatcherOptions o;
-  o.max_batch_tokens = 64;
-  o.max_wait_us = 20'000;  // 20 ms: the test's own gaps (1 and 5 ms) stay inside it
-  o.spin_us = 0;
-  Batcher b(o, 2);
-  std::vector<float> x(16 * 2, 1.0f), out(16 * 2);
-  Done done;
-  std::atomic<bool> stop{false};
-  std::mutex mu;
-  std::vector<int64_t> sizes;
-  std::thread runner([&] {
-    b.Run(
-        [&](int layer, const float* in, int64_t t, float* y, auto, auto) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(250));  // > 10 x max_wait_us
-          std::lock_guard<std::mutex> lock(mu);
-          return AddLayer(layer, in, t, y, 2, &sizes);
-        },
-        [&] { return stop.load(); }, [] {});
-  });
-  int next = 0;
-  auto submit = [&] {
-    const int i = next++;
-    ASSERT_TRUE(
-        b.Submit(BatchRequest{0, x.data() + 2 * i, out.data() + 2 * i, 1, &Done::Callback, &done})
-            .ok());
-  };
-  auto wait_for = [&](int calls) {
-    for (int i = 0; i < 2000 && done.calls.load() < calls; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    ASSERT_EQ(done.calls.load(), calls);
-  };
-  auto pause = [](int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); };
-  // A lone request, then three that queue behind its batch: a batch of 3.
-  submit();
-  pause(5);
-  submit();
-  submit();
-  submit();
-  wait_for(4);
-  // Their clients come back one by one, 1 ms apart: the first waits for the other two.
-  submit();
-  pause(1);
-  submit();
-  pause(1);
-  submit();
-  wait_for(7);
-  // One alone after the batch of 3 waits (up to max_wait_us) for clients that never come; then
-  // its batch of 1 is the last, and a lone request after it goes at once: the one 5 ms behind it
-  // (inside max_wait_us) is not waited for but queues for a batch of its own.
-  submit();
-  wait_for(8);
-  submit();
-  pause(5);
-  submit();
-  wait_for(10);
-  stop = true;
-  runner.join();
-  EXPECT_EQ(done.failed.load(), 0);
-  EXPECT_EQ(sizes, (std::vector<int64_t>{1, 3, 3, 1, 1, 1}));
 }
 
 // What each request's callback saw, in the order the callbacks ran.
