@@ -80,7 +80,12 @@ Batcher::Batcher(BatcherOptions options, int64_t hidden)
     : opts_(options),
       hidden_(hidden),
       ring_(static_cast<size_t>(std::max(1, options.max_queue_requests))) {
-  batch_.reserve(ring_.size());
+  // A batch holds at most max_batch_tokens requests (each has a token at least), those queued
+  // when it started and those it took as it grew: no growth allocates on the request path.
+  const size_t most = std::max(
+      ring_.size(), static_cast<size_t>(std::clamp<int64_t>(options.max_batch_tokens, 1, 65536)));
+  batch_.reserve(most);
+  joined_.reserve(most);
   expired_.reserve(ring_.size());
   // A full batch fits from the start (a single larger request grows them once).
   const size_t full =

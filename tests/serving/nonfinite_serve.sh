@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Never an OK answer with non-finite values, end to end: a real `moerun serve` (the golden
-# deepseek_v3 layer, 4 ranks as threads, the batcher waiting 200 ms so that requests sent together
-# share a batch) gets, pipelined on one connection, an ordinary request, one whose values reach
-# 1e20 in F32 and in BF16 (the experts overflow), and another ordinary one. The huge ones are
+# deepseek_v3 layer, 4 ranks as threads) gets, pipelined on one connection, an ordinary request of
+# 240 tokens, one whose values reach 1e20 in F32 and in BF16 (the experts overflow), and another
+# ordinary one: the first is dispatched at once, and the others, queued while it is computed,
+# join its batch as its next microbatch (continuous batching, a 200 ms growth window). The huge ones are
 # answered INVALID_ARGUMENT naming the cause; the ordinary ones OK, bitwise what `moerun forward`
 # writes for the same rows; then `moerun forward` itself refuses the huge rows (exit 2, nothing
 # written).
@@ -65,7 +66,7 @@ def request(rid, values, n, dtype):
 
 cmd, work = sys.argv[1], sys.argv[2]
 # id -> (seed, tokens, scale, dtype)
-REQUESTS = {1: (11, 3, 1.0, 1), 2: (12, 2, 1e20, 1), 3: (13, 2, 1e20, 2), 4: (14, 4, 1.0, 1)}
+REQUESTS = {1: (11, 240, 1.0, 1), 2: (12, 2, 1e20, 1), 3: (13, 2, 1e20, 2), 4: (14, 4, 1.0, 1)}
 if cmd == "write":
     for rid, (seed, n, scale, _) in REQUESTS.items():
         write_safetensors("%s/x%d.safetensors" % (work, rid), "input", rows(seed, n, scale), n)
