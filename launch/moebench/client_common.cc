@@ -10,6 +10,7 @@
 #include "base/dtype.h"
 #include "base/log.h"
 #include "runtime/serving/control_auth.h"
+#include "runtime/serving/frame.h"
 
 namespace moerun::bench {
 namespace {
@@ -223,6 +224,23 @@ nlohmann::json LatencyJson(std::vector<double>* ms) {
           {"max", ms->empty() ? 0.0 : ms->back()},
           {"mean", mean},
           {"count", ms->size()}};
+}
+
+Status SendRequestFrame(ServeConnection* c, uint64_t id, std::string_view body,
+                        std::string_view extra, Deadline deadline) {
+  uint8_t prefix[kFrameHeaderBytes + 11];
+  size_t n = kFrameHeaderBytes;
+  prefix[n++] = 0x08;  // field 1 (id), varint
+  uint64_t v = id;
+  while (v >= 0x80) {
+    prefix[n++] = static_cast<uint8_t>((v & 0x7f) | 0x80);
+    v >>= 7;
+  }
+  prefix[n++] = static_cast<uint8_t>(v);
+  PutFrameLength(static_cast<uint32_t>(n - kFrameHeaderBytes + body.size() + extra.size()), prefix);
+  const std::string_view parts[] = {std::string_view(reinterpret_cast<const char*>(prefix), n),
+                                    body, extra};
+  return c->SendParts(parts, deadline);
 }
 
 }  // namespace moerun::bench

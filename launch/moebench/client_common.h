@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status.h"
@@ -50,6 +51,11 @@ FailoverOptions FailoverOptionsFor(const ClientFlags& f);
 Status ProbeTargets(const ClientFlags& f);
 // The serving key of --key-file ("" without one); the error names the flag.
 Result<std::string> ReadServingKey(const ClientFlags& f);
+
+// Sends the frame of request `id`: the frame header, the id (field 1), `body` and `extra` (more
+// fields: a Protobuf message is the concatenation of its fields), in one gather write.
+Status SendRequestFrame(ServeConnection* c, uint64_t id, std::string_view body,
+                        std::string_view extra, Deadline deadline);
 
 // Input p of `count` values, uniform in [-2, 2], from a counter-based hash of (seed, p): the same
 // on every machine.

@@ -56,23 +56,6 @@ struct Workload {
   milliseconds wait{60000};  // how long a client waits for one answer
 };
 
-// The frame of request `id` for body `b`: header, the id field, the body (one gather write).
-Status SendRequest(ServeConnection* c, uint64_t id, const std::string& body, Deadline deadline) {
-  char prefix[kFrameHeaderBytes + 11];
-  size_t n = kFrameHeaderBytes;
-  prefix[n++] = 0x08;  // field 1, varint
-  uint64_t v = id;
-  while (v >= 0x80) {
-    prefix[n++] = static_cast<char>((v & 0x7f) | 0x80);
-    v >>= 7;
-  }
-  prefix[n++] = static_cast<char>(v);
-  PutFrameLength(static_cast<uint32_t>(n - kFrameHeaderBytes + body.size()),
-                 reinterpret_cast<uint8_t*>(prefix));
-  const std::string_view parts[] = {std::string_view(prefix, n), body};
-  return c->SendParts(parts, deadline);
-}
-
 // "" when the answer is right; else the error kind, with the reason in *why.
 std::string CheckAnswer(const Workload& w, const v1::InferResponse& r, int input,
                         std::string* why) {
@@ -176,8 +159,8 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
     const Deadline deadline = t0 + w.wait;
     const std::string& body = w.bodies[static_cast<size_t>(input)];
     const Status status = client->Call(
-        [&](ServeConnection* conn, Deadline d) { return SendRequest(conn, id, body, d); }, id,
-        &resp, deadline);
+        [&](ServeConnection* conn, Deadline d) { return SendRequestFrame(conn, id, body, {}, d); },
+        id, &resp, deadline);
     st->failovers = static_cast<int64_t>(client->failovers());
     st->retried = static_cast<int64_t>(client->retried());
     if (!status.ok()) {
@@ -256,8 +239,8 @@ class OpenLoopConnection {
         in_flight_[id] = Pending{at, input, measured};
       }
       // A send blocks while the server does not read (TCP flow control); never past the end.
-      const Status status = SendRequest(conn_.get(), id, w_.bodies[static_cast<size_t>(input)],
-                                        std::min(Clock::now() + w_.wait, give_up_));
+      const Status status = SendRequestFrame(conn_.get(), id, w_.bodies[static_cast<size_t>(input)],
+                                             {}, std::min(Clock::now() + w_.wait, give_up_));
       if (!status.ok()) {
         {
           std::lock_guard<std::mutex> lock(mu_);

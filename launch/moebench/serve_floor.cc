@@ -7,7 +7,6 @@
 
 #include "base/clock.h"
 #include "launch/moebench/client_common.h"
-#include "runtime/serving/frame.h"
 
 namespace moerun::bench {
 namespace {
@@ -19,28 +18,11 @@ double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-uint8_t* PutVarint(uint8_t* p, uint64_t v) {
-  while (v >= 0x80) {
-    *p++ = static_cast<uint8_t>(v | 0x80);
-    v >>= 7;
-  }
-  *p++ = static_cast<uint8_t>(v);
-  return p;
-}
-
 // One request: the frame header, its id, the body and `extra` fields, in one gather write; then
 // its answer, which must carry the id.
 Status Call(ServeConnection* c, uint64_t id, const std::string& body, const std::string& extra,
             v1::InferResponse* resp, Deadline deadline) {
-  uint8_t prefix[kFrameHeaderBytes + 11];
-  uint8_t* p = prefix + kFrameHeaderBytes;
-  *p++ = 0x08;  // field 1 (id), varint
-  p = PutVarint(p, id);
-  const size_t n = static_cast<size_t>(p - prefix);
-  PutFrameLength(static_cast<uint32_t>(n - kFrameHeaderBytes + body.size() + extra.size()), prefix);
-  const std::string_view parts[] = {std::string_view(reinterpret_cast<const char*>(prefix), n),
-                                    body, extra};
-  MOERUN_RETURN_IF_ERROR(c->SendParts(parts, deadline));
+  MOERUN_RETURN_IF_ERROR(SendRequestFrame(c, id, body, extra, deadline));
   MOERUN_RETURN_IF_ERROR(c->Receive(resp, deadline));
   if (resp->id() != id) {
     return Status::Corrupt("answer for id " + std::to_string(resp->id()) + ", expected " +
