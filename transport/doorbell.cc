@@ -40,17 +40,20 @@ std::string ShmName(const std::string& bell) {
   return "/moerun-bell-" + bell.substr(pid + 1, nonce - pid - 1) + "-" + bell.substr(nonce + 1);
 }
 
+// An asleep word's mapping: one cache line.
+constexpr size_t kWordBytes = 64;
+
 // Maps a bell's asleep word (creating it when `create`); null when it cannot.
 std::atomic<uint32_t>* MapWord(const std::string& shm, bool create) {
   if (shm.empty()) return nullptr;
   const int fd = create ? ::shm_open(shm.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600)
                         : ::shm_open(shm.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) return nullptr;
-  if (create && ::ftruncate(fd, 64) != 0) {
+  if (create && ::ftruncate(fd, kWordBytes) != 0) {
     ::close(fd);
     return nullptr;
   }
-  void* p = ::mmap(nullptr, 64, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = ::mmap(nullptr, kWordBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   return p == MAP_FAILED ? nullptr : static_cast<std::atomic<uint32_t>*>(p);
 }
@@ -122,11 +125,9 @@ void Doorbell::Release() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   Unlink();
-  if (asleep_ != nullptr) ::munmap(asleep_, 64);
+  if (asleep_ != nullptr) ::munmap(asleep_, kWordBytes);
   asleep_ = nullptr;
-  for (std::atomic<uint32_t>* w : peer_asleep_) {
-    if (w != nullptr) ::munmap(w, 64);
-  }
+  UnmapPeerWords();
   peer_asleep_.clear();
 }
 
@@ -135,10 +136,14 @@ void Doorbell::Unlink() {
   shm_name_.clear();
 }
 
-void Doorbell::SetPeers(const std::vector<std::string>& names) {
+void Doorbell::UnmapPeerWords() {
   for (std::atomic<uint32_t>* w : peer_asleep_) {
-    if (w != nullptr) ::munmap(w, 64);
+    if (w != nullptr) ::munmap(w, kWordBytes);
   }
+}
+
+void Doorbell::SetPeers(const std::vector<std::string>& names) {
+  UnmapPeerWords();
   peers_.assign(names.size(), std::string());
   rung_at_.assign(names.size(), std::chrono::steady_clock::time_point{});
   peer_asleep_.assign(names.size(), nullptr);

@@ -76,6 +76,7 @@ class Doorbell {
 
  private:
   void Release();
+  void UnmapPeerWords();  // every peer's asleep word mapped (peer_asleep_ keeps its size)
   int fd_ = -1;
   std::atomic<uint32_t>* asleep_ = nullptr;  // this rank's word (shared memory), or null
   std::string shm_name_;                     // while not unlinked
