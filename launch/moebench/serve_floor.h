@@ -20,6 +20,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,10 +33,11 @@ namespace moerun::bench {
 struct FloorInputs {
   ServeConnection* connection = nullptr;
   // The requests' bodies without their id (a Protobuf message is the concatenation of its
-  // fields), their inputs as floats and, when verifying, the answers' data expected.
-  std::vector<std::string> bodies;
-  std::vector<std::vector<float>> inputs;
-  std::vector<std::string> expected;  // empty: answers are not compared
+  // fields), their inputs as floats and, when verifying, the answers' data expected (the
+  // caller's, not copied: they may be large).
+  std::span<const std::string> bodies;
+  std::span<const std::vector<float>> inputs;
+  std::span<const std::string> expected;  // empty: answers are not compared
   int64_t tokens = 0;
   MoeLayer* layer = nullptr;         // the same layer, in process
   MoeLayer* layer_single = nullptr;  // and on one thread (null: not timed)
