@@ -11,6 +11,7 @@
 #include "launch/serve_cmd.h"
 #include "moerun/build_info.h"
 #include "runtime/layer/cuda/cuda_device.h"
+#include "runtime/serving/protobuf_log.h"
 
 namespace {
 
@@ -37,6 +38,7 @@ void PrintVersion() {
 int main(int argc, char** argv) {
   try {
     moerun::InitLogging(moerun::RankFromEnvironment(), "main");
+    moerun::InstallProtobufLogHandler();  // before any thread parses a peer's bytes
     CLI::App app("moerun: expert-parallel Mixture-of-Experts runtime");
     app.require_subcommand(0, 1);
     bool version = false;

@@ -8,6 +8,7 @@
 
 #include "base/host_name.h"
 #include "base/log.h"
+#include "base/peer_log.h"
 #include "experts/cpu/packed_matrix.h"
 #include "router/placement_plan.h"
 #include "runtime/cache/expert_cache.h"
@@ -53,6 +54,16 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(
                      [raw] { return raw->loaded_.load() ? 1.0 : 0.0; });
   m.AddCallbackGauge("moerun_process_resident_memory_bytes", "Resident memory of this process",
                      [] { return ProcessResidentBytes(); });
+  for (int k = 0; k < static_cast<int>(PeerEvent::kCount); ++k) {
+    const auto kind = static_cast<PeerEvent>(k);
+    m.AddCallbackCounter(
+        "moerun_peer_events_total",
+        "Events a remote peer caused (bad frames, slow frames or readers, failed TLS handshakes, "
+        "refused HTTP or control requests, ...), by kind; their log lines are written at most "
+        "once per 10 s a kind",
+        [kind] { return static_cast<double>(PeerEventCount(kind)); },
+        {{"kind", PeerEventName(kind)}});
+  }
   for (int peer = 0; peer < placement.num_ranks(); ++peer) {
     if (peer == rank) continue;
     m.AddCallbackCounter(

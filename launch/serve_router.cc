@@ -7,6 +7,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/metrics.h"
+#include "base/peer_log.h"
 #include "runtime/migration/placement_control.h"
 #include "runtime/service/router_service.h"
 #include "runtime/serving/control_endpoint.h"
@@ -153,6 +154,7 @@ class RouterServer {
   Gauge* migration_to_move_ = nullptr;                   // router 0
   std::unique_ptr<ExpertUpdateMetrics> update_metrics_;  // router 0
   std::chrono::steady_clock::time_point updates_refreshed_{};
+  std::chrono::steady_clock::time_point peer_log_flushed_{};
 };
 
 void RouterServer::StartPlacementControl() {
@@ -246,6 +248,12 @@ void RouterServer::Tick() {
   }
   if (version_ != nullptr) {
     version_->Set(static_cast<double>(router_.control()->placement()->version()));
+  }
+  // The counts of peers' events whose lines were held (base/peer_log.h), once their interval ends.
+  if (const auto now = std::chrono::steady_clock::now();
+      now - peer_log_flushed_ >= std::chrono::seconds(1)) {
+    peer_log_flushed_ = now;
+    FlushPeerLog();
   }
   uint64_t retried = 0, load_retries = 0;
   for (const auto& [number, l] : router_.layers()) {

@@ -83,6 +83,12 @@ Status ControlClient::Exchange(v1::ControlRequest req, v1::ControlResponse* resp
 }
 
 Status ControlClient::CallOnce(const v1::ControlRequest& req, v1::ControlResponse* resp) {
+  if (const size_t bytes = req.ByteSizeLong(); bytes > kControlMaxFrameBytes) {
+    return Status::InvalidArgument(
+        "the request is " + std::to_string(bytes) +
+        " bytes, over the control endpoint's limit of " + std::to_string(kControlMaxFrameBytes) +
+        " bytes (1 MiB) a frame: the server would refuse it (FRAME_TOO_LARGE)");
+  }
   const auto deadline = DeadlineIn(std::chrono::milliseconds(timeout_ms_));
   if (!conn_) {
     ClientOptions co;

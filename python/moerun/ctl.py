@@ -41,7 +41,10 @@ from moerun.errors import (
 )
 from moerun.v1 import control_pb2
 
-__all__ = ["Control", "read_token_file", "to_dict"]
+__all__ = ["Control", "read_token_file", "to_dict", "CONTROL_MAX_FRAME_BYTES"]
+
+# The largest control frame the server reads (runtime/serving/control_endpoint.h).
+CONTROL_MAX_FRAME_BYTES = 1 << 20
 
 
 def _kubelet_secret(st: os.stat_result) -> bool:
@@ -228,7 +231,13 @@ class Control:
                                         self._tls_server_name)
             self._reader = _frame.FrameReader(self.max_frame_bytes, False, self.target)
         sock = self._sock
-        parts = [_frame.encode_frame(request)]
+        frame = _frame.encode_frame(request)
+        if len(frame) - 4 > CONTROL_MAX_FRAME_BYTES:
+            raise InvalidArgumentError(
+                f"{self.target}: the request is {len(frame) - 4} bytes, over the control "
+                f"endpoint's limit of {CONTROL_MAX_FRAME_BYTES} bytes (1 MiB) a frame: the server "
+                "would refuse it (FRAME_TOO_LARGE)")
+        parts = [frame]
         try:
             while parts:
                 try:

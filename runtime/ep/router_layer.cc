@@ -25,7 +25,6 @@ struct RouterLayer::Stage {
   std::vector<SteadyClock::time_point> sent_at, done_at;
   std::vector<size_t> recv_index;
   std::vector<uint8_t> timed;
-  Deadline deadline;     // the call's or the expert-parallel one, whichever is first
   Deadline ep_deadline;  // the expert-parallel one: missing it marks a rank dead
   uint32_t seq = 0;      // the headers'
   bool active = false;
@@ -151,11 +150,19 @@ Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t* tokens, f
   int64_t next = from;  // the first token not dispatched yet
   int used = 0;         // stages dispatched: microbatch j went to stages_[j % 2]
   int active = 0;       // of which still in flight (the newest `active` ones)
+  // Past the call's deadline nothing more is dispatched, but what is in flight is collected: the
+  // expert ranks are waited for by the expert-parallel deadline alone, so that a caller's short
+  // deadline (a client's) never abandons transfers or makes a rank look late.
+  bool past_deadline = false;
   Status status;
   while (status.ok()) {
-    if (stream != nullptr && active < 2) *tokens = stream->Extend(*tokens, &call_deadline_);
+    if (stream != nullptr && active < 2 && !past_deadline) {
+      *tokens = stream->Extend(*tokens, &call_deadline_);
+    }
     const int64_t left = *tokens - next;
-    if (left > 0 && active < 2) {
+    if (left > 0 && active < 2 && !past_deadline)
+      past_deadline = SteadyClock::now() >= call_deadline_;
+    if (left > 0 && active < 2 && !past_deadline) {
       const int64_t mb =
           opts_.microbatch_tokens > 0 ? std::min(opts_.microbatch_tokens, left) : left;
       Stage& st = *stages_[used % 2];
@@ -180,6 +187,11 @@ Status RouterLayer::ForwardFrom(const float* x, int64_t from, int64_t* tokens, f
       combine_hist_->Observe(std::chrono::duration<double>(SteadyClock::now() - t0).count());
     }
     if (stream != nullptr) stream->Done(*done, timing());
+  }
+  if (status.ok() && past_deadline) {
+    return Status::DeadlineExceeded(what_ + ": the call's deadline passed with tokens " +
+                                    std::to_string(next) + ".." + std::to_string(*tokens) +
+                                    " not dispatched");
   }
   if (!status.ok() && answered_failure_ && active == 2) {
     // The older microbatch was answered with a failure (the rank lives); the newer one is on its
@@ -364,7 +376,6 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   // and header and rows are sent.
   st.reqs.clear();
   st.ep_deadline = DeadlineIn(opts_.deadline);
-  st.deadline = std::min(st.ep_deadline, call_deadline_);
   for (int d = placement_->num_routers(); d < ranks; ++d) {
     const int64_t n = st.plan.rows_to(d);
     if (n == 0) continue;
@@ -443,10 +454,10 @@ Status RouterLayer::Collect(Stage& st, float* out) {
     st.done_at.assign(st.reqs.size(), SteadyClock::time_point{});
     const auto t_wait = SteadyClock::now();
     const Status waited =
-        t_->WaitAll(st.reqs, st.deadline, what_.c_str(), /*cancel_late=*/false, st.done_at);
+        t_->WaitAll(st.reqs, st.ep_deadline, what_.c_str(), /*cancel_late=*/false, st.done_at);
     timing_.wait_us += MicrosBetween(t_wait, SteadyClock::now());
     if (!waited.ok()) {
-      if (waited.code() == StatusCode::kDeadlineExceeded && SteadyClock::now() >= st.ep_deadline) {
+      if (waited.code() == StatusCode::kDeadlineExceeded) {
         for (const Request& r : st.reqs) {
           if (r.valid() && std::find(late_.begin(), late_.end(), r.peer) == late_.end()) {
             late_.push_back(r.peer);
@@ -517,7 +528,6 @@ Status RouterLayer::Collect(Stage& st, float* out) {
     }
     for (int d : again) MOERUN_RETURN_IF_ERROR(SendTo(st, d));
     st.ep_deadline = DeadlineIn(opts_.deadline);
-    st.deadline = std::min(st.ep_deadline, call_deadline_);
   }
   for (size_t d = 0; d < in_flight_.size(); ++d) in_flight_[d] -= st.rows_to[d];
   st.active = false;

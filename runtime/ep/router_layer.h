@@ -64,8 +64,11 @@ class RouterLayer {
               ThreadPool* pool, size_t header_bytes, EpOptions options);
   ~RouterLayer();
 
-  // `deadline` bounds every wait (with the options' deadline, whichever comes first). A rank that
-  // misses it fails the call with kDeadlineExceeded naming it. With a PeerHealth set, the late
+  // `deadline` is the caller's (a client's): past it nothing more is dispatched or retried and the
+  // call fails with kDeadlineExceeded once what is in flight is collected. It never cuts a wait on
+  // the expert ranks: those are waited for by the options' (the job's expert-parallel) deadline
+  // alone, so that a rank is late only by the job's own measure. A rank that misses that deadline
+  // fails the call with kDeadlineExceeded naming it. With a PeerHealth set, the late
   // transfers are handed to it (they stay posted until the rank catches up) and calls whose plan
   // needs a rank that is not answering fail at once with kUnavailable. Without one the layer
   // keeps them posted itself, so a rank that answers late stays in step with the next calls;

@@ -64,6 +64,12 @@ Result<int64_t> RouterRank::EchoRoundTrip(int rank, const float* x, int64_t rows
   if (health_ && health_->dead_mask()[static_cast<size_t>(rank)]) {
     return Status::Unavailable("expert rank " + std::to_string(rank) + " is dead");
   }
+  // The caller's deadline (a client's) decides only whether the echo starts; once sent, it is
+  // waited for by the job's expert-parallel deadline, so that a short one never cancels
+  // transfers in flight (their late answer would meet the next receive of the channel).
+  if (SteadyClock::now() >= deadline) {
+    return Status::DeadlineExceeded("the echo's deadline passed before it was sent");
+  }
   const size_t bytes = static_cast<size_t>(rows * hidden) * sizeof(float);
   echo_header_.assign(header_bytes_, 0);
   EpHeaderFixed h;
@@ -79,7 +85,7 @@ Result<int64_t> RouterRank::EchoRoundTrip(int rank, const float* x, int64_t rows
       reqs[0], t_->Irecv(rank, kTagResult, echo_in_.data(), bytes + sizeof(EpResultTrailer)));
   MOERUN_ASSIGN_OR_RETURN(reqs[1], t_->Isend(rank, kTagHeader, echo_header_.data(), header_bytes_));
   MOERUN_ASSIGN_OR_RETURN(reqs[2], t_->Isend(rank, kTagRows, x, bytes));
-  MOERUN_RETURN_IF_ERROR(t_->WaitAll(reqs, deadline, "echo"));
+  MOERUN_RETURN_IF_ERROR(t_->WaitAll(reqs, DeadlineIn(ep_.deadline), "echo"));
   const auto us =
       std::chrono::duration_cast<std::chrono::microseconds>(SteadyClock::now() - t0).count();
   EpResultTrailer tr;

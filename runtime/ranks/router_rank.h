@@ -57,8 +57,8 @@ class RouterRank {
   // The floor of a dispatch's round trip with expert rank `rank` (between batches): `rows` rows of
   // `hidden` floats from x go there and come back (a kEcho header: no compute), into out, bitwise.
   // Returns the round trip in microseconds. Errors: a rank that is not an expert rank, a size
-  // over kMaxEchoBytes, a transfer that fails or misses the deadline, an answer that is not the
-  // rows sent.
+  // over kMaxEchoBytes, `deadline` (the caller's) passed before the echo was sent, a transfer
+  // that fails or misses the expert-parallel deadline, an answer that is not the rows sent.
   Result<int64_t> EchoRoundTrip(int rank, const float* x, int64_t rows, int64_t hidden, float* out,
                                 Deadline deadline);
   // Between batches and when idle: health probes and late transfers, control messages and the

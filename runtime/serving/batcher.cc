@@ -74,6 +74,19 @@ Status NonFiniteOutput(const float* x, size_t n) {
       "grows as |x| squared); scale the hidden states down");
 }
 
+// The answer to a request whose deadline cannot be met: less time left than its layer's
+// fastest batch lately. Built only on this path.
+Status TooShort(std::chrono::steady_clock::duration left,
+                std::chrono::steady_clock::duration floor) {
+  const auto us = [](std::chrono::steady_clock::duration d) {
+    return std::to_string(
+        std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(d).count()));
+  };
+  return Status::DeadlineExceeded(
+      "the request's deadline leaves " + us(left) + " us, less than this layer's fastest answer " +
+      "lately (" + us(floor) + " us): it cannot be met; not computed (give a longer deadline_ms)");
+}
+
 }  // namespace
 
 Batcher::Batcher(BatcherOptions options, int64_t hidden)
@@ -110,7 +123,12 @@ Status Batcher::Submit(const BatchRequest& r) {
       return Status::ResourceExhausted("the router's queue is full (" +
                                        std::to_string(queued_tokens_) + " tokens queued)");
     }
-    ring_[(head_ + count_) % ring_.size()] = Slot{r, Clock::now()};
+    const auto now = Clock::now();
+    if (TooShortLocked(r, now)) {
+      ++stats_.too_short;
+      return TooShort(r.deadline - now, FloorLocked(r.layer));
+    }
+    ring_[(head_ + count_) % ring_.size()] = Slot{r, now};
     ++count_;
     queued_tokens_ += r.tokens;
   }
@@ -119,15 +137,38 @@ Status Batcher::Submit(const BatchRequest& r) {
   return Status::Ok();
 }
 
+void Batcher::Floor::Add(int64_t us) {
+  current_us = std::min(current_us, us);
+  if (++batches == 256) {
+    previous_us = current_us;
+    current_us = INT64_MAX;
+    batches = 0;
+  }
+}
+
+Batcher::Clock::duration Batcher::FloorLocked(int layer) const {
+  if (layer < 0 || layer >= kFloorLayers) return Clock::duration::zero();
+  const int64_t us = floors_[static_cast<size_t>(layer)].us();
+  return us == INT64_MAX ? Clock::duration::zero() : std::chrono::microseconds(us);
+}
+
+bool Batcher::TooShortLocked(const BatchRequest& r, Clock::time_point now) const {
+  const Clock::duration floor = FloorLocked(r.layer);
+  return floor > Clock::duration::zero() && r.deadline != Clock::time_point::max() &&
+         r.deadline - now < floor;
+}
+
 void Batcher::DropExpired(Clock::time_point now) {
   // Compacts the ring, keeping FIFO order of the live requests.
   size_t kept = 0;
   for (size_t i = 0; i < count_; ++i) {
     Slot& s = ring_[(head_ + i) % ring_.size()];
-    if (s.req.deadline <= now) {
+    if (s.req.deadline <= now || TooShortLocked(s.req, now)) {
+      s.floor = s.req.deadline > now ? FloorLocked(s.req.layer) : Clock::duration::zero();
       expired_.push_back(s);
       queued_tokens_ -= s.req.tokens;
       ++stats_.expired;
+      if (s.floor > Clock::duration::zero()) ++stats_.too_short;
     } else {
       if (kept != i) ring_[(head_ + kept) % ring_.size()] = s;
       ++kept;
@@ -160,9 +201,12 @@ void Batcher::AnswerExpired() {
     BatchInfo info;
     info.queue_us =
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s.enqueued).count();
+    const auto now = Clock::now();
     s.req.done(s.req.ctx,
-               Status::DeadlineExceeded("the deadline passed after " +
-                                        std::to_string(info.queue_us) + " us in the queue"),
+               s.floor > Clock::duration::zero()
+                   ? TooShort(s.req.deadline - now, s.floor)
+                   : Status::DeadlineExceeded("the deadline passed after " +
+                                              std::to_string(info.queue_us) + " us in the queue"),
                info);
   }
   expired_.clear();
@@ -321,6 +365,11 @@ void Batcher::Run(Forward forward, FunctionRef<bool()> stop_requested, FunctionR
     last_batch_end_ = Clock::now();
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok() && layer >= 0 && layer < kFloorLayers) {
+        floors_[static_cast<size_t>(layer)].Add(
+            std::chrono::duration_cast<std::chrono::microseconds>(last_batch_end_ - started)
+                .count());
+      }
       ++stats_.batches;
       stats_.requests += batch_.size();
       stats_.tokens += static_cast<uint64_t>(run.tokens());

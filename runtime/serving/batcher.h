@@ -27,6 +27,7 @@
 // naming the cause; the other requests of its batch are answered as usual (rows are independent).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -75,7 +76,10 @@ struct BatchRequest {
   void* ctx = nullptr;
   // A request still queued at its deadline is answered kDeadlineExceeded without computing it;
   // a batch's forward gets the latest deadline of its requests (so that one impatient request
-  // does not fail the others; the caller answers each by its own deadline).
+  // does not fail the others; the caller answers each by its own deadline). A request whose
+  // deadline leaves less time than its layer's fastest batch lately (Floor) is answered
+  // kDeadlineExceeded at once (Submit refuses it; queued, it is dropped when batches are taken):
+  // it could not be met, and is never dispatched to expire in flight.
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   DType x_type = DType::kF32;    // kF32 or kBF16
   DType out_type = DType::kF32;  // kF32 or kBF16
@@ -83,6 +87,9 @@ struct BatchRequest {
 
 struct BatcherStats {
   uint64_t batches = 0, requests = 0, tokens = 0, refused = 0, expired = 0;
+  // Requests answered kDeadlineExceeded at once, their deadline shorter than their layer's
+  // fastest batch lately (counted in expired too when they were queued).
+  uint64_t too_short = 0;
   uint64_t nonfinite = 0;        // requests refused because their output was not finite
   uint64_t queued_requests = 0;  // now
   int64_t queued_tokens = 0;     // now
@@ -112,7 +119,23 @@ class Batcher {
   struct Slot {
     BatchRequest req;
     Clock::time_point enqueued;
+    // Nonzero: expired because its deadline left less than this, its layer's floor.
+    Clock::duration floor{};
   };
+  // The fastest batch of a layer lately: the least time from a batch's start to its end over the
+  // last 256 to 512 batches of the layer (a window of two halves, so that it follows the job).
+  struct Floor {
+    int64_t current_us = INT64_MAX, previous_us = INT64_MAX;
+    uint32_t batches = 0;
+    int64_t us() const { return std::min(current_us, previous_us); }
+    void Add(int64_t us);
+  };
+  static constexpr int kFloorLayers = 256;  // layers 0..255 have a floor; others none
+  // The layer's floor as a duration (zero when unknown) (lock held).
+  Clock::duration FloorLocked(int layer) const;
+  // Whether a request with this deadline cannot be met: less time left than its layer's floor
+  // (lock held).
+  bool TooShortLocked(const BatchRequest& r, Clock::time_point now) const;
   class Running;  // the batch being run, as a BatchStream
   // Moves queued requests of `layer` off the head of the queue into batch_ while they fit in
   // `room` tokens (at least one when `room` allows it and batch_ is empty) (lock held); returns
@@ -132,6 +155,7 @@ class Batcher {
   std::atomic<uint64_t> submitted_{0};  // requests queued so far (the idle spin watches it)
   Clock::time_point last_batch_end_{};  // Run's thread only
   BatcherStats stats_;
+  std::array<Floor, kFloorLayers> floors_{};
   std::vector<Slot> batch_, expired_;
   std::vector<Clock::time_point> joined_;  // by batch_ index: when its rows joined the batch
   AlignedBuffer in_, out_;

@@ -87,7 +87,7 @@ Result<std::unique_ptr<ControlEndpoint>> ControlEndpoint::Start(const FramedServ
     return ErrorFrame(code, message);
   };
   FramedServerOptions o = options;
-  o.max_frame_bytes = std::min<uint32_t>(o.max_frame_bytes, 1u << 20);
+  o.max_frame_bytes = std::min<uint32_t>(o.max_frame_bytes, kControlMaxFrameBytes);
   // Capacity kept for authenticated clients: connections count as untrusted until a request of
   // theirs carries the token (OnFrame marks them), at most 3/4 of the cap, and silent or
   // unauthenticated ones are closed first to make room (runtime/serving/framed_server.h).

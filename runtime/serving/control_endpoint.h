@@ -11,6 +11,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -23,6 +24,12 @@
 #include "runtime/serving/framed_server.h"
 
 namespace moerun {
+
+// The largest control frame the endpoint reads (1 MiB): a larger one is refused with
+// FRAME_TOO_LARGE and the connection closed. Clients (moectl, moerun.ctl) check their requests
+// against it before sending, and say so, since a refusal that arrives while the client is still
+// writing may be lost with the connection.
+inline constexpr uint32_t kControlMaxFrameBytes = 1u << 20;
 
 struct ControlProvider {
   std::function<moerun::v1::StatusResponse()> status;

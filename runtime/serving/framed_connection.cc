@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "base/log.h"
+#include "base/peer_log.h"
 
 namespace moerun::framed {
 
@@ -31,8 +32,9 @@ void Connection::Start() {
                         WithMemory(&read_mem_, [this, self](const boost::system::error_code& e) {
                           if (!open_) return;
                           if (e) {
-                            spdlog::debug("{}: connection {} from {}: TLS handshake failed: {}",
-                                          srv_->opts.name, id_, peer_, e.message());
+                            PeerLog(PeerEvent::kTlsHandshake, spdlog::level::debug,
+                                    "{}: connection {} from {}: TLS handshake failed: {}",
+                                    srv_->opts.name, id_, peer_, e.message());
                             return Close();
                           }
                           ReadHeader();
@@ -161,8 +163,9 @@ void Connection::OnTimer() {
   if (wait_ != Wait::kFrame) {
     // Answers still owed (or being written): not idle; wait again.
     if (held > 0 || writes_count_ > 0) return Expect(Wait::kIdle);
-    spdlog::debug("{}: connection {} sent no frame within {} ms; closing", o.name, id_,
-                  (wait_ == Wait::kIdle ? o.idle_timeout : o.first_frame_timeout).count());
+    PeerLog(PeerEvent::kSlowFrame, spdlog::level::debug,
+            "{}: connection {} from {} sent no frame within {} ms; closing", o.name, id_, peer_,
+            (wait_ == Wait::kIdle ? o.idle_timeout : o.first_frame_timeout).count());
     return Close();
   }
   srv_->NoteFrameTimeout(peer_);
@@ -308,8 +311,9 @@ void Connection::WriteNext() {
   write_timer_.async_wait(
       WithMemory(&write_timer_mem_, [this, self, gen](const boost::system::error_code& ec) {
         if (ec || !open_ || gen != write_gen_) return;
-        spdlog::warn("{}: connection {} did not read its answers for {} ms; closing",
-                     srv_->opts.name, id_, srv_->opts.write_timeout.count());
+        PeerLog(PeerEvent::kSlowReader, spdlog::level::warn,
+                "{}: connection {} from {} did not read its answers for {} ms; closing",
+                srv_->opts.name, id_, peer_, srv_->opts.write_timeout.count());
         Close();
       }));
   auto done = WithMemory(&write_mem_, [this, self](const boost::system::error_code& ec, size_t) {

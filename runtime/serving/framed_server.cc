@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "base/log.h"
+#include "base/peer_log.h"
 #include "runtime/serving/frame.h"
 #include "runtime/serving/framed_connection.h"
 #include "runtime/serving/framed_server_impl.h"
@@ -73,21 +74,9 @@ std::string FramedServer::Impl::BusiestPeer() const {
 }
 
 void FramedServer::Impl::NoteFrameTimeout(const std::string& peer) {
-  const auto now = Clock::now();
-  ++frame_timeouts;
-  frame_timeout_peer = peer;
-  if (now - frame_timeout_logged < std::chrono::seconds(10)) return;
-  if (frame_timeouts == 1) {
-    spdlog::warn("{}: a connection from {} did not complete a frame within {} ms; closed",
-                 opts.name, peer, opts.frame_timeout.count());
-  } else {
-    spdlog::warn(
-        "{}: {} connections did not complete a frame within {} ms in the last 10 s (the last "
-        "from {}); closed",
-        opts.name, frame_timeouts, opts.frame_timeout.count(), peer);
-  }
-  frame_timeouts = 0;
-  frame_timeout_logged = now;
+  PeerLog(PeerEvent::kSlowFrame, spdlog::level::warn,
+          "{}: a connection from {} did not complete a frame within {} ms; closed", opts.name, peer,
+          opts.frame_timeout.count());
 }
 
 bool FramedServer::Impl::MakeRoom(const std::string* only) {
@@ -106,7 +95,9 @@ bool FramedServer::Impl::MakeRoom(const std::string* only) {
                         : pass == 1 ? c->Waiting()
                                     : c->Quiet();
       if (!pick) continue;
-      spdlog::debug("{}: closing connection {} to make room for a new one", opts.name, id);
+      PeerLog(PeerEvent::kConnectionCap, spdlog::level::debug,
+              "{}: closing connection {} from {} to make room for a new one", opts.name, id,
+              c->peer_address());
       c->Close();
       return true;
     }
@@ -120,7 +111,8 @@ void FramedServer::Impl::Accept() {
     if (ec) {
       if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;
       // Out of descriptors and the like: log, back off a little, go on.
-      spdlog::warn("{}: accept failed: {}", opts.name, ec.message());
+      PeerLog(PeerEvent::kAcceptFailed, spdlog::level::warn, "{}: accept failed: {}", opts.name,
+              ec.message());
       auto t = std::make_shared<asio::steady_timer>(io, std::chrono::milliseconds(50));
       t->async_wait([this, t](const boost::system::error_code&) {
         if (acceptor.is_open()) Accept();
@@ -194,7 +186,7 @@ Result<std::unique_ptr<FramedServer>> FramedServer::Start(const FramedServerOpti
     return Status::InvalidArgument(options.name +
                                    ": timeouts and max_connections must be positive");
   }
-  const std::string where = options.listen.host + ":" + std::to_string(options.listen.port);
+  const std::string where = FormatHostPort(options.listen);
   boost::system::error_code ec;
   const auto addr = asio::ip::make_address(options.listen.host, ec);
   if (ec) {
@@ -223,7 +215,8 @@ Result<std::unique_ptr<FramedServer>> FramedServer::Start(const FramedServerOpti
       }
     }
   });
-  spdlog::info("{} listening on {}:{}{}", options.name, options.listen.host, s->port_,
+  spdlog::info("{} listening on {}{}", options.name,
+               FormatHostPort({options.listen.host, s->port_}),
                options.tls ? " with " + options.tls->description() : std::string());
   return s;
 }

@@ -60,9 +60,6 @@ struct FramedServer::Impl {
   // A connection of `peer` did not complete a frame in time: one warning for the first of a
   // quiet period, then one summary per 10 s (a flood of trickling clients cannot flood the log).
   void NoteFrameTimeout(const std::string& peer);
-  int frame_timeouts = 0;  // since the last line (I/O thread only)
-  std::string frame_timeout_peer;
-  std::chrono::steady_clock::time_point frame_timeout_logged{};
   // Closes one untrusted connection to admit a new one: of address `only` when given.
   bool MakeRoom(const std::string* only = nullptr);
   // The address with the most open connections ("" if none has more than one).

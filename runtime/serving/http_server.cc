@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "base/peer_log.h"
+
 #include <algorithm>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
@@ -158,16 +160,19 @@ class Session : public std::enable_shared_from_this<Session> {
     try {
       reply = handler();
     } catch (const std::exception& e) {
-      spdlog::warn("{}: handler for {} threw: {}", server_->log_name, path, e.what());
+      PeerLog(PeerEvent::kHttpRequest, spdlog::level::warn, "{}: handler for {} threw: {}",
+              server_->log_name, path, e.what());
       return {500, "text/plain; charset=utf-8", std::string(e.what()) + "\n"};
     } catch (...) {
-      spdlog::warn("{}: handler for {} threw a non-standard exception", server_->log_name, path);
+      PeerLog(PeerEvent::kHttpRequest, spdlog::level::warn,
+              "{}: handler for {} threw a non-standard exception", server_->log_name, path);
       return {500, "text/plain; charset=utf-8", "unknown exception\n"};
     }
     if (reply.status < 100 || reply.status > 999 ||
         reply.content_type.find_first_of("\r\n") != std::string::npos) {
-      spdlog::warn("{}: handler for {} returned status {} or a bad content type", server_->log_name,
-                   path, reply.status);
+      PeerLog(PeerEvent::kHttpRequest, spdlog::level::warn,
+              "{}: handler for {} returned status {} or a bad content type", server_->log_name,
+              path, reply.status);
       return {500, "text/plain; charset=utf-8", "handler returned an invalid reply\n"};
     }
     return reply;
@@ -247,7 +252,8 @@ void HttpServer::Impl::OnAccept(const beast::error_code& ec, tcp::socket socket)
   if (!acceptor.is_open() || ec == asio::error::operation_aborted) return;
   if (ec) {
     // Out of file descriptors and the like: wait a little instead of spinning.
-    spdlog::warn("{}: accept on {} failed: {}", log_name, where, ec.message());
+    PeerLog(PeerEvent::kAcceptFailed, spdlog::level::warn, "{}: accept on {} failed: {}", log_name,
+            where, ec.message());
     accept_retry.expires_after(kAcceptRetry);
     accept_retry.async_wait([this](const beast::error_code& wait_ec) {
       if (!wait_ec && acceptor.is_open()) DoAccept();

@@ -3,7 +3,7 @@
 
 A frame is a 4-byte big-endian length, then an InferRequest / InferResponse message
 (runtime/proto/moerun/v1/serving.proto): request fields 1 id, 3 dtype (1 F32, 2 BF16), 4 shape
-(packed), 5 data; response fields 1 id, 2 error code, 3 message, 6 data.
+(packed), 5 data, 6 deadline_ms; response fields 1 id, 2 error code, 3 message, 6 data.
 """
 import struct
 
@@ -17,11 +17,14 @@ def varint(v):
     return bytes(out)
 
 
-def infer_request(rid, shape, dtype, data):
-    """One whole frame: an InferRequest of `shape` (a list of ints) with `data`'s bytes."""
+def infer_request(rid, shape, dtype, data, deadline_ms=0):
+    """One whole frame: an InferRequest of `shape` (a list of ints) with `data`'s bytes, and
+    its own deadline (field 6) when `deadline_ms` is given."""
     packed = b"".join(varint(d) for d in shape)
     body = (b"\x08" + varint(rid) + b"\x18" + varint(dtype) + b"\x22" + varint(len(packed)) +
             packed + b"\x2a" + varint(len(data)) + data)
+    if deadline_ms:
+        body += b"\x30" + varint(deadline_ms)
     return struct.pack(">I", len(body)) + body
 
 

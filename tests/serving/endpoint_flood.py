@@ -10,18 +10,37 @@
 #   trickle  300 serving connections that each send a valid frame 1 byte per second
 #   pipeline one serving connection that pipelines 64-token requests as fast as the server reads
 #            them and never reads an answer
-# brute and pipeline print one more line, "result: {json}", for the table's checks column.
-import json, os, random, socket, struct, sys, time
+#   deadline 8 serving connections, each keeping 32 one-token requests in flight whose own
+#            deadline is 1 ms (FLOOD_MODEL: the model folder, for its hidden size)
+#   utf8     4 control connections sending requests whose token is not UTF-8, as fast as the
+#            answers come
+# brute, pipeline, deadline and utf8 print one more line, "result: {json}", for the table's
+# checks column. FLOOD_TLS=1: deadline and utf8 speak TLS (unverified, as an attacker would);
+# the other kinds stay plain TCP, which against a TLS endpoint is a stalled or bad handshake.
+import json, os, random, socket, ssl, struct, sys, threading, time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 from raw_frames import fields, infer_request, read_exact, varint
 kind, port, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 end = time.time() + secs
 socks = []
+TLS = os.environ.get("FLOOD_TLS") == "1"
 def conn(src=None):
     s = socket.socket()
     if src: s.bind((src, 0))
     s.connect(("127.0.0.1", port))
     return s
+def tls_conn():
+    """A connection for the kinds that speak the protocol: TLS when the job has it."""
+    s = conn()
+    if not TLS:
+        return s
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx.wrap_socket(s)
+def read_frame(s):
+    n = struct.unpack(">I", read_exact(s, 4))[0]
+    return fields(read_exact(s, n))
 opened = 0
 if kind == "header":      # 200 connections announcing 64 MiB, nothing more; reconnect when closed
     while time.time() < end:
@@ -206,4 +225,63 @@ elif kind == "pipeline":  # requests of 64 tokens (16 KiB each), never an answer
             break
     print("result: " + json.dumps({"requests_sent": sent_bytes // len(frame),
                                    "mib_sent": round(sent_bytes / 2**20, 1)}), file=sys.stderr)
+elif kind == "deadline":  # one-token requests with a 1 ms deadline of their own, pipelined
+    hidden = json.load(open(os.path.join(os.environ["FLOOD_MODEL"], "config.json")))["hidden_size"]
+    data = struct.pack("<f", 0.25) * hidden
+    codes, lock = {}, threading.Lock()
+    def worker(w):
+        global opened
+        rid = w << 40
+        while time.time() < end:
+            try:
+                s = tls_conn(); s.settimeout(10)
+            except OSError:
+                time.sleep(0.1); continue
+            with lock: opened += 1
+            try:
+                window = 0
+                while time.time() < end:
+                    while window < 32:
+                        rid += 1
+                        s.sendall(infer_request(rid, [1, hidden], 1, data, deadline_ms=1))
+                        window += 1
+                    code = read_frame(s).get(2, 0)
+                    window -= 1
+                    with lock: codes[code] = codes.get(code, 0) + 1
+            except (OSError, EOFError):
+                pass
+            s.close()
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print("result: " + json.dumps({"answers": sum(codes.values()),
+                                   "codes": {str(k): v for k, v in sorted(codes.items())}}),
+          file=sys.stderr)
+elif kind == "utf8":      # control requests whose token field is not UTF-8
+    tok = b"\xff\xfe\xc3\x28-not-utf8-" + bytes(range(0x80, 0xa0))
+    body = b"\x0a" + varint(len(tok)) + tok + b"\x12\x00"  # token, then an empty status
+    frame = struct.pack(">I", len(body)) + body
+    codes, lock = {}, threading.Lock()
+    def worker(w):
+        global opened
+        while time.time() < end:
+            try:
+                s = tls_conn(); s.settimeout(10)
+            except OSError:
+                time.sleep(0.1); continue
+            with lock: opened += 1
+            try:
+                while time.time() < end:
+                    s.sendall(frame)
+                    code = read_frame(s).get(1, 0)
+                    with lock: codes[code] = codes.get(code, 0) + 1
+            except (OSError, EOFError):
+                pass
+            s.close()
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print("result: " + json.dumps({"answers": sum(codes.values()),
+                                   "codes": {str(k): v for k, v in sorted(codes.items())}}),
+          file=sys.stderr)
 print(f"{kind}: opened {opened}", file=sys.stderr)

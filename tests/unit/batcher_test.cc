@@ -330,6 +330,77 @@ TEST(BatcherTest, ExpiredRequestsAreAnsweredWithoutComputingAndTheLatestDeadline
   EXPECT_GE(idles, 1);
 }
 
+// A deadline the layer cannot meet (less time than its fastest batch lately) is answered at
+// once: refused by Submit, or, queued behind a batch, dropped when batches are taken; never
+// dispatched. The floor is per layer: another layer without batches yet takes any deadline.
+TEST(BatcherTest, ADeadlineShorterThanTheLayersFastestBatchIsAnsweredAtOnce) {
+  BatcherOptions o;
+  o.max_batch_tokens = 100;
+  o.max_wait_us = 0;
+  Batcher b(o, 1);
+  std::vector<float> x(8, 1.0f), out(8);
+  std::atomic<int> forwards{0};
+  std::atomic<bool> stop{false};
+  std::thread runner([&] {
+    b.Run(
+        [&](int, const float* in, int64_t t, float* y, auto, auto) {
+          ++forwards;
+          std::this_thread::sleep_for(std::chrono::milliseconds(60));
+          for (int64_t i = 0; i < t; ++i) y[i] = in[i];
+          return Status::Ok();
+        },
+        [&] { return stop.load(); }, [] {});
+  });
+  const auto wait_calls = [](const Done& d, int n) {
+    for (int i = 0; i < 1000 && d.calls.load() < n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  Done first;
+  ASSERT_TRUE(b.Submit(BatchRequest{0, x.data(), out.data(), 1, &Done::Callback, &first}).ok());
+  wait_calls(first, 1);
+  ASSERT_EQ(first.calls.load(), 1);
+  ASSERT_EQ(forwards.load(), 1);  // layer 0's floor is now >= 60 ms
+
+  Done refused;
+  BatchRequest quick{0, x.data() + 1, out.data() + 1, 1, &Done::Callback, &refused};
+  quick.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+  const Status s = b.Submit(quick);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("cannot be met"), std::string::npos) << s.ToString();
+  EXPECT_EQ(refused.calls.load(), 0);  // refused by Submit: the caller answers it
+  EXPECT_EQ(b.stats().too_short, 1u);
+
+  // Another layer has no floor yet: the same deadline is taken (and computed, late).
+  Done other;
+  BatchRequest other_layer{1, x.data() + 2, out.data() + 2, 1, &Done::Callback, &other};
+  other_layer.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+  ASSERT_TRUE(b.Submit(other_layer).ok());
+  wait_calls(other, 1);
+  EXPECT_EQ(forwards.load(), 2);
+
+  // Queued behind a batch of 60 ms with 80 ms left: when the batch ends, less than the floor is
+  // left, so it is answered without being computed.
+  Done behind, queued;
+  ASSERT_TRUE(
+      b.Submit(BatchRequest{0, x.data() + 3, out.data() + 3, 1, &Done::Callback, &behind}).ok());
+  for (int i = 0; i < 1000 && forwards.load() < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  BatchRequest tight{0, x.data() + 4, out.data() + 4, 1, &Done::Callback, &queued};
+  tight.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(80);
+  ASSERT_TRUE(b.Submit(tight).ok());
+  wait_calls(queued, 1);
+  wait_calls(behind, 1);
+  EXPECT_EQ(queued.failed.load(), 1);
+  EXPECT_EQ(behind.failed.load(), 0);
+  EXPECT_EQ(forwards.load(), 3);  // the tight one was never dispatched
+  EXPECT_EQ(b.stats().expired, 1u);
+  stop = true;
+  b.Stop();
+  runner.join();
+}
+
 // What each request's callback got, by request.
 struct Answers {
   std::vector<StatusCode> codes;

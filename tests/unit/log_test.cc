@@ -2,6 +2,7 @@
 // level names, and a pinned level surviving a later InitLogging.
 #include "base/log.h"
 
+#include <google/protobuf/stubs/logging.h>
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
 
@@ -11,6 +12,10 @@
 #include <sstream>
 #include <string>
 #include <thread>
+
+#include "base/peer_log.h"
+#include "moerun/v1/control.pb.h"
+#include "runtime/serving/protobuf_log.h"
 
 namespace moerun {
 namespace {
@@ -110,6 +115,73 @@ TEST(LogTest, LevelNamesAndAPinnedLevel) {
   EXPECT_EQ(out.find("hidden"), std::string::npos) << out;
   EXPECT_NE(out.find("shown"), std::string::npos) << out;
   PinLogLevel("");
+}
+
+size_t Count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = s.find(what); at != std::string::npos; at = s.find(what, at + 1)) ++n;
+  return n;
+}
+
+// A peer's events: one line per kind and interval, carrying the count since the kind's last
+// line; every event counted; another kind has its own interval; a flush writes what was held.
+TEST(PeerLogTest, OneLineAKindAnIntervalWithTheCount) {
+  LogCapture cap;
+  SetLogFormat(LogFormat::kText);
+  SetPeerLogInterval(std::chrono::milliseconds(300));
+  // Start from a quiet interval whatever earlier tests logged.
+  std::this_thread::sleep_for(std::chrono::milliseconds(310));
+  FlushPeerLog();
+  std::this_thread::sleep_for(std::chrono::milliseconds(310));
+  cap.Take();
+  const uint64_t before = PeerEventCount(PeerEvent::kBadFrame);
+  for (int i = 0; i < 1000; ++i) {
+    PeerLog(PeerEvent::kBadFrame, spdlog::level::warn, "bad frame number {}", i);
+  }
+  PeerLog(PeerEvent::kSlowReader, spdlog::level::warn, "slow reader");
+  std::string out = cap.Take();
+  EXPECT_EQ(Count(out, "bad frame number"), 1u) << out;
+  EXPECT_NE(out.find("bad frame number 0"), std::string::npos) << out;
+  EXPECT_EQ(Count(out, "slow reader"), 1u) << out;
+  EXPECT_EQ(PeerEventCount(PeerEvent::kBadFrame) - before, 1000u);
+
+  std::this_thread::sleep_for(std::chrono::milliseconds(320));
+  PeerLog(PeerEvent::kBadFrame, spdlog::level::warn, "bad frame number {}", 1000);
+  out = cap.Take();
+  EXPECT_NE(out.find("bad frame number 1000 [1000 such events (bad_frame)"), std::string::npos)
+      << out;
+
+  for (int i = 0; i < 5; ++i) PeerLog(PeerEvent::kBadFrame, spdlog::level::warn, "held");
+  FlushPeerLog();  // within the interval: nothing yet
+  EXPECT_EQ(cap.Take().find("held"), std::string::npos);
+  std::this_thread::sleep_for(std::chrono::milliseconds(320));
+  FlushPeerLog();
+  out = cap.Take();
+  EXPECT_NE(out.find("peer events: 5 bad_frame"), std::string::npos) << out;
+  EXPECT_EQ(out.find("held"), std::string::npos) << out;
+  SetPeerLogInterval(std::chrono::seconds(10));
+}
+
+// The protobuf library's own error for a string field that is not UTF-8 (a control frame's
+// token) goes through our logger, tagged, and as a peer event: not one line a frame.
+TEST(PeerLogTest, ProtobufsOwnMessagesAreTaggedAndLimited) {
+  LogCapture cap;
+  SetLogFormat(LogFormat::kText);
+  InstallProtobufLogHandler();
+  SetPeerLogInterval(std::chrono::seconds(10));
+  const uint64_t before = PeerEventCount(PeerEvent::kProtobuf);
+  const std::string body("\x0a\x04\xff\xfe\xfd\xfc\x12\x00", 8);
+  for (int i = 0; i < 50; ++i) {
+    moerun::v1::ControlRequest req;
+    EXPECT_FALSE(req.ParseFromString(body));
+  }
+  const std::string out = cap.Take();
+  EXPECT_EQ(PeerEventCount(PeerEvent::kProtobuf) - before, 50u);
+  EXPECT_LE(Count(out, "protobuf:"), 1u) << out;  // 0 when an earlier test wrote this interval's
+  if (Count(out, "protobuf:") == 1) {
+    EXPECT_NE(out.find("[r7 expert]"), std::string::npos) << out;
+    EXPECT_NE(out.find("UTF-8"), std::string::npos) << out;
+  }
 }
 
 }  // namespace
