@@ -96,6 +96,17 @@ def test_placement_and_progress(ctl, serve_job):
     assert m.id == 0 and m.state == "none"
 
 
+def test_a_request_over_the_frame_limit_is_refused_before_sending(ctl):
+    from moerun.ctl import CONTROL_MAX_FRAME_BYTES
+    from moerun.v1 import control_pb2
+    big = control_pb2.ControlRequest(
+        apply=control_pb2.ApplyRequest(placement_json="{" + " " * CONTROL_MAX_FRAME_BYTES + "}"))
+    with pytest.raises(moerun.InvalidArgumentError, match="over the control endpoint's limit of "
+                       "1048576 bytes"):
+        ctl.call(big)
+    assert ctl.status().ready  # nothing was sent: the connection still serves
+
+
 def test_token_refused(serve_job):
     with pytest.raises(moerun.UnauthenticatedError, match="wrong token") as ei:
         Control(serve_job.control, token="not-the-token").status()

@@ -54,6 +54,18 @@ if kind != "http" and (not polls or ready_ok != len(polls)):
     bad = sorted(set(p for p in polls if p != "200"))
     problems.append(f"/health/ready answered 200 to {ready_ok} of {len(polls)} polls (others: {bad})")
 LOG_BOUND = 3 + secs // 10
+# Metrics label sets: no series after the attack that was not there before (no label value
+# from a peer's input).
+def series(path):
+    try:
+        return {l.rsplit(" ", 1)[0] for l in open(path) if l.strip() and not l.startswith("#")}
+    except OSError:
+        return set()
+before, after = series(f"{work}/metrics.before.{kind}"), series(f"{work}/metrics.after.{kind}")
+if not before:
+    problems.append("/metrics could not be read before the attack")
+elif after - before:
+    problems.append(f"new metric series after the attack: {sorted(after - before)[:5]}")
 
 checks = ""
 if kind == "brute":

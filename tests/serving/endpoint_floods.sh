@@ -140,6 +140,7 @@ for kind in $kinds; do
   [[ $kind == trickle ]] && secs=$((SECS + 4))  # past the frame timeout (10 s): closed by then
   rss_before=$(rss_kib)
   log_at=$(stat -c %s "$WORK/serve.log")
+  curl -s -m 10 "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.before.$kind"
   poll_ready >"$WORK/ready.$kind" 2>/dev/null &
   POLL_PID=$!
   if [[ $kind != none ]]; then
@@ -168,11 +169,23 @@ for kind in $kinds; do
   POLL_PID=""
   log_end=$(stat -c %s "$WORK/serve.log")  # the attack's log lines: log_at..log_end
   sleep 1  # the server has seen its connections close
+  curl -s -m 10 "http://127.0.0.1:$((PORT + 200))/metrics" >"$WORK/metrics.after.$kind"
   rss_after=$(rss_kib)
   opened=$(grep -o 'opened [0-9]*' "$WORK/flood.$kind" 2>/dev/null | cut -d' ' -f2)
   python3 "$HERE/endpoint_flood_check.py" "$kind" "$WORK" "${opened:--}" "$st" "$hr" \
     "$rss_before" "$rss_after" "$log_at" "$log_end" "$secs" "$SERVE_PID" || failed=1
 done
+# A control request over the control endpoint's 1 MiB frame limit: moectl says which limit
+# (before sending: a refusal that arrives while it writes could be lost with the connection).
+python3 -c "import sys; sys.stdout.write('{' + ' ' * (2 << 20) + '}')" >"$WORK/big.json"
+if "$MOECTL" --target "127.0.0.1:$((PORT + 100))" "${CLIENT_TLS[@]}" --token-file "$WORK/token" \
+  placement apply "$WORK/big.json" >"$WORK/big.out" 2>&1; then
+  echo "FAIL: a 2 MiB control request was not refused" >&2
+  failed=1
+elif ! grep -q "over the control endpoint's limit of 1048576 bytes" "$WORK/big.out"; then
+  echo "FAIL: moectl did not name the control frame limit: $(cat "$WORK/big.out")" >&2
+  failed=1
+fi
 [[ $failed == 0 ]] || fail "an attack kept the verified client, moectl or /health/ready from being answered, left memory behind or leaked (table and reasons above; moebench: $(tail -q -n 2 "$WORK"/bench.*.err))"
 kill -TERM "$SERVE_PID"
 wait "$SERVE_PID"
