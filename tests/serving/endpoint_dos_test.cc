@@ -11,9 +11,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +27,7 @@
 #include "runtime/layer/moe_layer.h"
 #include "runtime/serving/control_endpoint.h"
 #include "runtime/serving/frame.h"
+#include "runtime/serving/framed_server.h"
 #include "runtime/serving/http_server.h"
 #include "runtime/serving/serve_client.h"
 #include "runtime/serving/serving_endpoint.h"
@@ -598,6 +604,37 @@ TEST(EndpointDosTest, ControlFloodsDoNotLockOutAuthenticatedRequests) {
   EXPECT_EQ(kept_ok, rounds);
   EXPECT_GE(ok * 10, rounds * 9) << ok << " of " << rounds;
   (*ep)->Stop();
+}
+
+// An IPv6 listen address is printed bracketed, so that its port stays apart: the listening line
+// and the error of a port already taken ("[::1]:PORT", never "::1:PORT").
+TEST(EndpointDosTest, IpV6AddressesArePrintedBracketed) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  spdlog::default_logger()->sinks().push_back(sink);
+  FramedHandlers h;
+  h.on_frame = [](const std::shared_ptr<FramedConnection>&, PooledBuffer, BudgetLease) {};
+  h.error_frame = [](v1::ErrorCode, const std::string&, uint64_t) { return std::string(); };
+  FramedServerOptions o;
+  o.name = "v6 test";
+  o.listen = HostPort{"::1", 0};
+  auto first = FramedServer::Start(o, h);
+  if (!first.ok()) {
+    auto& sinks = spdlog::default_logger()->sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+    GTEST_SKIP() << "no IPv6 loopback here: " << first.status().ToString();
+  }
+  const std::string where = "[::1]:" + std::to_string((*first)->port());
+  o.listen.port = (*first)->port();
+  auto second = FramedServer::Start(o, h);
+  spdlog::default_logger()->flush();
+  auto& sinks = spdlog::default_logger()->sinks();
+  sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("cannot listen on " + where), std::string::npos)
+      << second.status().ToString();
+  EXPECT_NE(out.str().find("v6 test listening on " + where), std::string::npos) << out.str();
+  (*first)->Stop();
 }
 
 }  // namespace
