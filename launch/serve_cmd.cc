@@ -12,6 +12,7 @@
 #include "base/exit_code.h"
 #include "base/log.h"
 #include "launch/cuda_setup.h"
+#include "launch/death_survival.h"
 #include "launch/job_launch.h"
 #include "launch/layer_flags.h"
 #include "launch/rank_services.h"
@@ -369,6 +370,15 @@ int RunServe(const ServeFlags& f) {
   }
   auto job = Launch(c);
   if (!job.ok()) return FailWith(job.status());
+  if ((*job)->rank() == 0) {  // once a job: what a dead expert rank will do to it
+    const DeathSurvival d = JudgeDeathSurvival(
+        (*job)->transport(), std::chrono::milliseconds(c.deadline_ms), ProcessEnvironment());
+    if (d.verdict == DeathSurvival::Verdict::kSurvives) {
+      spdlog::info("{}", d.line);
+    } else {
+      spdlog::warn("{}", d.line);
+    }
+  }
   auto options = JobOptionsFor(c);
   if (!options.ok()) return FailWith(options.status());
   if (Status s = ValidateDeviceFlags(f.dev); !s.ok()) return FailWith(s);

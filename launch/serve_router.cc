@@ -197,6 +197,9 @@ Status RouterServer::Start() {
       "moerun_microbatches_resent_for_loads_total",
       "Microbatches sent again because an expert rank was still loading an expert they need "
       "(its expert cache; it waits half the deadline before it says so)");
+  // The ranks' view (spare, dead, answering) before anyone can ask: moectl status right after
+  // ready must not show a view that only the first Tick fills (spare slots once read "ready").
+  rs_.Refresh(router_.health(), 0, 0);
   if (rank != 0) return Status::Ok();
   if (setup_.token.empty()) {
     spdlog::warn("no control token file (serving.token_file or --token-file): moectl is off");

@@ -23,7 +23,9 @@ if [[ $(id -u) == 0 ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 (umask 077 && head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token")
-mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 4 \
+# --enable-recovery: an expert rank's death does not end the job (rank 0 logs at start whether
+# this job outlives one, and why).
+mpirun --enable-recovery --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 4 \
   "$bin/moerun" serve --config configs/tiny.yaml --listen 127.0.0.1:5700 \
   --metrics-listen 127.0.0.1:9700 --control-listen 127.0.0.1:5800 --token-file "$work/token" \
   --ready-file "$work/ready" --pid-file "$work/pid" >"$work/serve.log" 2>&1 &

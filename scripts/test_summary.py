@@ -8,8 +8,9 @@ Each step adds its results to a ledger (one JSON object per line), then `report`
   test_summary.py LEDGER gtest STEP JSON [--log LOG]...   --gtest_output=json files (LOG: the
                                                      binary's output, for the skips' reasons)
   test_summary.py LEDGER command STEP RC [NAME]      one command, its exit code
-  test_summary.py LEDGER report [--allow FILE]       the table and the skips; exit 1 on a
-                                                     failure or a skip that FILE does not allow
+  test_summary.py LEDGER report [--allow FILE]       the table, the ten slowest tests (ctest's
+                                                     times) and the skips; exit 1 on a failure or
+                                                     a skip that FILE does not allow
 
 A test counts as skipped when ctest says so (SKIP_RETURN_CODE, gtest's "[  SKIPPED ]" for
 discovered tests), and also when it passed but some of what it ran skipped: a gtest binary run as
@@ -56,14 +57,20 @@ def skips_in_output(name, out):
     return found
 
 
-def from_junit(path):
-    """(run, passed, failed, [(name, reason)]) from ctest's JUnit file."""
+def from_junit(path, times=None):
+    """(run, passed, failed, [(name, reason)]) from ctest's JUnit file; `times` (a list) gets
+    each test's (seconds, name)."""
     root = ET.parse(path).getroot()
     run = passed = failed = 0
     skips = []
     for case in root.iter("testcase"):
         name = case.get("name")
         status = case.get("status")
+        if times is not None:
+            try:
+                times.append((float(case.get("time") or 0), name))
+            except ValueError:
+                pass
         out = case.findtext("system-out") or ""
         run += 1
         if status == "fail" or case.find("failure") is not None:
@@ -155,6 +162,12 @@ def report(ledger, allow_path):
         for i, k in enumerate(("run", "passed", "failed", "skipped")):
             totals[i] += r[k]
     print(f"{'all':<58} {totals[0]:>6} {totals[1]:>7} {totals[2]:>7} {totals[3]:>8}")
+    slowest = sorted(((t, n, r["step"]) for r in rows for t, n in r.get("slowest", [])),
+                     reverse=True)[:10]
+    if slowest:
+        print("\nthe ten slowest tests (s):")
+        for t, n, step in slowest:
+            print(f"  {t:8.1f}  {n}  ({step[:40]})")
     bad = []
     skips = [(r["step"], n, why) for r in rows for n, why in r["skips"]]
     if skips:
@@ -190,8 +203,9 @@ def main(argv):
         allow = argv[4] if len(argv) > 4 and argv[3] == "--allow" else None
         return report(ledger, allow)
     step = argv[3]
+    times = []
     if what == "ctest":
-        run, passed, failed, skipped, skips = from_junit(argv[4])
+        run, passed, failed, skipped, skips = from_junit(argv[4], times)
     elif what == "gtest":
         run, passed, failed, skipped, skips = from_gtest(argv[4:])
     elif what == "command":
@@ -203,7 +217,9 @@ def main(argv):
         sys.exit(f"test_summary: unknown kind '{what}'\n" + __doc__)
     with open(ledger, "a") as f:
         f.write(json.dumps({"step": step, "run": run, "passed": passed, "failed": failed,
-                            "skipped": skipped, "skips": skips}) + "\n")
+                            "skipped": skipped, "skips": skips,
+                            "slowest": [[t, n] for t, n in sorted(times, reverse=True)[:10]]})
+                + "\n")
     return 0
 
 

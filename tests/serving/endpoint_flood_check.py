@@ -55,7 +55,9 @@ if kind != "http" and (not polls or ready_ok != len(polls)):
     problems.append(f"/health/ready answered 200 to {ready_ok} of {len(polls)} polls (others: {bad})")
 LOG_BOUND = 3 + secs // 10
 # Metrics label sets: no series after the attack that was not there before (no label value
-# from a peer's input).
+# from a peer's input). The files attack holds the token: an expert update it starts (the one
+# file inside the folder) adds that layer's and expert's update series, as an operator's would
+# (bounded by the model's layers x experts).
 def series(path):
     try:
         return {l.rsplit(" ", 1)[0] for l in open(path) if l.strip() and not l.startswith("#")}
@@ -64,7 +66,7 @@ def series(path):
 before, after = series(f"{work}/metrics.before.{kind}"), series(f"{work}/metrics.after.{kind}")
 if not before:
     problems.append("/metrics could not be read before the attack")
-elif after - before:
+elif after - before and kind != "files":
     problems.append(f"new metric series after the attack: {sorted(after - before)[:5]}")
 
 checks = ""
