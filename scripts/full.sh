@@ -20,6 +20,9 @@
 #     and moebench cache-replay (Qwen3 and Mixtral against Belady), JSON in build/bench/
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
 #     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
+#   - the CPU container image built with podman from deploy/Dockerfile and run: the main job and
+#     a 4-rank serve answered by moebench --verify from outside (scripts/container-check.sh;
+#     needs podman, runc and debootstrap: apt-get install podman buildah runc debootstrap)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -114,3 +117,11 @@ build/bin/moebench cache-replay --trace "$Q" --ranks 1,4 --batch 64,256 --polici
 build/bin/moebench cache-replay --trace $R/mixtral-8x7b/gsm8k_2_routing.jsonl --ranks 1,4 \
   --batch 1 --policies lfu,lru,cycle --lookahead 0,1 --json > build/bench/cache-replay-mixtral.json
 echo "benchmarks: build/bench/*.json"
+
+printf '\n==== the container image: podman build and run (scripts/container-check.sh) ====\n'
+if command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null; then
+  scripts/container-check.sh
+else
+  echo "container-check: FAIL: podman, runc or debootstrap missing (apt-get install podman buildah runc debootstrap)"
+  exit 1
+fi
