@@ -57,6 +57,18 @@ Status CheckNcclLaunch() {
 
 }  // namespace
 
+Result<std::string> DefaultTransport() {
+  if (!LaunchedByMpiLauncher()) return std::string("inproc");
+  if (const char* e = std::getenv("MOERUN_TRANSPORT"); e != nullptr && *e != '\0') {
+    const std::string t = e;
+    if (t != "mpi" && t != "ucx" && t != "nccl") {
+      return Status::InvalidArgument("MOERUN_TRANSPORT must be mpi, ucx or nccl, not '" + t + "'");
+    }
+    return t;
+  }
+  return std::string(RequireTransport("ucx").ok() ? "ucx" : "mpi");
+}
+
 Status ValidateLaunchFlags(const LaunchFlags& flags) {
   const std::string& t = flags.transport;
   if (!t.empty() && t != "mpi" && t != "ucx" && t != "nccl" && t != "inproc") {
@@ -93,9 +105,14 @@ Status ValidateLaunchFlags(const LaunchFlags& flags) {
 Result<std::unique_ptr<JobLaunch>> JobLaunch::Create(const LaunchFlags& flags) {
   std::unique_ptr<JobLaunch> j(new JobLaunch());
   j->flags_ = flags;
-  j->transport_ =
-      flags.transport.empty() ? (LaunchedByMpiLauncher() ? "mpi" : "inproc") : flags.transport;
-  MOERUN_RETURN_IF_ERROR(ValidateLaunchFlags(flags));
+  if (flags.transport.empty()) {
+    MOERUN_ASSIGN_OR_RETURN(j->transport_, DefaultTransport());
+  } else {
+    j->transport_ = flags.transport;
+  }
+  LaunchFlags resolved = flags;  // the default checked as a flag would be
+  resolved.transport = j->transport_;
+  MOERUN_RETURN_IF_ERROR(ValidateLaunchFlags(resolved));
   if (j->transport_ == "mpi" || j->transport_ == "ucx" || j->transport_ == "nccl") {
     if (j->transport_ == "ucx" && !LaunchedByMpiLauncher()) {
       return Status::InvalidArgument(

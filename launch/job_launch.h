@@ -19,8 +19,7 @@
 namespace moerun {
 
 struct LaunchFlags {
-  std::string transport;  // mpi | ucx | nccl | inproc; empty: mpi under an MPI launcher, else
-                          // inproc
+  std::string transport;  // mpi | ucx | nccl | inproc; empty: DefaultTransport()
   int ranks = 1;          // inproc only: ranks as threads
   int routers = 1;
   std::string placement = "linear";
@@ -36,6 +35,12 @@ void AddLaunchFlags(CLI::App* cmd, LaunchFlags* f);
 // file), no transport started: the commands run it while parsing, JobLaunch::Create again. For
 // --transport nccl it also probes the GPUs (CheckOneGpuPerRank) and the launcher.
 Status ValidateLaunchFlags(const LaunchFlags& flags);
+
+// The transport of a job that names none: under mpirun or srun, MOERUN_TRANSPORT when set (mpi,
+// ucx or nccl: the whole test suite runs on mpi so), else ucx where this build has it (a dead
+// expert rank is noticed in about a second, and ranks can join) and mpi where it does not;
+// without a launcher, inproc (ranks as threads). kInvalidArgument for another MOERUN_TRANSPORT.
+Result<std::string> DefaultTransport();
 
 // JobOptions::ep, the routers, the placement and the start-up timeout from launch flags.
 void FillJobOptions(const LaunchFlags& flags, JobOptions* options);

@@ -25,6 +25,8 @@
 #include "runtime/ranks/rank_job.h"
 #include "runtime/serving/control_endpoint.h"
 #include "runtime/serving/host_port.h"
+#include "transport/launcher_env.h"
+#include "transport/registry.h"
 
 namespace moerun {
 namespace {
@@ -108,6 +110,13 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
                                      f.transport + "'");
     }
     c.transport = f.transport;
+  }
+  // A job that names no transport: launch/job_launch.h's DefaultTransport (ucx under mpirun or
+  // srun where the build has it); a joiner, which no launcher starts, joins such a job.
+  if (c.transport.empty() && LaunchedByMpiLauncher()) {
+    MOERUN_ASSIGN_OR_RETURN(c.transport, DefaultTransport());
+  } else if (c.transport.empty() && !f.join.empty() && RequireTransport("ucx").ok()) {
+    c.transport = "ucx";
   }
   if (!f.listen.empty()) c.serving.listen = f.listen;
   if (!f.control_listen.empty()) c.serving.control_listen = f.control_listen;
@@ -361,7 +370,7 @@ int RunServe(const ServeFlags& f) {
   if (c.spare_expert_ranks > 0 && c.transport != "ucx") {
     return FailWith(Status::InvalidArgument(
         "spare_expert_ranks needs the ucx transport (only ucx takes a new process in), not '" +
-        (c.transport.empty() ? std::string("mpi") : c.transport) + "'"));
+        (c.transport.empty() ? std::string("inproc") : c.transport) + "'"));
   }
   if (c.transport == "ucx") {
     // The ucx transport's size: the launched ranks plus the spare ones (MOERUN_UCX_SPARE_RANKS

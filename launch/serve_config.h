@@ -62,8 +62,9 @@ struct ServeConfig {
   // Layers to serve: empty = the model's first MoE layer; {-1} = every MoE layer.
   std::vector<int> layers;
   // The job.
-  std::string transport;  // mpi | ucx | nccl | inproc | "" (mpi under an MPI launcher, else
-                          // inproc); nccl: launch/job_launch.h
+  std::string transport;  // mpi | ucx | nccl | inproc | "" (ucx under an MPI launcher where the
+                          // build has UCX, else mpi; inproc without a launcher); nccl:
+                          // launch/job_launch.h
   int ranks = 1;          // inproc only
   int routers = 1;
   // Expert rank slots beyond the launched ranks, with no process at start (ucx only): a process

@@ -20,6 +20,8 @@
 #     and moebench cache-replay (Qwen3 and Mixtral against Belady), JSON in build/bench/
 #   - moebench layer on the qwen3-30b-a3b shape (f32 and bf16 weights) and moebench transport
 #     over ucx (shared memory, TCP) and mpi at 1 and 16 MiB per peer, JSON in build/bench/
+#   - the multi-rank, CLI and Python tests again with mpi as the default transport
+#     (MOERUN_TRANSPORT=mpi; CI runs them on the default, ucx)
 #   - the CPU container image built with podman from deploy/Dockerfile and run: the main job and
 #     a 4-rank serve answered by moebench --verify from outside (scripts/container-check.sh;
 #     needs podman, runc and debootstrap: apt-get install podman buildah runc debootstrap)
@@ -117,6 +119,11 @@ build/bin/moebench cache-replay --trace "$Q" --ranks 1,4 --batch 64,256 --polici
 build/bin/moebench cache-replay --trace $R/mixtral-8x7b/gsm8k_2_routing.jsonl --ranks 1,4 \
   --batch 1 --policies lfu,lru,cycle --lookahead 0,1 --json > build/bench/cache-replay-mixtral.json
 echo "benchmarks: build/bench/*.json"
+
+# The multi-rank, CLI and Python tests once more with mpi as the default transport (CI runs
+# them on the default, ucx; the tests that name a transport run both either way).
+printf '\n==== the multi-rank, CLI and Python tests with MOERUN_TRANSPORT=mpi ====\n'
+MOERUN_TRANSPORT=mpi ctest --test-dir build -L 'cli|mpi|python' -j "$jobs" --output-on-failure
 
 printf '\n==== the container image: podman build and run (scripts/container-check.sh) ====\n'
 if command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null; then

@@ -11,7 +11,7 @@
 #                            [CONNECTIONS] [TRANSPORT]
 # BASE_BIN_DIR holds the other build's moerun (for example the previous commit's build/bin).
 # Defaults: build/bin, 5 s, 3 rounds (6 runs per build), configs/tiny.yaml, f32, 16 tokens,
-# 4 connections, the config's transport (mpi under mpirun unless it names one). A preset config
+# 4 connections, the config's transport (ucx under mpirun unless it names one). A preset config
 # is verified against the same preset (its name, seed, experts, intermediate and dtype).
 # BASE_CONFIG=FILE (environment) serves the base build with another config of the same model
 # (for example the old batcher with max_wait_us 0 against the shipped config). p99 is reported
