@@ -1,5 +1,7 @@
 #include "launch/death_survival.h"
 
+#include <strings.h>
+
 #include <cstring>
 
 namespace moerun {
@@ -48,13 +50,16 @@ DeathSurvival JudgeDeathSurvival(const std::string& transport, std::chrono::mill
                 transport + ": " + notice + ")"};
   }
   if (slurm) {
-    if (IsSet(env, "SLURM_NO_KILL")) {
+    // srun reads SLURM_NO_KILL as --no-kill's value ("set"; "off" or "no" turn it off) and
+    // passes it on to the ranks.
+    const char* no_kill = env("SLURM_NO_KILL");
+    if (no_kill != nullptr && strcasecmp(no_kill, "off") != 0 && strcasecmp(no_kill, "no") != 0) {
       return {V::kSurvives, "this job outlives a dead expert rank (srun --no-kill, transport " +
                                 transport + "): " + notice};
     }
     return {V::kDependsOnLauncher,
             "this job outlives a dead expert rank only if srun was given --no-kill (Slurm does not "
-            "tell its ranks; SLURM_NO_KILL=1 says so), transport " +
+            "tell its ranks; SLURM_NO_KILL=set says so), transport " +
                 transport + ": " + notice};
   }
   return {V::kDependsOnLauncher,

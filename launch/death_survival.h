@@ -8,8 +8,8 @@
 //            otherwise; Open MPI tells the ranks: OMPI_MCA_orte_enable_recovery=1); the mpi
 //            transport notices a death by deadline_ms only (every request in flight waits that
 //            long), ucx in about a second (its keep-alive)
-//            under srun: only with --no-kill, which Slurm does not tell its ranks (unless
-//            SLURM_NO_KILL is set): the line says so
+//            under srun: only with --no-kill, which Slurm does not tell its ranks unless it comes
+//            as SLURM_NO_KILL=set (srun reads it as --no-kill and passes it on): the line says so
 //
 // Pure: the environment comes in through `env` (launch/local_device.h's EnvLookup).
 #pragma once

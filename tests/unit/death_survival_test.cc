@@ -46,8 +46,10 @@ TEST(DeathSurvivalTest, SrunSaysWhatItCannotSee) {
   EXPECT_EQ(d.verdict, V::kDependsOnLauncher) << d.line;
   EXPECT_NE(d.line.find("--no-kill"), std::string::npos) << d.line;
   Env no_kill = srun;
-  no_kill["SLURM_NO_KILL"] = "1";
+  no_kill["SLURM_NO_KILL"] = "set";  // srun's own reading: --no-kill
   EXPECT_EQ(Judge("ucx", no_kill).verdict, V::kSurvives);
+  no_kill["SLURM_NO_KILL"] = "off";
+  EXPECT_EQ(Judge("ucx", no_kill).verdict, V::kDependsOnLauncher);
 }
 
 TEST(DeathSurvivalTest, ThreadsAndNcclDoNot) {
