@@ -199,9 +199,8 @@ int64_t Batcher::TakeLocked(int layer, int64_t room) {
 void Batcher::AnswerExpired() {
   for (const Slot& s : expired_) {
     BatchInfo info;
-    info.queue_us =
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s.enqueued).count();
     const auto now = Clock::now();
+    info.queue_us = std::chrono::duration_cast<std::chrono::microseconds>(now - s.enqueued).count();
     s.req.done(s.req.ctx,
                s.floor > Clock::duration::zero()
                    ? TooShort(s.req.deadline - now, s.floor)

@@ -42,6 +42,32 @@ def read_frame(s):
     n = struct.unpack(">I", read_exact(s, 4))[0]
     return fields(read_exact(s, n))
 opened = 0
+def answered_flood(workers, session):
+    """`workers` threads, each on a connection of its own (tls_conn, opened again when the server
+    closes it) that session(s, w, answered) drives until the end, calling answered(code) per answer;
+    prints the "result:" line with the answers by code."""
+    codes, lock = {}, threading.Lock()
+    def answered(code):
+        with lock: codes[code] = codes.get(code, 0) + 1
+    def worker(w):
+        global opened
+        while time.time() < end:
+            try:
+                s = tls_conn(); s.settimeout(10)
+            except OSError:
+                time.sleep(0.1); continue
+            with lock: opened += 1
+            try:
+                session(s, w, answered)
+            except (OSError, EOFError):
+                pass
+            s.close()
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print("result: " + json.dumps({"answers": sum(codes.values()),
+                                   "codes": {str(k): v for k, v in sorted(codes.items())}}),
+          file=sys.stderr)
 if kind == "header":      # 200 connections announcing 64 MiB, nothing more; reconnect when closed
     while time.time() < end:
         socks = [s for s in socks if s.fileno() >= 0]
@@ -228,60 +254,28 @@ elif kind == "pipeline":  # requests of 64 tokens (16 KiB each), never an answer
 elif kind == "deadline":  # one-token requests with a 1 ms deadline of their own, pipelined
     hidden = json.load(open(os.path.join(os.environ["FLOOD_MODEL"], "config.json")))["hidden_size"]
     data = struct.pack("<f", 0.25) * hidden
-    codes, lock = {}, threading.Lock()
-    def worker(w):
-        global opened
-        rid = w << 40
-        while time.time() < end:
-            try:
-                s = tls_conn(); s.settimeout(10)
-            except OSError:
-                time.sleep(0.1); continue
-            with lock: opened += 1
-            try:
-                window = 0
-                while time.time() < end:
-                    while window < 32:
-                        rid += 1
-                        s.sendall(infer_request(rid, [1, hidden], 1, data, deadline_ms=1))
-                        window += 1
-                    code = read_frame(s).get(2, 0)
-                    window -= 1
-                    with lock: codes[code] = codes.get(code, 0) + 1
-            except (OSError, EOFError):
-                pass
-            s.close()
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
-    for t in threads: t.start()
-    for t in threads: t.join()
-    print("result: " + json.dumps({"answers": sum(codes.values()),
-                                   "codes": {str(k): v for k, v in sorted(codes.items())}}),
-          file=sys.stderr)
+    next_id = {}
+    def pipelined(s, w, answered):
+        rid = next_id.get(w, w << 40)
+        window = 0
+        try:
+            while time.time() < end:
+                while window < 32:
+                    rid += 1
+                    s.sendall(infer_request(rid, [1, hidden], 1, data, deadline_ms=1))
+                    window += 1
+                answered(read_frame(s).get(2, 0))  # InferResponse.code
+                window -= 1
+        finally:
+            next_id[w] = rid
+    answered_flood(8, pipelined)
 elif kind == "utf8":      # control requests whose token field is not UTF-8
     tok = b"\xff\xfe\xc3\x28-not-utf8-" + bytes(range(0x80, 0xa0))
     body = b"\x0a" + varint(len(tok)) + tok + b"\x12\x00"  # token, then an empty status
     frame = struct.pack(">I", len(body)) + body
-    codes, lock = {}, threading.Lock()
-    def worker(w):
-        global opened
+    def one_at_a_time(s, w, answered):
         while time.time() < end:
-            try:
-                s = tls_conn(); s.settimeout(10)
-            except OSError:
-                time.sleep(0.1); continue
-            with lock: opened += 1
-            try:
-                while time.time() < end:
-                    s.sendall(frame)
-                    code = read_frame(s).get(1, 0)
-                    with lock: codes[code] = codes.get(code, 0) + 1
-            except (OSError, EOFError):
-                pass
-            s.close()
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
-    for t in threads: t.start()
-    for t in threads: t.join()
-    print("result: " + json.dumps({"answers": sum(codes.values()),
-                                   "codes": {str(k): v for k, v in sorted(codes.items())}}),
-          file=sys.stderr)
+            s.sendall(frame)
+            answered(read_frame(s).get(1, 0))  # ControlResponse.code
+    answered_flood(4, one_at_a_time)
 print(f"{kind}: opened {opened}", file=sys.stderr)
