@@ -242,6 +242,17 @@ void RankServices::Attach(ExpertRank* host) {
     m.AddCallbackGauge("moerun_expert_cache_hosted_experts",
                        "Experts this rank hosts (resident or not)",
                        [st] { return static_cast<double>(st->hosted_experts.load()); });
+    for (EvictionPolicy p : {EvictionPolicy::kCycle, EvictionPolicy::kLru, EvictionPolicy::kLfu}) {
+      if (cache->options().policy != EvictionPolicy::kAdaptive && cache->options().policy != p) {
+        continue;
+      }
+      m.AddCallbackGauge(
+          "moerun_expert_cache_following",
+          "1 for the eviction policy the expert cache follows now (adaptive: the shadow cache "
+          "that hit most lately), 0 for the others",
+          [st, p] { return st->following.load() == static_cast<int>(p) ? 1.0 : 0.0; },
+          {{"policy", EvictionPolicyName(p)}});
+    }
     m.AddGauge("moerun_expert_cache_budget_bytes", "The expert cache's budget")
         ->Set(static_cast<double>(cache->options().budget_bytes));
     Histogram* wait = m.AddHistogram(

@@ -447,9 +447,10 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "overrides expert_cache_mib)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--expert-cache-policy", flags->expert_cache_policy,
-                  "Expert cache eviction: lfu (decayed frequency), lru or cycle (the next use "
-                  "expected furthest away, layer by layer)")
-      ->check(CLI::IsMember({"lfu", "lru", "cycle"}));
+                  "Expert cache eviction: adaptive (the next use expected furthest away, from "
+                  "reuse odds learned while serving), cycle (the same from a decayed count), lfu "
+                  "(decayed frequency) or lru")
+      ->check(CLI::IsMember({"adaptive", "cycle", "lfu", "lru"}));
   cmd->add_option("--expert-cache-spill-dir", flags->expert_cache_spill_dir,
                   "Folder for the expert cache's spill file: experts loaded once are written "
                   "there packed, later misses read them back (overrides expert_cache_spill_dir)")

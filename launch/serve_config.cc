@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "base/log.h"
+#include "runtime/cache/expert_cache.h"
 #include "runtime/model/preset.h"
 
 namespace moerun {
@@ -367,9 +368,9 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
        [](const Reader& r, C* c) {
          MOERUN_RETURN_IF_ERROR(r.GetString("expert_cache_policy", &c->expert_cache_policy));
          const std::string& p = c->expert_cache_policy;
-         if (p == "lfu" || p == "lru" || p == "cycle") return Status::Ok();
+         if (ParseEvictionPolicy(p).ok()) return Status::Ok();
          return Status::InvalidArgument(r.Where("expert_cache_policy") +
-                                        " must be lfu, lru or cycle, not '" + p + "'");
+                                        " must be adaptive, cycle, lfu or lru, not '" + p + "'");
        }},
       Number("expert_cache_loaders", &C::expert_cache_loaders, 1, 64),
       {"expert_cache_pinned", ReadPinned},

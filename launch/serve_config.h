@@ -89,7 +89,7 @@ struct ServeConfig {
   // eviction policy (lfu | lru | cycle), parallel loads, and experts (of every layer) that never
   // leave.
   int64_t expert_cache_mib = 0;
-  std::string expert_cache_policy = "cycle";
+  std::string expert_cache_policy = "adaptive";
   int expert_cache_loaders = 2;
   std::vector<int> expert_cache_pinned;
   std::string expert_cache_spill_dir;  // spill file folder ("": misses load from the source)

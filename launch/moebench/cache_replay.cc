@@ -175,6 +175,11 @@ Result<ReplayCounts> ReplayExpertCache(const std::vector<CacheStep>& steps,
 
 namespace {
 
+// lfu and cycle age their counts over a half-life; lru and adaptive have none.
+bool HasHalfLife(EvictionPolicy p) {
+  return p == EvictionPolicy::kLfu || p == EvictionPolicy::kCycle;
+}
+
 struct Config {
   std::string policy;
   EvictionPolicy p;
@@ -194,7 +199,7 @@ Status Run(const CacheReplayFlags& f, nlohmann::json* out) {
   for (const std::string& name : f.policies) {
     MOERUN_ASSIGN_OR_RETURN(const EvictionPolicy p, ParseEvictionPolicy(name));
     std::vector<double> hls = {0};
-    if (p != EvictionPolicy::kLru && !f.half_lives.empty()) hls = f.half_lives;
+    if (HasHalfLife(p) && !f.half_lives.empty()) hls = f.half_lives;
     for (double h : hls) {
       for (int a : f.lookahead) configs.push_back(Config{name, p, h, a});
     }
@@ -310,9 +315,8 @@ Status Run(const CacheReplayFlags& f, nlohmann::json* out) {
               gap_worst = std::max(gap_worst, g);
             }
             if (active.empty()) worst = gap_worst = 0;
-            const double hl = cfg.p != EvictionPolicy::kLru
-                                  ? (cfg.half_life > 0 ? cfg.half_life : default_half_life)
-                                  : 0;
+            const double hl =
+                HasHalfLife(cfg.p) ? (cfg.half_life > 0 ? cfg.half_life : default_half_life) : 0;
             nlohmann::json pj = {
                 {"policy", cfg.policy},       {"lookahead", cfg.lookahead},
                 {"hit_rate", mean},           {"hit_rate_worst", worst},
@@ -320,10 +324,10 @@ Status Run(const CacheReplayFlags& f, nlohmann::json* out) {
                 {"needs", sum.needs},         {"hits", sum.hits},
                 {"misses", sum.misses},       {"prefetched", sum.prefetched},
                 {"evictions", sum.evictions}, {"max_over_capacity", sum.max_resident}};
-            if (cfg.p != EvictionPolicy::kLru) pj["half_life"] = hl;
+            if (HasHalfLife(cfg.p)) pj["half_life"] = hl;
             pols.push_back(std::move(pj));
             std::string label = cfg.policy;
-            if (cfg.p != EvictionPolicy::kLru) {
+            if (HasHalfLife(cfg.p)) {
               label += "/" + std::to_string(static_cast<int>(hl));
             }
             if (!header) {

@@ -3,9 +3,10 @@
 //
 // For each trace, rank count R (experts of each layer split over the ranks in expert order),
 // batch size B, budget (a fraction of the rank's hosted experts over all layers: C experts) and
-// policy (lfu, lru, cycle), every rank's steps (router/replay/cache_sim.h: batch by batch, layer by
-// layer, the rank's experts each batch needs there) drive a real ExpertCache of C experts' bytes
-// (tiny experts of equal size, loaded by its own loader thread from a fetch function) with:
+// policy (adaptive, cycle, lfu, lru), every rank's steps (router/replay/cache_sim.h: batch by
+// batch, layer by layer, the rank's experts each batch needs there) drive a real ExpertCache of C
+// experts' bytes (tiny experts of equal size, loaded by its own loader thread from a fetch
+// function) with:
 //   look-ahead 0: step i's Tick and Need, its loads, its Done, then step i+1;
 //   look-ahead 1: step i+1's Tick and Need come before step i's Done, as when the dispatch header
 //                 of the next microbatch arrives while this one computes: its experts are held
@@ -35,8 +36,8 @@ struct CacheReplayFlags {
   std::vector<int> ranks = {1};                          // --ranks R[,R...]
   std::vector<double> budgets = {0.1, 0.25, 0.5, 0.75};  // --budget: fractions of hosted experts
   std::vector<int64_t> batches = {64};                   // --batch B[,B...]: tokens a batch
-  std::vector<std::string> policies = {"lfu", "lru"};    // --policies
-  std::vector<int> lookahead = {0, 1};                   // --lookahead
+  std::vector<std::string> policies = {"adaptive", "cycle", "lfu", "lru"};  // --policies
+  std::vector<int> lookahead = {0, 1};                                      // --lookahead
   std::vector<double> half_lives;  // --half-life H[,H...] for lfu, cycle (empty: the default)
   bool json = false;
 };

@@ -226,7 +226,8 @@ int main(int argc, char** argv) {
     cache_replay->add_option("--batch", cf.batches, "Tokens a batch (of one stream), a list")
         ->delimiter(',');
     cache_replay
-        ->add_option("--policies", cf.policies, "Eviction policies: lfu, lru, cycle, a list")
+        ->add_option("--policies", cf.policies,
+                     "Eviction policies: adaptive, cycle, lfu, lru, a list")
         ->delimiter(',');
     cache_replay
         ->add_option("--lookahead", cf.lookahead,

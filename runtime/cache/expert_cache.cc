@@ -14,6 +14,8 @@ const char* EvictionPolicyName(EvictionPolicy p) {
       return "lru";
     case EvictionPolicy::kCycle:
       return "cycle";
+    case EvictionPolicy::kAdaptive:
+      return "adaptive";
     case EvictionPolicy::kLfu:
       break;
   }
@@ -24,7 +26,9 @@ Result<EvictionPolicy> ParseEvictionPolicy(const std::string& name) {
   if (name == "lfu") return EvictionPolicy::kLfu;
   if (name == "lru") return EvictionPolicy::kLru;
   if (name == "cycle") return EvictionPolicy::kCycle;
-  return Status::InvalidArgument("unknown expert cache policy '" + name + "' (lfu, lru or cycle)");
+  if (name == "adaptive") return EvictionPolicy::kAdaptive;
+  return Status::InvalidArgument("unknown expert cache policy '" + name +
+                                 "' (adaptive, cycle, lfu or lru)");
 }
 
 ExpertCache::ExpertCache(ExpertCacheOptions options, ExpertFetch fetch,
@@ -109,6 +113,7 @@ void ExpertCache::Publish() {
   stats_->resident_bytes.store(resident_bytes_);
   stats_->resident_experts.store(resident);
   stats_->hosted_experts.store(hosted);
+  stats_->following.store(static_cast<int>(following()));
 }
 
 void ExpertCache::Host(int layer, int expert, bool on) {
@@ -120,6 +125,10 @@ void ExpertCache::Host(int layer, int expert, bool on) {
     e->pinned = false;
     e->held = 0;
     e->uses = 0;
+    for (size_t s = 0; s < e->shadow.size(); ++s) {
+      if (e->shadow[s]) shadows_[s].bytes -= std::min(shadows_[s].bytes, Bytes(layer));
+      e->shadow[s] = false;
+    }
     e->file.clear();
     if (e->state == State::kResident) Evict(layer, expert, *e);
     if (e->state == State::kFailed) e->state = State::kCold;
@@ -160,9 +169,76 @@ void ExpertCache::Touch(Entry& e) {
   e.last = tick_;
 }
 
-double ExpertCache::Score(int layer, const Entry& e) const {
-  if (opts_.policy == EvictionPolicy::kLru) return static_cast<double>(e.last);
-  if (opts_.policy == EvictionPolicy::kLfu) {
+EvictionPolicy ExpertCache::following() const {
+  return opts_.policy == EvictionPolicy::kAdaptive ? leader_ : opts_.policy;
+}
+
+namespace {
+
+// The shadows' order in Entry::shadow and shadows_.
+constexpr std::array<EvictionPolicy, 3> kShadowed = {EvictionPolicy::kLfu, EvictionPolicy::kLru,
+                                                     EvictionPolicy::kCycle};
+// A shadow's hits are counted over about this many needs.
+constexpr double kShadowWindow = 1024;
+// The leader changes only to a shadow with this many more hits (relative): no flapping.
+constexpr double kShadowMargin = 0.01;
+
+}  // namespace
+
+void ExpertCache::ShadowStep() {
+  std::vector<Key> pending;
+  pending.swap(shadow_pending_);
+  for (size_t s = 0; s < kShadowed.size(); ++s) {
+    Shadow& sh = shadows_[s];
+    for (const auto& [layer, expert] : pending) {
+      sh.hits *= 1.0 - 1.0 / kShadowWindow;
+      sh.hits += entries_.at(layer)[static_cast<size_t>(expert)].shadow[s] ? 1 : 0;
+    }
+    for (const auto& [layer, expert] : pending) {
+      Entry& e = entries_.at(layer)[static_cast<size_t>(expert)];
+      const size_t one = Bytes(layer);
+      if (e.shadow[s] || !e.hosted || one == 0) continue;
+      e.shadow[s] = true;
+      sh.bytes += one;
+      while (sh.bytes > opts_.budget_bytes) {
+        // The lowest score under this shadow's policy among its experts no microbatch holds.
+        int best_layer = -1;
+        size_t best_expert = 0;
+        double best = std::numeric_limits<double>::infinity();
+        for (auto& [l, ents] : entries_) {
+          for (size_t x = 0; x < ents.size(); ++x) {
+            const Entry& c = ents[x];
+            if (!c.shadow[s] || c.held > 0) continue;
+            const double v = ScoreAs(kShadowed[s], l, c);
+            if (v <= best) {
+              best = v;
+              best_layer = l;
+              best_expert = x;
+            }
+          }
+        }
+        if (best_layer < 0) break;  // every expert it holds is held: over, as the cache goes
+        entries_.at(best_layer)[best_expert].shadow[s] = false;
+        sh.bytes -= std::min(sh.bytes, Bytes(best_layer));
+      }
+    }
+  }
+  size_t lead = 0;
+  for (size_t s = 0; s < kShadowed.size(); ++s) {
+    if (kShadowed[s] == leader_) lead = s;
+  }
+  for (size_t s = 0; s < kShadowed.size(); ++s) {
+    if (shadows_[s].hits > shadows_[lead].hits * (1 + kShadowMargin) + 1) lead = s;
+  }
+  if (leader_ != kShadowed[lead]) {
+    leader_ = kShadowed[lead];
+    stats_->following.store(static_cast<int>(leader_));
+  }
+}
+
+double ExpertCache::ScoreAs(EvictionPolicy policy, int layer, const Entry& e) const {
+  if (policy == EvictionPolicy::kLru) return static_cast<double>(e.last);
+  if (policy == EvictionPolicy::kLfu) {
     const double age = static_cast<double>(tick_ - std::min(tick_, e.last));
     return e.uses * std::exp2(-age / opts_.half_life);
   }
@@ -188,7 +264,7 @@ double ExpertCache::Score(int layer, const Entry& e) const {
 void ExpertCache::Need(int layer, int expert) {
   Entry* e = Find(layer, expert);
   if (e == nullptr || !e->hosted) return;  // the caller reports experts it does not host
-  if (opts_.policy == EvictionPolicy::kCycle) {
+  if (opts_.policy == EvictionPolicy::kCycle || opts_.policy == EvictionPolicy::kAdaptive) {
     LayerTurn& t = turns_[layer];
     if (!t.seen || t.last != tick_) {  // the layer's first Need of this microbatch
       if (t.seen && tick_ > t.last) {
@@ -209,6 +285,7 @@ void ExpertCache::Need(int layer, int expert) {
   }
   ++e->held;
   Touch(*e);
+  if (opts_.policy == EvictionPolicy::kAdaptive) shadow_pending_.push_back({layer, expert});
   if (e->state == State::kResident) {
     stats_->hits.fetch_add(1, std::memory_order_relaxed);
     return;
@@ -325,6 +402,7 @@ void ExpertCache::Install(Finished& d) {
 }
 
 Status ExpertCache::Poll() {
+  if (!shadow_pending_.empty()) ShadowStep();  // before this step's evictions
   std::deque<Finished> finished;
   {
     std::lock_guard<std::mutex> lock(mu_);

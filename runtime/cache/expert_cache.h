@@ -27,6 +27,13 @@
 //        that experts are not judged by where their layer sits in the cycle). lfu and lru favour
 //        the layers just served, whose turn is furthest away: on real routing replayed through
 //        all layers they evict what the next layers need (moebench cache-replay).
+//   adaptive (the default): evicts as whichever of cycle, lru and lfu would have hit most lately.
+//        The cache keeps three shadow caches of its budget (which experts each policy would hold,
+//        no weights) beside the real one, counts their hits over the last few thousand needs
+//        (a decayed count), and follows the leader (one that leads by 1 % or more). No policy
+//        wins on every routing: cycle keeps what the next layers need where batches go through
+//        the layers in turn with a skew that holds (prefill), lru wins where a decode stream
+//        keeps reusing its last experts (moebench cache-replay on recorded routing).
 // Resident bytes stay within the budget, except while the experts held by microbatches in flight
 // need more (then the rank holds exactly those, and says so once in the log). With a spill file,
 // up to `loaders` evicted experts' buffers are kept for the next reads (no new allocation and no
@@ -36,6 +43,7 @@
 // that call `fetch` and touch nothing else. stats() may be read from any thread.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -57,15 +65,16 @@
 
 namespace moerun {
 
-enum class EvictionPolicy { kLfu, kLru, kCycle };
-const char* EvictionPolicyName(EvictionPolicy p);  // "lfu", "lru", "cycle"
+enum class EvictionPolicy { kLfu, kLru, kCycle, kAdaptive };
+// "lfu", "lru", "cycle", "adaptive"
+const char* EvictionPolicyName(EvictionPolicy p);
 Result<EvictionPolicy> ParseEvictionPolicy(const std::string& name);
 
 struct ExpertCacheOptions {
   size_t budget_bytes = 0;        // resident expert weights of this rank (every layer)
   int loaders = 1;                // loads in parallel
   size_t max_inflight_bytes = 0;  // bytes of loads in flight; 0: two experts' worth
-  EvictionPolicy policy = EvictionPolicy::kCycle;
+  EvictionPolicy policy = EvictionPolicy::kAdaptive;
   double half_life = 256;  // lfu, cycle: microbatches over which a use counts half
   // Bandwidth of the loads in all (every loader, spill reads too), in bytes/s; 0: unlimited.
   // A load of B bytes finishes no sooner than B / rate after the previous one did (or after it
@@ -89,6 +98,8 @@ struct ExpertCacheStats {
   std::atomic<uint64_t> resident_bytes{0};
   std::atomic<uint64_t> resident_experts{0};
   std::atomic<uint64_t> hosted_experts{0};
+  // The policy evictions follow now (an EvictionPolicy; for adaptive, the shadow it follows).
+  std::atomic<int> following{0};
 };
 
 class ExpertCache {
@@ -130,7 +141,10 @@ class ExpertCache {
 
   // Counts a hit or a miss (queuing the load), and holds the expert until Done. `tick` once per
   // microbatch, before its Need calls.
-  void Tick() { ++tick_; }
+  void Tick() {
+    if (!shadow_pending_.empty()) ShadowStep();
+    ++tick_;
+  }
   void Need(int layer, int expert);
   void Done(int layer, int expert);
   // Error of a failed load of an expert a microbatch needs (names the expert and the reason).
@@ -141,6 +155,8 @@ class ExpertCache {
   bool WaitForLoad(Deadline until);
 
   uint64_t resident_bytes() const { return resident_bytes_; }
+  // The policy that decides evictions now: `policy`, or for adaptive the one it follows.
+  EvictionPolicy following() const;
   // Bytes of one expert of `layer` (0 until one has been seen).
   size_t expert_bytes(int layer) const;
 
@@ -150,12 +166,13 @@ class ExpertCache {
     State state = State::kCold;
     bool hosted = false;
     bool pinned = false;
-    bool warm = false;         // queued by Warm: admitted only where room can be made
-    int held = 0;              // microbatches that need it
-    size_t bytes = 0;          // resident
-    size_t loading_bytes = 0;  // counted in flight
-    double uses = 0;           // lfu: decayed use count as of `last`
-    uint64_t last = 0;         // tick of the last use
+    bool warm = false;             // queued by Warm: admitted only where room can be made
+    int held = 0;                  // microbatches that need it
+    size_t bytes = 0;              // resident
+    size_t loading_bytes = 0;      // counted in flight
+    double uses = 0;               // lfu: decayed use count as of `last`
+    uint64_t last = 0;             // tick of the last use
+    std::array<bool, 3> shadow{};  // adaptive: held by the shadow cache of lfu, lru, cycle
     Status error;
     std::string file;
   };
@@ -169,8 +186,12 @@ class ExpertCache {
   const Entry* Find(int layer, int expert) const;
   void Queue(int layer, int expert, bool warm);
   void Touch(Entry& e);
-  // Eviction order: the lowest score goes first.
-  double Score(int layer, const Entry& e) const;
+  // Eviction order: the lowest score goes first (under `following()`, or policy `p`).
+  double Score(int layer, const Entry& e) const { return ScoreAs(following(), layer, e); }
+  double ScoreAs(EvictionPolicy p, int layer, const Entry& e) const;
+  // adaptive: the shadow caches see the needs since the last call as one step (hits first, then
+  // the misses inserted, evicting what their policy would), and the leader is chosen again.
+  void ShadowStep();
   // Evicts until `need` more bytes fit in the budget (`strict`: evicts nothing, only says whether
   // they fit); false if the experts left cannot go.
   bool MakeRoom(size_t need, bool strict);
@@ -195,8 +216,16 @@ class ExpertCache {
     bool seen = false;
   };
   std::map<int, LayerTurn> turns_;
-  double mean_period_ = 0;         // of the layers seen twice (a layer not yet seen twice uses it)
-  std::deque<Key> demand_, warm_;  // loads not started yet
+  double mean_period_ = 0;  // of the layers seen twice (a layer not yet seen twice uses it)
+  // adaptive: per shadow (lfu, lru, cycle) the bytes it holds and its hits, decayed per need.
+  struct Shadow {
+    size_t bytes = 0;
+    double hits = 0;
+  };
+  std::array<Shadow, 3> shadows_{};
+  EvictionPolicy leader_ = EvictionPolicy::kCycle;
+  std::vector<Key> shadow_pending_;  // needs the shadows have not seen yet
+  std::deque<Key> demand_, warm_;    // loads not started yet
   uint64_t tick_ = 0;
   uint64_t resident_bytes_ = 0;
   size_t inflight_bytes_ = 0;

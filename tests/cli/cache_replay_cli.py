@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """`moebench cache-replay` on the recorded routing copied to tests/data/routing, as a user runs it,
 with small settings (the Qwen3 batch at 4 ranks in batches of 512 tokens at a 25 % budget, the
-Mixtral decode traces at 1 and 4 ranks, token by token, at 10 % and 25 %; lfu, lru and cycle;
+Mixtral decode traces at 1 and 4 ranks, token by token, at 10 % and 25 %; adaptive, lfu, lru and cycle;
 look-ahead 0 and 1):
 
   - the JSON report: one result per trace x ranks x batch x budget, each policy x look-ahead in it;
@@ -9,7 +9,8 @@ look-ahead 0 and 1):
     look-ahead 0 (it is the optimum, also rank by rank: the worst-rank gap >= 0) and gap_points
     equal to 100 x (Belady - policy) on average; hits + misses = needs, the same needs for every
     policy and Belady; compulsory <= Belady's misses; prefetched 0 at look-ahead 0 and <= misses;
-    capacity = floor(budget x hosted) per rank;
+    capacity = floor(budget x hosted) per rank; adaptive within 1.5 points of the best of the
+    other three at every point;
   - bad input (a missing file, window counts, a budget out of range, an unknown policy) ends with
     exit 2 and one line.
 
@@ -40,7 +41,10 @@ def run(args):
     return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
 
 
-def check_report(report, trace, ranks, batches, budgets):
+POLICIES = ("adaptive", "lfu", "lru", "cycle")
+
+
+def check_report(report, trace, ranks, batches, budgets, lookaheads=(0, 1)):
     results = [r for r in report["results"] if r["trace"] == trace]
     check(len(results) == len(ranks) * len(batches) * len(budgets),
           f"{trace}: {len(results)} results, expected {len(ranks) * len(batches) * len(budgets)}")
@@ -71,12 +75,19 @@ def check_report(report, trace, ranks, batches, budgets):
                 check(p["gap_points_worst"] >= -1e-9, ptag + ": a rank above Belady's optimum")
                 check(p["hits"] <= b["hits"], ptag + ": more hits than Belady")
                 check(p["prefetched"] == 0, ptag + ": prefetched without look-ahead")
-        check(seen == {(x, a) for x in ("lfu", "lru", "cycle") for a in (0, 1)},
+        check(seen == {(x, a) for x in POLICIES for a in lookaheads},
               tag + f": policies {sorted(seen)}")
+        # adaptive follows whichever of the others hits most: never far under the best of them
+        # (it learns which one leads over ~1,000 needs, so it can trail by a little).
+        for a in lookaheads:
+            rate = {p["policy"]: p["hit_rate"] for p in r["policies"] if p["lookahead"] == a}
+            best = max(rate["lfu"], rate["lru"], rate["cycle"])
+            check(rate["adaptive"] >= best - 0.015,
+                  f"{tag} la={a}: adaptive {rate['adaptive']:.3f}, the best other {best:.3f}")
 
 
 code, out, err = run(["--trace", QWEN, "--ranks", "4", "--batch", "512", "--budget", "0.25",
-                      "--policies", "lfu,lru,cycle", "--lookahead", "0,1", "--json"])
+                      "--policies", ",".join(POLICIES), "--lookahead", "0,1", "--json"])
 check(code == 0, f"qwen run exited {code}: {err[-2000:]}")
 if code == 0:
     report = json.loads(out)
@@ -84,7 +95,7 @@ if code == 0:
     check_report(report, QWEN, [4], [512], [0.25])
     check("batch_8_topk_ids" in err, "the table does not name the trace")
 code, out, err = run(["--trace", MIXTRAL, "--ranks", "1,4", "--batch", "1", "--budget", "0.1,0.25",
-                      "--policies", "lfu,lru,cycle", "--json"])
+                      "--policies", ",".join(POLICIES), "--json"])
 check(code == 0, f"mixtral run exited {code}: {err[-2000:]}")
 if code == 0:
     check_report(json.loads(out), MIXTRAL, [1, 4], [1], [0.1, 0.25])

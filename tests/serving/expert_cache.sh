@@ -97,6 +97,9 @@ for name in ("moerun_expert_cache_hits_total", "moerun_expert_cache_misses_total
              "moerun_expert_cache_spill_reads_total"):
     assert name in series and len(series[name]) == 3, (name, series.get(name))
 assert sum(series["moerun_expert_cache_misses_total"]) > 0, series
+# The default policy, adaptive: each rank says which of cycle, lru and lfu it follows (one of 3).
+f = series.get("moerun_expert_cache_following", [])
+assert len(f) == 9 and sum(f) == 3 and all(v in (0, 1) for v in f), f
 # Evicted experts came back from the spill file (each is loaded from the preset once, then read).
 assert sum(series["moerun_expert_cache_spill_reads_total"]) > 0, series
 assert all(v <= budget for v in series["moerun_expert_cache_resident_bytes"]), series

@@ -297,46 +297,61 @@ TEST(ExpertCacheTest, PolicyNames) {
   EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
   EXPECT_EQ(*ParseEvictionPolicy("cycle"), EvictionPolicy::kCycle);
   EXPECT_STREQ(EvictionPolicyName(EvictionPolicy::kCycle), "cycle");
+  EXPECT_EQ(*ParseEvictionPolicy("adaptive"), EvictionPolicy::kAdaptive);
+  EXPECT_STREQ(EvictionPolicyName(EvictionPolicy::kAdaptive), "adaptive");
+  EXPECT_EQ(ExpertCacheOptions{}.policy, EvictionPolicy::kAdaptive);
   EXPECT_FALSE(ParseEvictionPolicy("fifo").ok());
 }
 
-// Hits over `cycles` turns through `layers` layers that each need their expert 0 (one expert's
-// worth of tiny weights each), with room for `budget` experts.
-uint64_t CyclicHits(EvictionPolicy policy, int layers, int budget, int cycles) {
+// Hits of a cache of `budget` experts (look-ahead 0) over `steps`: (layer, experts needed).
+uint64_t ReplayHits(EvictionPolicy policy, int layers, int experts, int budget,
+                    const std::vector<std::pair<int, std::vector<int>>>& steps) {
   auto tiny = [] {
     ExpertWeights w;
     w.w13 = PackedMatrix(DType::kF32, 16, 8, 8);
     w.w2 = PackedMatrix(DType::kF32, 8, 8, 8);
     return w;
   };
-  std::vector<std::vector<ExpertWeights>> experts(static_cast<size_t>(layers));
+  std::vector<std::vector<ExpertWeights>> storage(static_cast<size_t>(layers));
   std::map<int, std::vector<ExpertWeights>*> map;
   for (int l = 0; l < layers; ++l) {
-    experts[static_cast<size_t>(l)].resize(2);
-    map[l] = &experts[static_cast<size_t>(l)];
+    storage[static_cast<size_t>(l)].resize(static_cast<size_t>(experts));
+    map[l] = &storage[static_cast<size_t>(l)];
   }
   ExpertCacheOptions o;
   o.budget_bytes = tiny().bytes() * static_cast<size_t>(budget);
   o.policy = policy;
   ExpertCache cache(
       o, [&](int, int, const std::string&) -> Result<ExpertWeights> { return tiny(); }, map);
-  for (int l = 0; l < layers; ++l) cache.Host(l, 0, true);
-  for (int c = 0; c < cycles; ++c) {
-    for (int l = 0; l < layers; ++l) {
-      cache.Tick();
-      cache.Need(l, 0);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (!cache.resident(l, 0) && std::chrono::steady_clock::now() < until) {
-        EXPECT_TRUE(cache.Poll().ok());
-        cache.WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
-      }
-      EXPECT_TRUE(cache.resident(l, 0)) << "layer " << l << " never loaded";
-      cache.Done(l, 0);
+  for (int l = 0; l < layers; ++l) {
+    for (int e = 0; e < experts; ++e) cache.Host(l, e, true);
+  }
+  for (const auto& [layer, need] : steps) {
+    cache.Tick();
+    for (int e : need) cache.Need(layer, e);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (;;) {
       EXPECT_TRUE(cache.Poll().ok());
-      EXPECT_LE(cache.resident_bytes(), o.budget_bytes);
+      bool all = true;
+      for (int e : need) all = all && cache.resident(layer, e);
+      if (all || std::chrono::steady_clock::now() > until) break;
+      cache.WaitForLoad(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
     }
+    for (int e : need) cache.Done(layer, e);
+    EXPECT_TRUE(cache.Poll().ok());
+    EXPECT_LE(cache.resident_bytes(), o.budget_bytes);
   }
   return cache.stats().hits.load();
+}
+
+// Hits over `cycles` turns through `layers` layers that each need their one expert, with room
+// for `budget` experts.
+uint64_t CyclicHits(EvictionPolicy policy, int layers, int budget, int cycles) {
+  std::vector<std::pair<int, std::vector<int>>> steps;
+  for (int c = 0; c < cycles; ++c) {
+    for (int l = 0; l < layers; ++l) steps.push_back({l, {0}});
+  }
+  return ReplayHits(policy, layers, 1, budget, steps);
 }
 
 TEST(ExpertCacheTest, CycleKeepsWhatTheNextLayersNeed) {
@@ -347,9 +362,69 @@ TEST(ExpertCacheTest, CycleKeepsWhatTheNextLayersNeed) {
   EXPECT_EQ(CyclicHits(EvictionPolicy::kLfu, 4, 3, 6), 0u);
   EXPECT_EQ(CyclicHits(EvictionPolicy::kLru, 4, 3, 6), 0u);
   EXPECT_GE(CyclicHits(EvictionPolicy::kCycle, 4, 3, 6), 2u * 5);
+  EXPECT_GE(CyclicHits(EvictionPolicy::kAdaptive, 4, 3, 6), 2u * 5);
   // Room for every layer: all policies hit after the first turn.
-  for (EvictionPolicy p : {EvictionPolicy::kLfu, EvictionPolicy::kLru, EvictionPolicy::kCycle}) {
+  for (EvictionPolicy p : {EvictionPolicy::kLfu, EvictionPolicy::kLru, EvictionPolicy::kCycle,
+                           EvictionPolicy::kAdaptive}) {
     EXPECT_EQ(CyclicHits(p, 4, 4, 6), 4u * 5) << EvictionPolicyName(p);
+  }
+}
+
+// A small deterministic generator (the same numbers on every standard library).
+struct Lcg {
+  uint64_t s;
+  int Below(int n) {
+    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int>((s >> 33) % static_cast<uint64_t>(n));
+  }
+};
+
+TEST(ExpertCacheTest, AdaptiveFollowsWhicheverPolicyHitsMore) {
+  // Four layers of 16 experts in turn, room for 12 (three a layer), two experts a step.
+  constexpr int kLayers = 4, kExperts = 16, kBudget = 12, kTurns = 600;
+  // A decode-like stream: each layer keeps its pair for a while (one turn in eight it moves to a
+  // pair drawn uniformly), so every expert is equally frequent and the last pair predicts.
+  std::vector<std::pair<int, std::vector<int>>> recency, frequency;
+  Lcg rng{7};
+  std::vector<std::vector<int>> pair(kLayers, {0, 1});
+  for (int t = 0; t < kTurns; ++t) {
+    for (int l = 0; l < kLayers; ++l) {
+      auto& p = pair[static_cast<size_t>(l)];
+      if (rng.Below(8) == 0) {
+        p[0] = rng.Below(kExperts);
+        do {
+          p[1] = rng.Below(kExperts);
+        } while (p[1] == p[0]);
+      }
+      recency.push_back({l, {std::min(p[0], p[1]), std::max(p[0], p[1])}});
+    }
+  }
+  // A skewed, memoryless stream: experts 0-2 of each layer are needed half the time each, the
+  // others rarely and at random, so the counts predict and the last use does not.
+  for (int t = 0; t < kTurns; ++t) {
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<int> need;
+      for (int e = 0; e < 3; ++e) {
+        if (rng.Below(2) == 0) need.push_back(e);
+      }
+      need.push_back(3 + rng.Below(kExperts - 3));
+      frequency.push_back({l, need});
+    }
+  }
+  for (const auto* steps : {&recency, &frequency}) {
+    const uint64_t lru = ReplayHits(EvictionPolicy::kLru, kLayers, kExperts, kBudget, *steps);
+    const uint64_t lfu = ReplayHits(EvictionPolicy::kLfu, kLayers, kExperts, kBudget, *steps);
+    const uint64_t adaptive =
+        ReplayHits(EvictionPolicy::kAdaptive, kLayers, kExperts, kBudget, *steps);
+    const char* name = steps == &recency ? "recency" : "frequency";
+    // What each stream is made to show: the policy that suits it is well ahead of the other.
+    if (steps == &recency) {
+      EXPECT_GT(lru, lfu + lfu / 4) << name;
+    } else {
+      EXPECT_GT(lfu, lru + lru / 4) << name;
+    }
+    // adaptive follows the better one, a few needs late after it takes the lead.
+    EXPECT_GE(adaptive, std::max(lru, lfu) * 98 / 100) << name << ": lru " << lru << " lfu " << lfu;
   }
 }
 
