@@ -186,8 +186,7 @@ constexpr double kShadowMargin = 0.01;
 }  // namespace
 
 void ExpertCache::ShadowStep() {
-  std::vector<Key> pending;
-  pending.swap(shadow_pending_);
+  const std::vector<Key>& pending = shadow_pending_;  // cleared at the end (its room kept)
   for (size_t s = 0; s < kShadowed.size(); ++s) {
     Shadow& sh = shadows_[s];
     for (const auto& [layer, expert] : pending) {
@@ -200,29 +199,36 @@ void ExpertCache::ShadowStep() {
       if (e.shadow[s] || !e.hosted || one == 0) continue;
       e.shadow[s] = true;
       sh.bytes += one;
-      while (sh.bytes > opts_.budget_bytes) {
-        // The lowest score under this shadow's policy among its experts no microbatch holds.
-        int best_layer = -1;
-        size_t best_expert = 0;
-        double best = std::numeric_limits<double>::infinity();
-        for (auto& [l, ents] : entries_) {
-          for (size_t x = 0; x < ents.size(); ++x) {
-            const Entry& c = ents[x];
-            if (!c.shadow[s] || c.held > 0) continue;
-            const double v = ScoreAs(kShadowed[s], l, c);
-            if (v <= best) {
-              best = v;
-              best_layer = l;
-              best_expert = x;
-            }
-          }
+    }
+    if (sh.bytes <= opts_.budget_bytes) continue;
+    // Evicts the lowest scores under this shadow's policy among its experts no microbatch holds
+    // (ties: the higher layer and expert first, as MakeRoom): one pass over the entries a step,
+    // the same choice as one eviction at a time (no score changes within a step).
+    victims_.clear();
+    for (const auto& [l, ents] : entries_) {
+      for (size_t x = 0; x < ents.size(); ++x) {
+        const Entry& c = ents[x];
+        if (c.shadow[s] && c.held == 0) {
+          victims_.push_back({ScoreAs(kShadowed[s], l, c), l, static_cast<int>(x)});
         }
-        if (best_layer < 0) break;  // every expert it holds is held: over, as the cache goes
-        entries_.at(best_layer)[best_expert].shadow[s] = false;
-        sh.bytes -= std::min(sh.bytes, Bytes(best_layer));
       }
     }
+    // A max-heap of "kept longest": its top is the next to go.
+    auto later = [](const Victim& a, const Victim& b) {
+      if (a.score != b.score) return a.score > b.score;
+      return std::make_pair(a.layer, a.expert) < std::make_pair(b.layer, b.expert);
+    };
+    std::make_heap(victims_.begin(), victims_.end(), later);
+    while (sh.bytes > opts_.budget_bytes && !victims_.empty()) {
+      std::pop_heap(victims_.begin(), victims_.end(), later);
+      const Victim v = victims_.back();
+      victims_.pop_back();
+      entries_.at(v.layer)[static_cast<size_t>(v.expert)].shadow[s] = false;
+      sh.bytes -= std::min(sh.bytes, Bytes(v.layer));
+    }
+    // Still over: every expert it holds is held (over, as the cache goes).
   }
+  shadow_pending_.clear();
   size_t lead = 0;
   for (size_t s = 0; s < kShadowed.size(); ++s) {
     if (kShadowed[s] == leader_) lead = s;

@@ -225,6 +225,11 @@ class ExpertCache {
   std::array<Shadow, 3> shadows_{};
   EvictionPolicy leader_ = EvictionPolicy::kCycle;
   std::vector<Key> shadow_pending_;  // needs the shadows have not seen yet
+  struct Victim {
+    double score;
+    int layer, expert;
+  };
+  std::vector<Victim> victims_;  // ShadowStep's scratch
   std::deque<Key> demand_, warm_;    // loads not started yet
   uint64_t tick_ = 0;
   uint64_t resident_bytes_ = 0;
