@@ -229,8 +229,8 @@ class ExpertCache {
     double score;
     int layer, expert;
   };
-  std::vector<Victim> victims_;  // ShadowStep's scratch
-  std::deque<Key> demand_, warm_;    // loads not started yet
+  std::vector<Victim> victims_;    // ShadowStep's scratch
+  std::deque<Key> demand_, warm_;  // loads not started yet
   uint64_t tick_ = 0;
   uint64_t resident_bytes_ = 0;
   size_t inflight_bytes_ = 0;
