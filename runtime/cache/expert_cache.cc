@@ -159,6 +159,7 @@ void ExpertCache::Resized(int layer, int expert) {
     e->hosted = true;
     expert_bytes_[layer] = e->bytes;
   }
+  order_valid_ = false;
   Publish();
 }
 
@@ -178,6 +179,13 @@ namespace {
 // The shadows' order in Entry::shadow and shadows_.
 constexpr std::array<EvictionPolicy, 3> kShadowed = {EvictionPolicy::kLfu, EvictionPolicy::kLru,
                                                      EvictionPolicy::kCycle};
+// Eviction order as a max-heap: its top goes first (the lowest score; ties: the higher layer and
+// expert).
+bool GoesLater(const ExpertCache::Victim& a, const ExpertCache::Victim& b) {
+  if (a.score != b.score) return a.score > b.score;
+  return std::make_pair(a.layer, a.expert) < std::make_pair(b.layer, b.expert);
+}
+
 // A shadow's hits are counted over about this many needs.
 constexpr double kShadowWindow = 1024;
 // The leader changes only to a shadow with this many more hits (relative): no flapping.
@@ -213,14 +221,9 @@ void ExpertCache::ShadowStep() {
         }
       }
     }
-    // A max-heap of "kept longest": its top is the next to go.
-    auto later = [](const Victim& a, const Victim& b) {
-      if (a.score != b.score) return a.score > b.score;
-      return std::make_pair(a.layer, a.expert) < std::make_pair(b.layer, b.expert);
-    };
-    std::make_heap(victims_.begin(), victims_.end(), later);
+    std::make_heap(victims_.begin(), victims_.end(), GoesLater);
     while (sh.bytes > opts_.budget_bytes && !victims_.empty()) {
-      std::pop_heap(victims_.begin(), victims_.end(), later);
+      std::pop_heap(victims_.begin(), victims_.end(), GoesLater);
       const Victim v = victims_.back();
       victims_.pop_back();
       entries_.at(v.layer)[static_cast<size_t>(v.expert)].shadow[s] = false;
@@ -273,6 +276,7 @@ void ExpertCache::Need(int layer, int expert) {
   if (opts_.policy == EvictionPolicy::kCycle || opts_.policy == EvictionPolicy::kAdaptive) {
     LayerTurn& t = turns_[layer];
     if (!t.seen || t.last != tick_) {  // the layer's first Need of this microbatch
+      order_valid_ = false;            // the layer's scores move with its turn
       if (t.seen && tick_ > t.last) {
         t.period = tick_ - t.last;
         double sum = 0;
@@ -310,7 +314,7 @@ void ExpertCache::Need(int layer, int expert) {
 
 void ExpertCache::Done(int layer, int expert) {
   Entry* e = Find(layer, expert);
-  if (e != nullptr && e->held > 0) --e->held;
+  if (e != nullptr && e->held > 0 && --e->held == 0) order_valid_ = false;
 }
 
 Status ExpertCache::Failed(int layer, int expert) const {
@@ -357,24 +361,40 @@ void ExpertCache::Evict(int layer, int expert, Entry& e) {
 }
 
 bool ExpertCache::MakeRoom(size_t need, bool strict) {
+  bool rebuilt = false;
   while (resident_bytes_ + inflight_bytes_ + need > opts_.budget_bytes) {
-    // The lowest score among those that may go (ties: the higher layer and expert number).
-    int best_layer = -1, best_expert = -1;
-    double best = std::numeric_limits<double>::infinity();
-    for (auto& [layer, ents] : entries_) {
-      for (size_t x = 0; x < ents.size(); ++x) {
-        const Entry& e = ents[x];
-        if (e.state != State::kResident || e.pinned || e.held > 0) continue;
-        const double s = Score(layer, e);
-        if (s <= best) {
-          best = s;
-          best_layer = layer;
-          best_expert = static_cast<int>(x);
+    if (strict) return false;  // a warm load takes free room only
+    // The eviction order: the experts that may go, by score, built once a tick (scores change
+    // only with the tick, or for an expert while a microbatch holds it) and again when an expert
+    // may have become free to go (Done, an install, a resize), so that it gives the same choice
+    // as a scan of every entry per eviction.
+    if (!order_valid_ || order_tick_ != tick_) {
+      order_.clear();
+      for (const auto& [layer, ents] : entries_) {
+        for (size_t x = 0; x < ents.size(); ++x) {
+          const Entry& e = ents[x];
+          if (e.state == State::kResident && !e.pinned && e.held == 0) {
+            order_.push_back({Score(layer, e), layer, static_cast<int>(x)});
+          }
         }
       }
+      std::make_heap(order_.begin(), order_.end(), GoesLater);
+      order_valid_ = true;
+      order_tick_ = tick_;
+      rebuilt = true;
     }
-    if (best_layer < 0 || strict) return false;  // a warm load takes free room only
-    Evict(best_layer, best_expert, entries_.at(best_layer)[static_cast<size_t>(best_expert)]);
+    if (order_.empty()) {
+      if (rebuilt) return false;  // nothing may go
+      order_valid_ = false;
+      continue;
+    }
+    std::pop_heap(order_.begin(), order_.end(), GoesLater);
+    const Victim v = order_.back();
+    order_.pop_back();
+    Entry& e = entries_.at(v.layer)[static_cast<size_t>(v.expert)];
+    // Skips what left the order's set since it was built (a microbatch holds it, pinned, gone).
+    if (e.state != State::kResident || e.pinned || e.held > 0) continue;
+    Evict(v.layer, v.expert, e);
   }
   return true;
 }
@@ -401,6 +421,7 @@ void ExpertCache::Install(Finished& d) {
   dirty_ = true;
   e->bytes = slot.bytes();
   e->state = State::kResident;
+  if (e->held == 0) order_valid_ = false;  // a warm load: free to go (held ones: at their Done)
   expert_bytes_[d.layer] = e->bytes;
   resident_bytes_ += e->bytes;
   stats_->loaded_bytes.fetch_add(e->bytes, std::memory_order_relaxed);

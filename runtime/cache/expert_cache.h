@@ -113,6 +113,11 @@ class ExpertCache {
               std::unique_ptr<SpillFile> spill = nullptr);
   ~ExpertCache();  // stops the loaders (a load in progress finishes first)
   ExpertCache(const ExpertCache&) = delete;
+  // An expert that may be evicted, with its score (the lowest goes first).
+  struct Victim {
+    double score;
+    int layer, expert;
+  };
   ExpertCache& operator=(const ExpertCache&) = delete;
 
   const ExpertCacheOptions& options() const { return opts_; }
@@ -225,11 +230,11 @@ class ExpertCache {
   std::array<Shadow, 3> shadows_{};
   EvictionPolicy leader_ = EvictionPolicy::kCycle;
   std::vector<Key> shadow_pending_;  // needs the shadows have not seen yet
-  struct Victim {
-    double score;
-    int layer, expert;
-  };
-  std::vector<Victim> victims_;    // ShadowStep's scratch
+  std::vector<Victim> victims_;      // ShadowStep's scratch
+  // MakeRoom's eviction order (a heap: GoesLater in the .cc), valid for order_tick_.
+  std::vector<Victim> order_;
+  bool order_valid_ = false;
+  uint64_t order_tick_ = 0;
   std::deque<Key> demand_, warm_;  // loads not started yet
   uint64_t tick_ = 0;
   uint64_t resident_bytes_ = 0;
