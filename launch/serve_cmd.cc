@@ -447,9 +447,9 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "overrides expert_cache_mib)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--expert-cache-policy", flags->expert_cache_policy,
-                  "Expert cache eviction: adaptive (the next use expected furthest away, from "
-                  "reuse odds learned while serving), cycle (the same from a decayed count), lfu "
-                  "(decayed frequency) or lru")
+                  "Expert cache eviction: adaptive (as whichever of cycle, lru and lfu its "
+                  "shadow caches show hitting most lately), cycle (the next use expected "
+                  "furthest away, layer by layer), lfu (decayed frequency) or lru")
       ->check(CLI::IsMember({"adaptive", "cycle", "lfu", "lru"}));
   cmd->add_option("--expert-cache-spill-dir", flags->expert_cache_spill_dir,
                   "Folder for the expert cache's spill file: experts loaded once are written "
