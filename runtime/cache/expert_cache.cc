@@ -241,6 +241,7 @@ void ExpertCache::ShadowStep() {
   }
   if (leader_ != kShadowed[lead]) {
     leader_ = kShadowed[lead];
+    order_valid_ = false;  // MakeRoom's order is by the leader's scores
     stats_->following.store(static_cast<int>(leader_));
   }
 }
