@@ -434,12 +434,14 @@ Status RouterLayer::SendTo(Stage& st, int d) {
   st.timed[static_cast<size_t>(d)] = 0;
   st.reqs.push_back(rr);
   const char* hdr = st.headers.as<char>() + header_bytes_ * static_cast<size_t>(d);
+  // The round trip starts before the header goes: stamped after the sends, a router thread
+  // descheduled between them could find the rank's own time longer than the round trip.
+  st.sent_at[static_cast<size_t>(d)] = SteadyClock::now();
   MOERUN_ASSIGN_OR_RETURN(Request hr, t_->Isend(d, kTagHeader, hdr, header_bytes_));
   st.reqs.push_back(hr);
   MOERUN_ASSIGN_OR_RETURN(Request sr, t_->Isend(d, kTagRows, st.rows_out.as<float>() + off * hidden,
                                                 static_cast<size_t>(n) * row_bytes));
   st.reqs.push_back(sr);
-  st.sent_at[static_cast<size_t>(d)] = SteadyClock::now();
   return Status::Ok();
 }
 
