@@ -23,6 +23,30 @@ struct RankTiming {
   int64_t compute_us = 0;     // its own time, as its answers reported
 };
 
+// When one microbatch's parts began on the router (its steady clock), for traces.
+struct MicrobatchTimes {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  int32_t layer = 0;
+  uint32_t seq = 0;
+  int64_t tokens = 0;
+  TimePoint gate{}, dispatch{}, sent{}, wait{}, combine{}, end{};  // `end`: combined
+};
+
+// One expert rank's part of one microbatch, for traces: the router's times (its steady clock)
+// and the rank's own (ns since the Unix epoch on the rank's clock, from its answer's trailer).
+struct RankTimes {
+  int32_t microbatch = 0;  // index into BatchTiming::microbatches
+  int32_t rank = 0;
+  int64_t rows = 0;
+  int64_t bytes = 0;                                      // rows sent and answered
+  std::chrono::steady_clock::time_point sent{}, received{};  // header sent, answer received
+  int64_t header_ns = 0, compute_start_ns = 0, answer_ns = 0;
+  int64_t cache_wait_us = 0;
+  // The rank's clock minus the router's, as the router estimates it from its round trips with
+  // the rank (NTP's rule on the round trip with the least delay lately); 0 for one host's ranks.
+  int64_t clock_offset_ns = 0;
+};
+
 // Where a batch's time went on the router so far (summed over its microbatches); the shared
 // expert runs while the expert ranks work, so it overlaps wait_us.
 struct BatchTiming {
@@ -32,7 +56,12 @@ struct BatchTiming {
   int64_t combine_us = 0;             // combining the answers
   int64_t shared_us = 0;              // the shared expert
   std::span<const RankTiming> ranks;  // the expert ranks that got rows, by rank
+  // The batch's microbatches so far and each expert rank's part of them (at most
+  // kMaxTracedMicrobatches: the first ones), for traces.
+  std::span<const MicrobatchTimes> microbatches;
+  std::span<const RankTimes> rank_times;
 };
+inline constexpr int kMaxTracedMicrobatches = 64;
 
 class BatchStream {
  public:

@@ -18,6 +18,7 @@
 #include "launch/rank_services.h"
 #include "launch/serve_join.h"
 #include "launch/serve_router.h"
+#include "runtime/serving/tracing_options.h"
 #include "runtime/cache/expert_cache.h"
 #include "runtime/layer/cuda/cuda_device.h"
 #include "runtime/model/layer_loader.h"
@@ -46,6 +47,9 @@ struct ServeFlags {
   std::string join;  // router 0's control endpoint: take over a dead expert rank of that job
   int64_t expert_cache_mib = -1;  // -1: the config's
   std::string expert_cache_policy;
+  std::string trace_endpoint;  // --trace-endpoint etc.: tracing.*
+  double trace_sample = -1;
+  int64_t trace_slow_ms = -1;
   std::string expert_cache_spill_dir;
   double expert_cache_load_mib_s = -1;  // -1: the config's
   DeviceFlags dev;                      // --device cuda: expert ranks compute on their local GPU
@@ -127,6 +131,13 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!f.tls_key_file.empty()) c.serving.tls.key_file = f.tls_key_file;
   if (f.expert_cache_mib >= 0) c.expert_cache_mib = f.expert_cache_mib;
   if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
+  if (!f.trace_endpoint.empty()) {
+    MOERUN_RETURN_IF_ERROR(
+        ParseOtlpEndpoint(f.trace_endpoint).status().WithContext("--trace-endpoint"));
+    c.tracing.endpoint = f.trace_endpoint;
+  }
+  if (f.trace_sample >= 0) c.tracing.sample = f.trace_sample;
+  if (f.trace_slow_ms >= 0) c.tracing.slow_ms = f.trace_slow_ms;
   if (!f.expert_cache_spill_dir.empty()) c.expert_cache_spill_dir = f.expert_cache_spill_dir;
   if (f.expert_cache_load_mib_s >= 0) c.expert_cache_load_mib_s = f.expert_cache_load_mib_s;
   if (f.ranks > 0) c.ranks = f.ranks;
@@ -451,6 +462,17 @@ std::function<int()> AddServeCommand(CLI::App& app) {
                   "shadow caches show hitting most lately), cycle (the next use expected "
                   "furthest away, layer by layer), lfu (decayed frequency) or lru")
       ->check(CLI::IsMember({"adaptive", "cycle", "lfu", "lru"}));
+  cmd->add_option("--trace-endpoint", flags->trace_endpoint,
+                  "OpenTelemetry traces of the requests to this OTLP/HTTP collector, "
+                  "http://HOST:PORT[/PATH] (overrides tracing.endpoint)");
+  cmd->add_option("--trace-sample", flags->trace_sample,
+                  "Share of the requests traced, besides those whose traceparent says sampled, "
+                  "the failed and the slow ones (overrides tracing.sample; default 0.01)")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--trace-slow-ms", flags->trace_slow_ms,
+                  "Also trace every request slower than this, frame in to answer out (0: off; "
+                  "overrides tracing.slow_ms)")
+      ->check(CLI::Range(int64_t{0}, int64_t{86400000}));
   cmd->add_option("--expert-cache-spill-dir", flags->expert_cache_spill_dir,
                   "Folder for the expert cache's spill file: experts loaded once are written "
                   "there packed, later misses read them back (overrides expert_cache_spill_dir)")

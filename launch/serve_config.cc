@@ -12,6 +12,7 @@
 #include "base/log.h"
 #include "runtime/cache/expert_cache.h"
 #include "runtime/model/preset.h"
+#include "runtime/serving/tracing_options.h"
 
 namespace moerun {
 namespace {
@@ -321,6 +322,21 @@ std::vector<Key<RebalanceConfig>> RebalanceKeys() {
   };
 }
 
+std::vector<Key<TracingConfig>> TracingKeys() {
+  using V = TracingConfig;
+  return {
+      {"endpoint",
+       [](const Reader& r, V* v) {
+         MOERUN_RETURN_IF_ERROR(r.GetString("endpoint", &v->endpoint));
+         if (v->endpoint.empty()) return Status::Ok();
+         return ParseOtlpEndpoint(v->endpoint).status().WithContext(r.Where("endpoint"));
+       }},
+      Number("sample", &V::sample, 0.0, 1.0),
+      Number("slow_ms", &V::slow_ms, int64_t{0}, int64_t{86400000}),
+      Number("queue_spans", &V::queue_spans, int64_t{64}, int64_t{1} << 24),
+  };
+}
+
 // The top level. "model" is resolved and "files" read once both model and preset are known.
 std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::string& base) {
   using C = ServeConfig;
@@ -363,6 +379,7 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
           [](C* c) { return &c->serving; }),
       Section<C, RebalanceConfig>("rebalance", source, RebalanceKeys,
                                   [](C* c) { return &c->rebalance; }),
+      Section<C, TracingConfig>("tracing", source, TracingKeys, [](C* c) { return &c->tracing; }),
       Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
       {"expert_cache_policy",
        [](const Reader& r, C* c) {

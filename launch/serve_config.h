@@ -50,6 +50,15 @@ struct ServingConfig {
   int64_t load_window_s = 60;  // sliding window of the load statistics (moectl status, planner)
 };
 
+// OpenTelemetry traces of the requests (runtime/serving/trace_exporter.h): each router exports
+// its requests' spans, the expert ranks' parts included, to an OTLP/HTTP collector.
+struct TracingConfig {
+  std::string endpoint;   // http://HOST:PORT[/PATH] (PATH: /v1/traces); empty: tracing off
+  double sample = 0.01;   // share of requests traced (besides sampled traceparents)
+  int64_t slow_ms = 0;    // > 0: also every request slower than this
+  int64_t queue_spans = 16384;  // spans waiting for the exporter at most (more are dropped)
+};
+
 struct ServeConfig {
   // Weights: a checkpoint folder, or a preset.
   std::string model;
@@ -80,6 +89,7 @@ struct ServeConfig {
   BatcherOptions batching;
   ServingConfig serving;
   RebalanceConfig rebalance;
+  TracingConfig tracing;
   std::string log_level = "info";
   // files.allow: the only directories `moectl expert update --from FILE` may name (absolute,
   // lexically normal; runtime/migration/file_allow.h). Without the key: the model's folder, or none

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "base/clock.h"
+#include "base/host_name.h"
 #include "base/log.h"
 #include "base/metrics.h"
 #include "base/peer_log.h"
@@ -66,6 +67,13 @@ ServingOptions ServingOptionsFor(const ServeSetup& s, int rank) {
   so.default_deadline = std::chrono::milliseconds(sc.default_deadline_ms);
   so.key = s.serving_key;
   so.key_file = sc.key_file;  // re-read when it changes (the old key accepted 60 s more)
+  const TracingConfig& tc = s.config.tracing;
+  so.tracing.endpoint = tc.endpoint;
+  so.tracing.sample = tc.sample;
+  so.tracing.slow_ms = tc.slow_ms;
+  so.tracing.max_queue_spans = static_cast<size_t>(tc.queue_spans);
+  so.tracing.source.router_rank = rank;
+  so.tracing.source.host = HostName();
   return so;
 }
 

@@ -144,6 +144,13 @@ int main(int argc, char** argv) {
                     "Check every answer bitwise against the local layer (exit 3 when the only "
                     "failures are answers that differ from it)");
     moerun::bench::AddVerifyLayerOptions(serve, &sf.layer);
+    serve->add_option("--trace-share", sf.trace_share,
+                      "Share of the requests sent with a new sampled W3C traceparent (a router "
+                      "with tracing on exports their spans)")
+        ->check(CLI::Range(0.0, 1.0));
+    serve->add_option("--trace-log", sf.trace_log,
+                      "With --trace-share, closed loop: write each traced request's "
+                      "\"TRACEPARENT ROUND_TRIP_US CODE\" to this file");
     serve->add_flag("--json", sf.json, "Print the JSON report on stdout");
     serve->add_flag("--floor", sf.floor,
                     "After the run, as long again: the round trip's floor measured beside it "

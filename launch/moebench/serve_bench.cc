@@ -2,6 +2,7 @@
 #include "launch/moebench/serve_floor.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "base/exit_code.h"
 #include "base/log.h"
 #include "base/thread_pool.h"
+#include "base/trace_context.h"
 #include "launch/plot/svg_plot.h"
 #include "runtime/layer/moe_layer.h"
 #include "runtime/serving/control_auth.h"
@@ -54,7 +57,29 @@ struct Workload {
   std::unique_ptr<ThreadPool> pool, single_pool;
   std::unique_ptr<MoeLayer> layer, layer_single;
   milliseconds wait{60000};  // how long a client waits for one answer
+  // --trace-share: the share of requests sent with a sampled traceparent; --trace-log: each
+  // traced request's "traceparent round_trip_us code" (closed loop), one line each.
+  double trace_share = 0;
+  std::FILE* trace_log = nullptr;
+  std::shared_ptr<std::mutex> trace_mu = std::make_shared<std::mutex>();
 };
+
+// The InferRequest.traceparent field (10) of a new sampled trace, or "" (its text in *text).
+std::string MaybeTraceField(const Workload& w, std::mt19937_64& rng, std::string* text) {
+  text->clear();
+  if (w.trace_share <= 0 || std::uniform_real_distribution<double>(0, 1)(rng) >= w.trace_share) {
+    return {};
+  }
+  TraceContext ctx;
+  ctx.trace_id = NewTraceId();
+  ctx.parent_id = NewSpanId();
+  ctx.flags = 1;
+  *text = FormatTraceparent(ctx);
+  std::string f;
+  f.push_back(static_cast<char>(10 << 3 | 2));
+  f.push_back(static_cast<char>(text->size()));  // 55 < 128: one length byte
+  return f + *text;
+}
 
 // "" when the answer is right; else the error kind, with the reason in *why.
 std::string CheckAnswer(const Workload& w, const v1::InferResponse& r, int input,
@@ -142,6 +167,8 @@ int InputOf(const Workload& w, int conn, uint64_t seq) {
 // connection broke is sent once more to the next router.
 void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* client, Stats* st) {
   v1::InferResponse resp;
+  std::mt19937_64 rng(static_cast<uint64_t>(c) + 1);
+  std::string traceparent;
   for (uint64_t seq = 0;; ++seq) {
     const auto t0 = Clock::now();
     if (t0 >= s.end) break;
@@ -158,8 +185,11 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
     const int input = InputOf(w, c, seq);
     const Deadline deadline = t0 + w.wait;
     const std::string& body = w.bodies[static_cast<size_t>(input)];
+    const std::string trace = MaybeTraceField(w, rng, &traceparent);
     const Status status = client->Call(
-        [&](ServeConnection* conn, Deadline d) { return SendRequestFrame(conn, id, body, {}, d); },
+        [&](ServeConnection* conn, Deadline d) {
+          return SendRequestFrame(conn, id, body, trace, d);
+        },
         id, &resp, deadline);
     st->failovers = static_cast<int64_t>(client->failovers());
     st->retried = static_cast<int64_t>(client->retried());
@@ -176,6 +206,13 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
       st->Ok(measured, !w.expected.empty(), Ms(done - t0), done);
     } else {
       st->Error(measured, kind, why, t0);
+    }
+    if (!traceparent.empty() && w.trace_log != nullptr) {
+      std::lock_guard<std::mutex> lock(*w.trace_mu);
+      std::fprintf(w.trace_log, "%s %lld %d\n", traceparent.c_str(),
+                   static_cast<long long>(
+                       std::chrono::duration_cast<std::chrono::microseconds>(done - t0).count()),
+                   static_cast<int>(resp.code()));
     }
   }
 }
@@ -239,8 +276,9 @@ class OpenLoopConnection {
         in_flight_[id] = Pending{at, input, measured};
       }
       // A send blocks while the server does not read (TCP flow control); never past the end.
+      const std::string trace = MaybeTraceField(w_, rng_, &traceparent_);
       const Status status = SendRequestFrame(conn_.get(), id, w_.bodies[static_cast<size_t>(input)],
-                                             {}, std::min(Clock::now() + w_.wait, give_up_));
+                                             trace, std::min(Clock::now() + w_.wait, give_up_));
       if (!status.ok()) {
         {
           std::lock_guard<std::mutex> lock(mu_);
@@ -325,6 +363,8 @@ class OpenLoopConnection {
   const double offset_s_;
   const Clock::time_point give_up_;  // no send or receive after it
   std::unique_ptr<ServeConnection> conn_;
+  std::mt19937_64 rng_{static_cast<uint64_t>(c_) + 1};  // --trace-share (the sender's)
+  std::string traceparent_;
   std::mutex mu_;
   std::unordered_map<uint64_t, Pending> in_flight_;  // guarded by mu_
   std::string broken_why_;                           // guarded by mu_ (written once)
@@ -503,6 +543,16 @@ int RunServeBench(const ServeBenchFlags& f) {
   Result<std::string> key = ReadServingKey(f.client);
   if (!key.ok()) return FailWith(key.status());
   w.key = std::move(*key);
+  w.trace_share = f.trace_share;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> trace_log(nullptr, &std::fclose);
+  if (!f.trace_log.empty()) {
+    trace_log.reset(std::fopen(f.trace_log.c_str(), "w"));
+    if (!trace_log) {
+      return FailWith(Status::InvalidArgument("--trace-log " + f.trace_log + ": cannot write: " +
+                                              std::strerror(errno)));
+    }
+    w.trace_log = trace_log.get();
+  }
   if (Status s = BuildWorkload(f, &w); !s.ok()) return FailWith(s);
 
   // Connection c starts at router c % targets (several: the load is spread over them).

@@ -48,6 +48,11 @@ struct ServeBenchFlags {
   // trip beside it (launch/moebench/serve_floor.h); needs --verify (the layer in process),
   // --concurrency 1, the closed loop and one target.
   bool floor = false;
+  // --trace-share: this share of the requests carries a new sampled W3C traceparent (a router
+  // with tracing on exports their spans); --trace-log FILE: one line per traced request of the
+  // closed loop, "TRACEPARENT ROUND_TRIP_US CODE".
+  double trace_share = 0;
+  std::string trace_log;
 };
 
 int RunServeBench(const ServeBenchFlags& f);

@@ -287,15 +287,19 @@ class _Call:
 
 
 def request_head(rid: int, prep: tensors.Prepared, layer: Optional[int],
-                 deadline_ms: int, key: str = "") -> serving_pb2.InferRequest:
+                 deadline_ms: int, key: str = "",
+                 traceparent: str = "") -> serving_pb2.InferRequest:
     """The InferRequest of one call, all but its data (sent from the input's own buffer);
-    ``key``: the serving key, when the server requires one."""
+    ``key``: the serving key, when the server requires one; ``traceparent``: a W3C trace
+    context (the server's spans for the request become its children)."""
     head = serving_pb2.InferRequest(id=rid, dtype=prep.wire_dtype, shape=[prep.tokens, prep.hidden],
                                     deadline_ms=int(deadline_ms))
     if layer is not None:
         head.layer = int(layer)
     if key:
         head.key = key.encode("utf-8")
+    if traceparent:
+        head.traceparent = traceparent.encode("ascii")
     return head
 
 
@@ -447,7 +451,8 @@ class Client(ClientOptions):
         return self
 
     def infer(self, x: Any, *, layer: Optional[int] = None, dtype: Optional[str] = None,
-              deadline_ms: int = 0, timeout: Optional[float] = None) -> Any:
+              deadline_ms: int = 0, timeout: Optional[float] = None,
+              traceparent: str = "") -> Any:
         """The MoE layer's output for ``x`` (numpy array or torch tensor ``[..., hidden]``,
         float32 or bfloat16; see :mod:`moerun.tensors`): same kind, dtype and shape as ``x``.
 
@@ -455,17 +460,20 @@ class Client(ClientOptions):
         ``"bf16"`` or ``"f32"`` to send in that type (converted, and the answer converted back).
         ``deadline_ms``: the server's deadline for this request from its receipt (0: the
         server's default). ``timeout``: seconds this call may take (default: the client's).
+        ``traceparent``: a W3C trace context ("00-<32 hex>-<16 hex>-<2 hex>"): a server with
+        tracing on makes its spans for the request children of that span, and exports them when
+        its flags say sampled (see docs/operator-guide.md, "Traces").
 
         Raises: InvalidArgumentError (bad input: the server's message, e.g. a wrong hidden size
         or NaN), DeadlineExceededError, OverloadedError, UnavailableError (no router reachable,
         or unavailable after the retries), FrameTooLargeError, MalformedFrameError, ...
         """
         return self.infer_many([x], layer=layer, dtype=dtype, deadline_ms=deadline_ms,
-                               timeout=timeout)[0]
+                               timeout=timeout, traceparent=traceparent)[0]
 
     def infer_many(self, xs: Sequence[Any], *, layer: Optional[int] = None,
                    dtype: Optional[str] = None, deadline_ms: int = 0,
-                   timeout: Optional[float] = None) -> List[Any]:
+                   timeout: Optional[float] = None, traceparent: str = "") -> List[Any]:
         """The outputs for several inputs, in their order: all are sent at once on one
         connection (pipelined, while answers are being read) and the answers matched by id,
         whatever order they come in. The options are :meth:`infer`'s; ``timeout`` bounds the
@@ -478,7 +486,8 @@ class Client(ClientOptions):
         calls = []
         for i, x in enumerate(xs):
             prep = tensors.prepare(x, dtype)
-            calls.append(_Call(i, 0, prep, request_head(0, prep, layer, deadline_ms, self._key)))
+            calls.append(_Call(i, 0, prep, request_head(0, prep, layer, deadline_ms, self._key,
+                                                        traceparent)))
         with self._enter():
             for c in calls:
                 c.id = self._next_id

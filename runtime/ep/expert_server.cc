@@ -12,6 +12,7 @@
 #include "base/idle_backoff.h"
 #include "base/log.h"
 #include "base/metrics.h"
+#include "base/trace_context.h"
 #include "runtime/cache/expert_cache.h"
 #include "runtime/ep/parked.h"
 #include "runtime/ep/registered_buffer.h"
@@ -437,6 +438,7 @@ Status ExpertServer::Handle(int router, const EpHeaderFixed& h, const EpEntry* e
   EpResultTrailer answer;
   answer.seq = h.seq;
   const auto compute_start = SteadyClock::now();
+  last_cache_wait_us_ = 0;
   const int64_t ldy = ffn_.PaddedHidden(hidden);
   if (compute_) {
     MOERUN_RETURN_IF_ERROR(compute_(h.layer, in.as<float>(), group_expert_, group_rows_, out));
@@ -453,10 +455,14 @@ Status ExpertServer::Handle(int router, const EpHeaderFixed& h, const EpEntry* e
     }
   }
   if (answer.code == 0 && serving_.has_updates) RunCanaries(h, entries, in.as<float>(), out);
+  const auto compute_end = SteadyClock::now();
   answer.compute_us = static_cast<uint32_t>(std::min<int64_t>(
       UINT32_MAX,
-      std::chrono::duration_cast<std::chrono::microseconds>(SteadyClock::now() - compute_start)
-          .count()));
+      std::chrono::duration_cast<std::chrono::microseconds>(compute_end - compute_start).count()));
+  answer.cache_wait_us = static_cast<uint32_t>(std::min<int64_t>(UINT32_MAX, last_cache_wait_us_));
+  answer.header_ns = UnixNanos(rin.header_at);
+  answer.compute_start_ns = UnixNanos(compute_start);
+  answer.answer_ns = UnixNanos(compute_end);
   std::memcpy(reinterpret_cast<char*>(out) + bytes, &answer, sizeof answer);
   MOERUN_ASSIGN_OR_RETURN(rs.out_req[slot],
                           t_->Isend(router, kTagResult, out, bytes + sizeof(EpResultTrailer)));
@@ -543,9 +549,9 @@ Status ExpertServer::RunGroups(int layer, const float* in, int64_t hidden, float
       }
       cache->WaitForLoad(std::min<Deadline>(until, now + std::chrono::milliseconds(2)));
     }
-    if (cache_wait_) {
-      cache_wait_(std::chrono::duration<double>(SteadyClock::now() - start).count());
-    }
+    const auto waited = SteadyClock::now() - start;
+    last_cache_wait_us_ = std::chrono::duration_cast<std::chrono::microseconds>(waited).count();
+    if (cache_wait_) cache_wait_(std::chrono::duration<double>(waited).count());
   }
   const bool retry = (answer->flags & kResultRetry) != 0;
   for (size_t i = 0; i < groups_.size(); ++i) {

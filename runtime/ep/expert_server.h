@@ -184,6 +184,7 @@ class ExpertServer {
   std::vector<ExpertGroup> ready_;
   std::vector<size_t> pending_;
   std::function<void(double)> cache_wait_;
+  int64_t last_cache_wait_us_ = 0;  // the microbatch being handled: its wait for cache loads
   uint64_t served_ = 0;
   uint64_t rows_served_ = 0;
   std::function<void(int, int, int64_t)> rows_observer_;

@@ -109,10 +109,16 @@ struct EpResultTrailer {
   int32_t code = 0;  // a StatusCode
   uint32_t flags = 0;
   uint32_t compute_us = 0;  // the rank's own time for the microbatch: its rows in to its answer out
-  uint32_t reserved = 0;
+  uint32_t cache_wait_us = 0;  // of which waiting for the expert cache's loads
+  // The rank's own clock, in ns since the Unix epoch (traces; each rank's clock, not the
+  // router's): its header taken, its compute started, its answer sent.
+  int64_t header_ns = 0;
+  int64_t compute_start_ns = 0;
+  int64_t answer_ns = 0;
   char message[104] = {};
+  char reserved[40] = {};
 };
-static_assert(sizeof(EpResultTrailer) == 128);
+static_assert(sizeof(EpResultTrailer) == 192);
 inline constexpr uint32_t kResultRetry = 1;
 // Floats between two ranks' result blocks in the router's receive buffer: one trailer's room
 // (a multiple of 16 floats, so every block stays 64-byte aligned).

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "base/log.h"
+#include "base/trace_context.h"
 #include "router/combine.h"
 #include "runtime/ep/protocol.h"
 #include "runtime/ep/registered_buffer.h"
@@ -28,6 +29,7 @@ struct RouterLayer::Stage {
   Deadline ep_deadline;  // the expert-parallel one: missing it marks a rank dead
   uint32_t seq = 0;      // the headers'
   bool active = false;
+  int mb_index = -1;  // its MicrobatchTimes in mb_times_, or -1 (not traced)
 };
 
 namespace {
@@ -80,6 +82,8 @@ RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> 
   stats_.rows_per_rank.assign(static_cast<size_t>(pl.num_ranks()), 0);
   rank_timing_.assign(static_cast<size_t>(pl.num_ranks()), RankTiming{});
   timed_.reserve(static_cast<size_t>(pl.num_ranks()));
+  mb_times_.reserve(kMaxTracedMicrobatches);
+  clock_.assign(static_cast<size_t>(pl.num_ranks()), ClockOffset{});
 }
 
 RouterLayer::~RouterLayer() {
@@ -104,6 +108,8 @@ Status RouterLayer::Forward(const float* x, int64_t tokens, float* out, Deadline
   if (health_ == nullptr) MOERUN_RETURN_IF_ERROR(DrainOwnStrands());
   call_deadline_ = deadline;
   timing_ = BatchTiming{};
+  mb_times_.clear();
+  rank_times_.clear();
   for (size_t d = 0; d < rank_timing_.size(); ++d) {
     rank_timing_[d] = RankTiming{};
     rank_timing_[d].rank = static_cast<int32_t>(d);
@@ -351,6 +357,16 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   st.active = true;
   const auto t_dispatch = SteadyClock::now();
   timing_.gate_us += MicrosBetween(t_gate, t_dispatch);
+  st.mb_index = -1;
+  if (mb_times_.size() < static_cast<size_t>(kMaxTracedMicrobatches)) {
+    st.mb_index = static_cast<int>(mb_times_.size());
+    MicrobatchTimes& mt = mb_times_.emplace_back();
+    mt.layer = w.layer;
+    mt.seq = seq_;
+    mt.tokens = tokens;
+    mt.gate = t_gate;
+    mt.dispatch = t_dispatch;
+  }
 
   // Gather every row into its destination's block.
   const int64_t rows = tokens * k;
@@ -403,6 +419,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   stats_.rows_sent += static_cast<uint64_t>(rows);
   const auto t_sent = SteadyClock::now();
   timing_.dispatch_us += MicrosBetween(t_dispatch, t_sent);
+  if (st.mb_index >= 0) mb_times_[static_cast<size_t>(st.mb_index)].sent = t_sent;
 
   // The shared expert runs here while the expert ranks work.
   if (w.shared) {
@@ -455,6 +472,10 @@ Status RouterLayer::Collect(Stage& st, float* out) {
     // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
     st.done_at.assign(st.reqs.size(), SteadyClock::time_point{});
     const auto t_wait = SteadyClock::now();
+    if (st.mb_index >= 0) {
+      MicrobatchTimes& mt = mb_times_[static_cast<size_t>(st.mb_index)];
+      if (mt.wait == SteadyClock::time_point{}) mt.wait = t_wait;
+    }
     const Status waited =
         t_->WaitAll(st.reqs, st.ep_deadline, what_.c_str(), /*cancel_late=*/false, st.done_at);
     timing_.wait_us += MicrosBetween(t_wait, SteadyClock::now());
@@ -492,6 +513,7 @@ Status RouterLayer::Collect(Stage& st, float* out) {
           rt.rows += n;
           rt.round_trip_us += MicrosBetween(st.sent_at[ud], st.done_at[st.recv_index[ud]]);
           rt.compute_us += tr.compute_us;
+          RecordRankTimes(st, d, n, tr, st.done_at[st.recv_index[ud]]);
         }
         continue;
       }
@@ -551,8 +573,50 @@ Status RouterLayer::Collect(Stage& st, float* out) {
                    st.gating.shared_scale()[static_cast<size_t>(t)], out + (st.t0 + t) * hidden);
     }
   });
-  timing_.combine_us += MicrosBetween(t_combine, SteadyClock::now());
+  const auto t_end = SteadyClock::now();
+  timing_.combine_us += MicrosBetween(t_combine, t_end);
+  if (st.mb_index >= 0) {
+    MicrobatchTimes& mt = mb_times_[static_cast<size_t>(st.mb_index)];
+    mt.combine = t_combine;
+    mt.end = t_end;
+  }
   return Status::Ok();
+}
+
+void RouterLayer::RecordRankTimes(const Stage& st, int d, int64_t rows, const EpResultTrailer& tr,
+                                  SteadyClock::time_point received) {
+  const auto ud = static_cast<size_t>(d);
+  ClockOffset& c = clock_[ud];
+  const SteadyClock::time_point sent = st.sent_at[ud];
+  if (tr.header_ns > 0 && tr.answer_ns >= tr.header_ns) {
+    // NTP: t0 sent, t1 the rank took the header, t2 it answered, t3 received.
+    const int64_t t0 = UnixNanos(sent), t3 = UnixNanos(received);
+    const int64_t delay = (t3 - t0) - (tr.answer_ns - tr.header_ns);
+    const int64_t offset = ((tr.header_ns - t0) + (tr.answer_ns - t3)) / 2;
+    if (delay < c.best_delay) {
+      c.best_delay = delay;
+      c.best_offset = offset;
+    }
+    if (!c.known || ++c.samples >= kOffsetWindow) {
+      c.offset_ns = c.best_offset;
+      c.known = true;
+      c.samples = 0;
+      c.best_delay = INT64_MAX;
+    }
+  }
+  if (st.mb_index < 0) return;
+  RankTimes& r = rank_times_.emplace_back();
+  r.microbatch = st.mb_index;
+  r.rank = d;
+  r.rows = rows;
+  r.bytes = 2 * rows * w_->spec.hidden * static_cast<int64_t>(sizeof(float));
+  r.sent = sent;
+  r.received = received;
+  r.header_ns = tr.header_ns;
+  r.compute_start_ns = tr.compute_start_ns;
+  r.answer_ns = tr.answer_ns;
+  r.cache_wait_us = tr.cache_wait_us;
+  r.clock_offset_ns = c.offset_ns;
 }
 
 const BatchTiming& RouterLayer::timing() {
@@ -561,6 +625,8 @@ const BatchTiming& RouterLayer::timing() {
     if (r.rows > 0) timed_.push_back(r);
   }
   timing_.ranks = timed_;
+  timing_.microbatches = mb_times_;
+  timing_.rank_times = rank_times_;
   return timing_;
 }
 

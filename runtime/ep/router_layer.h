@@ -41,6 +41,8 @@
 
 namespace moerun {
 
+struct EpResultTrailer;
+
 struct EpOptions {
   int64_t microbatch_tokens = 0;  // 0: the whole batch is one microbatch
   std::chrono::milliseconds deadline{30000};
@@ -151,6 +153,20 @@ class RouterLayer {
   BatchTiming timing_;
   std::vector<RankTiming> rank_timing_;  // by rank, this Forward's
   std::vector<RankTiming> timed_;        // those with rows, for timing_.ranks
+  std::vector<MicrobatchTimes> mb_times_;  // this Forward's first microbatches, for traces
+  std::vector<RankTimes> rank_times_;      // and each expert rank's part of them
+  // Per rank: its clock's offset to ours, from the round trips (NTP's rule: the sample with the
+  // least delay in a window of kOffsetWindow round trips becomes the estimate).
+  struct ClockOffset {
+    int64_t offset_ns = 0;
+    bool known = false;
+    int64_t best_delay = INT64_MAX, best_offset = 0;
+    int samples = 0;
+  };
+  static constexpr int kOffsetWindow = 64;
+  std::vector<ClockOffset> clock_;
+  void RecordRankTimes(const Stage& st, int d, int64_t rows, const EpResultTrailer& tr,
+                       SteadyClock::time_point received);
   std::string what_;                     // names the layer in errors
   PeerHealth* health_ = nullptr;
   Histogram* dispatch_hist_ = nullptr;

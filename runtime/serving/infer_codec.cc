@@ -33,6 +33,7 @@ struct WireRequest {
   std::string_view key;
   bool timing = false;
   int32_t probe = 0;
+  std::string_view traceparent;
 };
 
 // The wire format as Protobuf 3's parser reads it (parse_context.h): a tag is a varint of at
@@ -165,6 +166,11 @@ bool ReadWire(std::string_view body, WireRequest* r) {
     } else if (field == 9 && wire == 0) {
       if (!in.Varint64(&v)) return false;
       r->probe = static_cast<int32_t>(v);
+    } else if (field == 10 && wire == 2) {
+      if (!in.Size(&len)) return false;
+      const size_t at = in.offset();
+      if (!in.Skip(len)) return false;
+      r->traceparent = body.substr(at, len);
     } else if (!in.SkipField(tag)) {
       return false;
     }
@@ -334,6 +340,7 @@ bool ParseInferRequest(std::string_view body, const ServedModel& model, ParsedRe
                     std::to_string(req.probe) + ")");
   }
   out->probe = static_cast<moerun::v1::Probe>(req.probe);
+  out->traceparent = req.traceparent;
   return true;
 }
 

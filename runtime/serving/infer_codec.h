@@ -47,6 +47,9 @@ struct ParsedRequest {
   std::string_view key;   // the serving key sent (InferRequest.key), inside the parsed body
   bool timing = false;    // InferRequest.timing: the answer carries its Timing
   moerun::v1::Probe probe = moerun::v1::PROBE_NONE;
+  // InferRequest.traceparent as sent (W3C Trace Context; checked by the tracer, not here: a bad
+  // one is ignored and counted, never a refusal), inside the parsed body.
+  std::string_view traceparent;
 };
 
 // Where a request's time went on the server (InferResponse.timing).

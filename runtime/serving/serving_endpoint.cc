@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 
 #include "base/log.h"
+#include "base/trace_context.h"
 #include "runtime/serving/buffer_pool.h"
 #include "runtime/serving/control_auth.h"
 #include "runtime/serving/handler_memory.h"
@@ -39,6 +41,16 @@ struct ServingEndpoint::Pending {
   bool answered = false;
   int heap_pos = -1;        // in the deadline heap, or -1
   Pending* next = nullptr;  // the finished list
+  // Tracing: the request's context (a valid traceparent's, or none), why it is traced from the
+  // start (null: not head-sampled), its batch's times (copied only with tracing on), its answer.
+  TraceContext trace;
+  bool trace_parent = false;
+  const char* trace_why = nullptr;
+  std::vector<MicrobatchTimes> mb_times;
+  std::vector<RankTimes> rank_times;
+  Clock::time_point answered_at;
+  ErrorCode answered_code = moerun::v1::OK;
+  std::string answered_error;
 };
 
 // One timer for every deadline: a min-heap of the requests by deadline (I/O thread only).
@@ -191,6 +203,22 @@ Result<std::unique_ptr<ServingEndpoint>> ServingEndpoint::Start(ServingOptions o
     }
   }
   ep->connections_ = metrics->AddGauge("moerun_serving_connections", "Open serving connections");
+  if (options.tracing.enabled()) {
+    MOERUN_ASSIGN_OR_RETURN(ep->tracer_, TraceExporter::Start(options.tracing, metrics));
+    ep->bad_traceparent_ = metrics->AddCounter(
+        "moerun_trace_bad_traceparent_total",
+        "Requests whose traceparent was malformed (ignored: traced, if at all, as without one)");
+    const auto traced = [&](const char* why) {
+      return metrics->AddCounter("moerun_trace_requests_total",
+                                 "Requests traced, by why: caller (its traceparent said sampled), "
+                                 "share (tracing.sample), slow (over tracing.slow_ms), failed",
+                                 {{"why", why}});
+    };
+    ep->traced_caller_ = traced("caller");
+    ep->traced_share_ = traced("share");
+    ep->traced_slow_ = traced("slow");
+    ep->traced_failed_ = traced("failed");
+  }
   ServingEndpoint* raw = ep.get();
   FramedHandlers h;
   h.on_frame = [raw](const std::shared_ptr<FramedConnection>& c, PooledBuffer body,
@@ -266,6 +294,12 @@ void ServingEndpoint::FreeSlot(Pending* p) {
   p->have_timing = false;
   p->answered = false;
   p->next = nullptr;
+  p->trace_parent = false;
+  p->trace_why = nullptr;
+  p->mb_times.clear();
+  p->rank_times.clear();
+  p->answered_code = moerun::v1::OK;
+  p->answered_error.clear();
   free_.push_back(p);
 }
 
@@ -278,6 +312,9 @@ void ServingEndpoint::Refuse(FramedConnection& conn, uint64_t id, ErrorCode code
 void ServingEndpoint::Answer(Pending& p, ErrorCode code, const std::string& message) {
   if (p.answered) return;
   p.answered = true;
+  p.answered_at = Clock::now();
+  p.answered_code = code;
+  if (tracer_ && code != moerun::v1::OK) p.answered_error = message;
   if (code == moerun::v1::OK) {
     p.conn->Send(std::move(p.answer), p.frame_offset, p.frame_size);
     tokens_->Inc(static_cast<uint64_t>(p.req.tokens));
@@ -343,6 +380,7 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
                                           : opts_.default_deadline;
   p->deadline_ms = std::min(p->deadline_ms, opts_.max_deadline);
   p->deadline = p->received + p->deadline_ms;
+  if (tracer_ && p->req.probe == moerun::v1::PROBE_NONE) StartTrace(*p);
 
   BatchRequest br;
   br.layer = p->req.probe == moerun::v1::PROBE_TRANSPORT ? kTransportProbeLayer : p->req.layer;
@@ -445,6 +483,10 @@ void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchIn
     const size_t n = std::min(info.timing->ranks.size(), p->ranks.capacity());
     p->ranks.assign(info.timing->ranks.begin(), info.timing->ranks.begin() + n);
     p->timing.batch.ranks = p->ranks;
+    if (ep->tracer_ && p->req.probe == moerun::v1::PROBE_NONE) {
+      p->mb_times.assign(info.timing->microbatches.begin(), info.timing->microbatches.end());
+      p->rank_times.assign(info.timing->rank_times.begin(), info.timing->rank_times.end());
+    }
   }
   ep->in_flight_.fetch_sub(1);
   ep->in_flight_gauge_->Set(static_cast<double>(ep->in_flight_.load()));
@@ -528,9 +570,60 @@ void ServingEndpoint::TakeFinished() {
       if (p->have_timing && p->req.probe == moerun::v1::PROBE_NONE) ObserveParts(t);
     }
     Answer(*p, ErrorCodeOf(p->status), p->status.message());
+    if (tracer_ && p->req.probe == moerun::v1::PROBE_NONE) FinishTrace(*p);
     Release(*p);
     FreeSlot(p);
   }
+}
+
+void ServingEndpoint::StartTrace(Pending& p) {
+  if (!p.req.traceparent.empty()) {
+    p.trace_parent = ParseTraceparent(p.req.traceparent, &p.trace);
+    if (!p.trace_parent) bad_traceparent_->Inc();
+  }
+  const double share = opts_.tracing.sample;
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  if (p.trace_parent && p.trace.sampled()) {
+    p.trace_why = "caller";
+  } else if (share > 0 && std::uniform_real_distribution<double>(0, 1)(rng) < share) {
+    p.trace_why = "share";
+  }
+}
+
+void ServingEndpoint::FinishTrace(Pending& p) {
+  const char* why = p.trace_why;
+  const bool failed = p.answered_code != moerun::v1::OK;
+  const auto server = p.answered_at - p.received;
+  if (why == nullptr && failed) why = "failed";
+  if (why == nullptr && opts_.tracing.slow_ms > 0 &&
+      server >= std::chrono::milliseconds(opts_.tracing.slow_ms)) {
+    why = "slow";
+  }
+  if (why == nullptr) return;
+  const std::string_view w = why;
+  (w == "caller"   ? traced_caller_
+   : w == "share"  ? traced_share_
+   : w == "failed" ? traced_failed_
+                   : traced_slow_)
+      ->Inc();
+  RequestTrace t;
+  t.ctx = p.trace;
+  t.has_parent = p.trace_parent;
+  if (!t.has_parent) t.ctx.trace_id = NewTraceId();
+  t.why = why;
+  t.request_id = p.req.id;
+  t.layer = p.req.layer;
+  t.tokens = p.req.tokens;
+  t.batch_tokens = p.info.batch_tokens;
+  t.code = static_cast<int>(p.answered_code);
+  t.error = std::move(p.answered_error);
+  t.received = p.received;
+  t.batch_start = p.received + std::chrono::microseconds(p.info.queue_us);
+  t.batch_done = p.batch_done;
+  t.answered = p.answered_at;
+  t.microbatches = std::move(p.mb_times);
+  t.ranks = std::move(p.rank_times);
+  tracer_->Offer(std::move(t));
 }
 
 }  // namespace moerun

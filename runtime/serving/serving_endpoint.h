@@ -45,6 +45,7 @@
 #include "base/metrics.h"
 #include "runtime/serving/batcher.h"
 #include "runtime/serving/framed_server.h"
+#include "runtime/serving/trace_exporter.h"
 #include "runtime/serving/infer_codec.h"
 
 namespace moerun {
@@ -59,6 +60,7 @@ struct ServingOptions {
   std::string key;                     // non-empty: every request must carry it (InferRequest.key)
   std::string key_file;                // where `key` was read: re-read when it changes ("": never)
   std::chrono::seconds key_grace{60};  // the old key accepted this long after a change
+  TracingOptions tracing;              // OpenTelemetry traces (off without an endpoint)
 };
 
 class ServingEndpoint {
@@ -125,6 +127,15 @@ class ServingEndpoint {
   void ObserveParts(const struct AnswerTiming& t);
   Gauge* in_flight_gauge_ = nullptr;
   Gauge* connections_ = nullptr;
+  // Tracing (with options.tracing): the exporter, and why requests were kept.
+  std::unique_ptr<TraceExporter> tracer_;
+  void StartTrace(Pending& p);   // I/O thread, on a request's frame: its context, head sampling
+  void FinishTrace(Pending& p);  // I/O thread, once answered: offers the trace if it is kept
+  Counter* bad_traceparent_ = nullptr;
+  Counter* traced_caller_ = nullptr;
+  Counter* traced_share_ = nullptr;
+  Counter* traced_slow_ = nullptr;
+  Counter* traced_failed_ = nullptr;
 };
 
 }  // namespace moerun
