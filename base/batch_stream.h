@@ -38,7 +38,7 @@ struct RankTimes {
   int32_t microbatch = 0;  // index into BatchTiming::microbatches
   int32_t rank = 0;
   int64_t rows = 0;
-  int64_t bytes = 0;                                      // rows sent and answered
+  int64_t bytes = 0;                                         // rows sent and answered
   std::chrono::steady_clock::time_point sent{}, received{};  // header sent, answer received
   int64_t header_ns = 0, compute_start_ns = 0, answer_ns = 0;
   int64_t cache_wait_us = 0;

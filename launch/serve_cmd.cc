@@ -18,7 +18,6 @@
 #include "launch/rank_services.h"
 #include "launch/serve_join.h"
 #include "launch/serve_router.h"
-#include "runtime/serving/tracing_options.h"
 #include "runtime/cache/expert_cache.h"
 #include "runtime/layer/cuda/cuda_device.h"
 #include "runtime/model/layer_loader.h"
@@ -26,6 +25,7 @@
 #include "runtime/ranks/rank_job.h"
 #include "runtime/serving/control_endpoint.h"
 #include "runtime/serving/host_port.h"
+#include "runtime/serving/tracing_options.h"
 #include "transport/launcher_env.h"
 #include "transport/registry.h"
 

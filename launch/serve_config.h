@@ -53,9 +53,9 @@ struct ServingConfig {
 // OpenTelemetry traces of the requests (runtime/serving/trace_exporter.h): each router exports
 // its requests' spans, the expert ranks' parts included, to an OTLP/HTTP collector.
 struct TracingConfig {
-  std::string endpoint;   // http://HOST:PORT[/PATH] (PATH: /v1/traces); empty: tracing off
-  double sample = 0.01;   // share of requests traced (besides sampled traceparents)
-  int64_t slow_ms = 0;    // > 0: also every request slower than this
+  std::string endpoint;         // http://HOST:PORT[/PATH] (PATH: /v1/traces); empty: tracing off
+  double sample = 0.01;         // share of requests traced (besides sampled traceparents)
+  int64_t slow_ms = 0;          // > 0: also every request slower than this
   int64_t queue_spans = 16384;  // spans waiting for the exporter at most (more are dropped)
 };
 

@@ -144,9 +144,10 @@ int main(int argc, char** argv) {
                     "Check every answer bitwise against the local layer (exit 3 when the only "
                     "failures are answers that differ from it)");
     moerun::bench::AddVerifyLayerOptions(serve, &sf.layer);
-    serve->add_option("--trace-share", sf.trace_share,
-                      "Share of the requests sent with a new sampled W3C traceparent (a router "
-                      "with tracing on exports their spans)")
+    serve
+        ->add_option("--trace-share", sf.trace_share,
+                     "Share of the requests sent with a new sampled W3C traceparent (a router "
+                     "with tracing on exports their spans)")
         ->check(CLI::Range(0.0, 1.0));
     serve->add_option("--trace-log", sf.trace_log,
                       "With --trace-share, closed loop: write each traced request's "

@@ -2,8 +2,8 @@
 #include "launch/moebench/serve_floor.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -186,11 +186,10 @@ void ClosedLoop(const Workload& w, const Schedule& s, int c, FailoverClient* cli
     const Deadline deadline = t0 + w.wait;
     const std::string& body = w.bodies[static_cast<size_t>(input)];
     const std::string trace = MaybeTraceField(w, rng, &traceparent);
-    const Status status = client->Call(
-        [&](ServeConnection* conn, Deadline d) {
-          return SendRequestFrame(conn, id, body, trace, d);
-        },
-        id, &resp, deadline);
+    const Status status =
+        client->Call([&](ServeConnection* conn,
+                         Deadline d) { return SendRequestFrame(conn, id, body, trace, d); },
+                     id, &resp, deadline);
     st->failovers = static_cast<int64_t>(client->failovers());
     st->retried = static_cast<int64_t>(client->retried());
     if (!status.ok()) {
@@ -548,8 +547,8 @@ int RunServeBench(const ServeBenchFlags& f) {
   if (!f.trace_log.empty()) {
     trace_log.reset(std::fopen(f.trace_log.c_str(), "w"));
     if (!trace_log) {
-      return FailWith(Status::InvalidArgument("--trace-log " + f.trace_log + ": cannot write: " +
-                                              std::strerror(errno)));
+      return FailWith(Status::InvalidArgument("--trace-log " + f.trace_log +
+                                              ": cannot write: " + std::strerror(errno)));
     }
     w.trace_log = trace_log.get();
   }

@@ -151,8 +151,8 @@ class RouterLayer {
   uint32_t seq_ = 0;
   EpStats stats_;
   BatchTiming timing_;
-  std::vector<RankTiming> rank_timing_;  // by rank, this Forward's
-  std::vector<RankTiming> timed_;        // those with rows, for timing_.ranks
+  std::vector<RankTiming> rank_timing_;    // by rank, this Forward's
+  std::vector<RankTiming> timed_;          // those with rows, for timing_.ranks
   std::vector<MicrobatchTimes> mb_times_;  // this Forward's first microbatches, for traces
   std::vector<RankTimes> rank_times_;      // and each expert rank's part of them
   // Per rank: its clock's offset to ours, from the round trips (NTP's rule: the sample with the
@@ -167,7 +167,7 @@ class RouterLayer {
   std::vector<ClockOffset> clock_;
   void RecordRankTimes(const Stage& st, int d, int64_t rows, const EpResultTrailer& tr,
                        SteadyClock::time_point received);
-  std::string what_;                     // names the layer in errors
+  std::string what_;  // names the layer in errors
   PeerHealth* health_ = nullptr;
   Histogram* dispatch_hist_ = nullptr;
   Histogram* combine_hist_ = nullptr;

@@ -29,7 +29,7 @@ void ResourceAttr(pb::Resource* r, const char* key, int64_t v) {
 }
 
 pb::ScopeSpans* NewScope(pb::ExportTraceServiceRequest* out, const TraceSource& src, int rank,
-                           const char* role) {
+                         const char* role) {
   pb::ResourceSpans* rs = out->add_resource_spans();
   pb::Resource* r = rs->mutable_resource();
   ResourceAttr(r, "service.name", src.service);
@@ -43,10 +43,9 @@ pb::ScopeSpans* NewScope(pb::ExportTraceServiceRequest* out, const TraceSource& 
 }
 
 // A span of trace `t`; its id is returned (the parent of the next ones).
-SpanId AddSpan(pb::ScopeSpans* ss, const RequestTrace& t, const SpanId* parent,
-               const char* name, int64_t start_ns, int64_t end_ns,
-               pb::Span::SpanKind kind = pb::Span::SPAN_KIND_INTERNAL,
-               pb::Span** made = nullptr) {
+SpanId AddSpan(pb::ScopeSpans* ss, const RequestTrace& t, const SpanId* parent, const char* name,
+               int64_t start_ns, int64_t end_ns,
+               pb::Span::SpanKind kind = pb::Span::SPAN_KIND_INTERNAL, pb::Span** made = nullptr) {
   pb::Span* s = ss->add_spans();
   const SpanId id = NewSpanId();
   s->set_trace_id(t.ctx.trace_id.data(), t.ctx.trace_id.size());

@@ -45,8 +45,8 @@
 #include "base/metrics.h"
 #include "runtime/serving/batcher.h"
 #include "runtime/serving/framed_server.h"
-#include "runtime/serving/trace_exporter.h"
 #include "runtime/serving/infer_codec.h"
+#include "runtime/serving/trace_exporter.h"
 
 namespace moerun {
 

@@ -12,8 +12,8 @@ Result<OtlpTarget> ParseOtlpEndpoint(const std::string& endpoint) {
     const std::string s = rest.substr(0, scheme);
     if (s != "http") {
       return Status::InvalidArgument(
-          "tracing endpoint '" + endpoint + "': only http:// is supported (OTLP/HTTP); for " +
-          s + " run an OpenTelemetry Collector beside the router and let it forward");
+          "tracing endpoint '" + endpoint + "': only http:// is supported (OTLP/HTTP); for " + s +
+          " run an OpenTelemetry Collector beside the router and let it forward");
     }
     rest = rest.substr(scheme + 3);
   }

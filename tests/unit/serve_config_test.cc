@@ -239,3 +239,30 @@ TEST(ServeConfigTest, EndpointsListenOnLoopbackByDefaultAndAllInterfacesAreWarne
 
 }  // namespace
 }  // namespace moerun
+
+namespace moerun {
+namespace {
+
+TEST(ServeConfigTest, Tracing) {
+  auto c = ParseServeConfig(
+      "preset: {name: deepseek-v3, experts: 16}\n"
+      "tracing: {endpoint: 'http://otel:4318', sample: 0.05, slow_ms: 250, queue_spans: 4096}\n",
+      "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->tracing.endpoint, "http://otel:4318");
+  EXPECT_DOUBLE_EQ(c->tracing.sample, 0.05);
+  EXPECT_EQ(c->tracing.slow_ms, 250);
+  EXPECT_EQ(c->tracing.queue_spans, 4096);
+  for (const char* bad : {"tracing: {endpoint: 'https://otel:4318'}\n",
+                          "tracing: {endpoint: otel}\n", "tracing: {sample: 2}\n",
+                          "tracing: {queue_spans: 1}\n", "tracing: {endpont: 'http://o:1'}\n"}) {
+    auto e = ParseServeConfig(std::string("preset: {name: deepseek-v3}\n") + bad, "c.yaml", "");
+    EXPECT_FALSE(e.ok()) << bad;
+    if (!e.ok()) {
+      EXPECT_NE(e.status().message().find("tracing"), std::string::npos) << bad;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moerun
