@@ -243,6 +243,24 @@ def test_request_bytes_are_a_valid_infer_request():
     assert np.array_equal(x, y)
 
 
+def test_traceparent_sent_as_given():
+    seen = []
+
+    def handler(conn):
+        req = serving_pb2.InferRequest()
+        req.ParseFromString(recv_frame(conn))
+        seen.append(req)
+        send_frame(conn, serving_pb2.InferResponse(id=req.id, dtype=req.dtype, shape=req.shape,
+                                                   data=req.data).SerializeToString())
+        recv_frame(conn)
+
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    x = np.ones((2, 8), np.float32)
+    with FakeServer(handler) as srv, moerun.Client(srv.address, timeout=5) as c:
+        c.infer(x, traceparent=tp)
+    assert seen[0].traceparent == tp.encode()
+
+
 def test_large_answers_received_in_place():
     x = np.random.default_rng(1).standard_normal((20000, 32)).astype(np.float32)  # 2.4 MiB
     with FakeServer(_echo(1)) as srv, moerun.Client(srv.address, timeout=10) as c:
