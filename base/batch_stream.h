@@ -29,6 +29,7 @@ struct MicrobatchTimes {
   int32_t layer = 0;
   uint32_t seq = 0;
   int64_t tokens = 0;
+  uint64_t placement_version = 0;  // the placement it was dispatched by
   TimePoint gate{}, dispatch{}, sent{}, wait{}, combine{}, end{};  // `end`: combined
 };
 
@@ -60,6 +61,9 @@ struct BatchTiming {
   // kMaxTracedMicrobatches: the first ones), for traces.
   std::span<const MicrobatchTimes> microbatches;
   std::span<const RankTimes> rank_times;
+  // When the batch waited for experts whose every copy had died to be placed again (both unset:
+  // it did not); its microbatches are then those of the call after the wait.
+  std::chrono::steady_clock::time_point replaced_wait_from{}, replaced_wait_to{};
 };
 inline constexpr int kMaxTracedMicrobatches = 64;
 

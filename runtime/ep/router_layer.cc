@@ -364,6 +364,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
     mt.layer = w.layer;
     mt.seq = seq_;
     mt.tokens = tokens;
+    mt.placement_version = placement_->version();
     mt.gate = t_gate;
     mt.dispatch = t_dispatch;
   }

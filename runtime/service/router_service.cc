@@ -1,5 +1,6 @@
 #include "runtime/service/router_service.h"
 
+#include <optional>
 #include <thread>
 
 #include "base/clock.h"
@@ -70,6 +71,31 @@ Status RouterService::Probe(const float* x, int64_t tokens, float* out, Deadline
   return Status::Ok();
 }
 
+namespace {
+
+// The batch's stream while it waits for re-placed experts: what it reports carries the wait.
+class WaitedStream : public BatchStream {
+ public:
+  WaitedStream(BatchStream* inner, SteadyClock::time_point from) : inner_(inner), from_(from) {}
+  void WaitedUntil(SteadyClock::time_point t) { to_ = t; }
+  int64_t Extend(int64_t tokens, Deadline* deadline) override {
+    return inner_->Extend(tokens, deadline);
+  }
+  void Done(int64_t done, const BatchTiming& timing) override {
+    BatchTiming t = timing;
+    t.replaced_wait_from = from_;
+    t.replaced_wait_to = to_;
+    inner_->Done(done, t);
+  }
+  int64_t tokens() const override { return inner_->tokens(); }
+
+ private:
+  BatchStream* inner_;
+  SteadyClock::time_point from_, to_;
+};
+
+}  // namespace
+
 Status RouterService::Forward(int layer, const float* x, int64_t tokens, float* out,
                               Deadline deadline, BatchStream* stream) {
   if (layer == kTransportProbeLayer) return Probe(x, tokens, out, deadline, stream);
@@ -82,6 +108,8 @@ Status RouterService::Forward(int layer, const float* x, int64_t tokens, float* 
   const auto t0 = std::chrono::steady_clock::now();
   spdlog::warn("router {}: a batch of {} token(s) waits for re-placed experts ({})", router_.rank(),
                tokens, s.ToString());
+  std::optional<WaitedStream> waited;
+  if (stream != nullptr) waited.emplace(stream, t0);
   while (!s.ok() && l->waiting_for_copies() && SteadyClock::now() < deadline &&
          control_failed_.ok() && !stop_->load()) {
     Poll();
@@ -92,7 +120,8 @@ Status RouterService::Forward(int layer, const float* x, int64_t tokens, float* 
     // The batch as it grew; what was answered already is computed again (the same bits) and
     // not answered twice.
     if (stream != nullptr) tokens = stream->tokens();
-    s = router_.Forward(layer, x, tokens, out, deadline, stream);
+    if (waited) waited->WaitedUntil(SteadyClock::now());
+    s = router_.Forward(layer, x, tokens, out, deadline, waited ? &*waited : nullptr);
   }
   spdlog::info("router {}: the batch waited {:.3f} s for re-placed experts: {}", router_.rank(),
                SecondsSince(t0), s.ok() ? "answered" : s.ToString());

@@ -66,7 +66,7 @@ bool Set(RequestTrace::TimePoint t) { return t != RequestTrace::TimePoint{}; }
 }  // namespace
 
 int64_t SpanCount(const RequestTrace& t) {
-  int64_t n = 3;  // request, queue, reply
+  int64_t n = 3 + Set(t.replaced_wait_from);  // request, queue, reply; the wait
   for (const MicrobatchTimes& m : t.microbatches) n += Set(m.end) ? 5 : 1;
   for (const RankTimes& r : t.ranks) n += 1 + (r.header_ns > 0 ? 3 : 0);
   return n;
@@ -91,6 +91,10 @@ void AppendSpans(const RequestTrace& t, const TraceSource& src,
     Attr(root_span, "moerun.code", int64_t{t.code});
   }
   AddSpan(router, t, &root, "moerun.queue", Ns(t.received), Ns(t.batch_start));
+  if (Set(t.replaced_wait_from)) {
+    AddSpan(router, t, &root, "moerun.replaced_wait", Ns(t.replaced_wait_from),
+            Ns(Set(t.replaced_wait_to) ? t.replaced_wait_to : t.batch_done));
+  }
 
   std::vector<SpanId> mb_ids(t.microbatches.size());
   for (size_t i = 0; i < t.microbatches.size(); ++i) {
@@ -102,6 +106,7 @@ void AppendSpans(const RequestTrace& t, const TraceSource& src,
     Attr(s, "moerun.layer", int64_t{m.layer});
     Attr(s, "moerun.microbatch.seq", int64_t{m.seq});
     Attr(s, "moerun.tokens", m.tokens);
+    Attr(s, "moerun.placement.version", static_cast<int64_t>(m.placement_version));
     if (!Set(m.end)) continue;  // failed before it was combined: its parts are not all known
     AddSpan(router, t, &mb_ids[i], "moerun.gate", Ns(m.gate), Ns(m.dispatch));
     AddSpan(router, t, &mb_ids[i], "moerun.dispatch", Ns(m.dispatch), Ns(m.sent));

@@ -14,7 +14,10 @@
 //           moerun.expert.receive  header taken -> compute started (the rows arriving)
 //           moerun.expert.compute  compute started -> answer sent (moerun.cache_wait_us: of
 //                                  which waiting for the expert cache's loads)
+//     moerun.replaced_wait        when its batch waited for experts whose every copy had died
+//                                 to be placed again (the microbatches are the call's after it)
 //     moerun.reply                batch done -> answer handed to the socket
+// A request refused before it reached a batch (overload, draining) has the root span alone.
 // The expert ranks' times come back to the router in each answer's trailer, so one exporter per
 // router sends the whole tree, and a request can be kept after it ended (slow or failed) without
 // the expert ranks holding spans for every request.
@@ -42,6 +45,7 @@ struct RequestTrace {
   int code = 0;  // moerun.v1.ErrorCode
   std::string error;
   TimePoint received{}, batch_start{}, batch_done{}, answered{};
+  TimePoint replaced_wait_from{}, replaced_wait_to{};  // BatchTiming's (unset: no such wait)
   std::vector<MicrobatchTimes> microbatches;
   std::vector<RankTimes> ranks;
 };

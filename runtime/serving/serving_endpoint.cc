@@ -48,6 +48,7 @@ struct ServingEndpoint::Pending {
   const char* trace_why = nullptr;
   std::vector<MicrobatchTimes> mb_times;
   std::vector<RankTimes> rank_times;
+  Clock::time_point replaced_wait_from, replaced_wait_to;
   Clock::time_point answered_at;
   ErrorCode answered_code = moerun::v1::OK;
   std::string answered_error;
@@ -298,6 +299,9 @@ void ServingEndpoint::FreeSlot(Pending* p) {
   p->trace_why = nullptr;
   p->mb_times.clear();
   p->rank_times.clear();
+  p->replaced_wait_from = p->replaced_wait_to = Clock::time_point{};
+  p->info = BatchInfo{};
+  p->batch_done = Clock::time_point{};
   p->answered_code = moerun::v1::OK;
   p->answered_error.clear();
   free_.push_back(p);
@@ -361,8 +365,10 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
     Refuse(*conn, err.id, err.code, err.message);
     return FreeSlot(p);
   }
+  if (tracer_ && p->req.probe == moerun::v1::PROBE_NONE) StartTrace(*p);
   if (draining_.load()) {
     Refuse(*conn, p->req.id, moerun::v1::UNAVAILABLE, "the server is draining (shutting down)");
+    TraceRefused(*p, moerun::v1::UNAVAILABLE, "the server is draining (shutting down)");
     return FreeSlot(p);
   }
   // The body stays (the batcher decodes it in place); the answer needs its own bytes.
@@ -372,6 +378,7 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
   if (!server_->TryLease(static_cast<int64_t>(p->layout.capacity), &p->out_lease)) {
     Refuse(*conn, p->req.id, moerun::v1::OVERLOADED,
            "the server holds too many request bytes; retry later");
+    TraceRefused(*p, moerun::v1::OVERLOADED, "the server holds too many request bytes");
     return FreeSlot(p);
   }
   p->answer = server_->buffers().Take(p->layout.capacity);
@@ -380,7 +387,6 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
                                           : opts_.default_deadline;
   p->deadline_ms = std::min(p->deadline_ms, opts_.max_deadline);
   p->deadline = p->received + p->deadline_ms;
-  if (tracer_ && p->req.probe == moerun::v1::PROBE_NONE) StartTrace(*p);
 
   BatchRequest br;
   br.layer = p->req.probe == moerun::v1::PROBE_TRANSPORT ? kTransportProbeLayer : p->req.layer;
@@ -399,6 +405,7 @@ void ServingEndpoint::OnFrame(const std::shared_ptr<FramedConnection>& conn, Poo
     in_flight_.fetch_sub(1);
     in_flight_gauge_->Set(static_cast<double>(in_flight_.load()));
     Refuse(*conn, p->req.id, ErrorCodeOf(s), s.message());
+    TraceRefused(*p, ErrorCodeOf(s), s.message());
     return FreeSlot(p);
   }
   if (++conn->held >= opts_.max_inflight_per_connection) conn->Pause();
@@ -486,6 +493,8 @@ void ServingEndpoint::OnBatchDone(void* ctx, const Status& status, const BatchIn
     if (ep->tracer_ && p->req.probe == moerun::v1::PROBE_NONE) {
       p->mb_times.assign(info.timing->microbatches.begin(), info.timing->microbatches.end());
       p->rank_times.assign(info.timing->rank_times.begin(), info.timing->rank_times.end());
+      p->replaced_wait_from = info.timing->replaced_wait_from;
+      p->replaced_wait_to = info.timing->replaced_wait_to;
     }
   }
   ep->in_flight_.fetch_sub(1);
@@ -590,6 +599,14 @@ void ServingEndpoint::StartTrace(Pending& p) {
   }
 }
 
+void ServingEndpoint::TraceRefused(Pending& p, ErrorCode code, const std::string& message) {
+  if (!tracer_ || p.req.probe != moerun::v1::PROBE_NONE) return;
+  p.answered_at = Clock::now();
+  p.answered_code = code;
+  p.answered_error = message;
+  FinishTrace(p);
+}
+
 void ServingEndpoint::FinishTrace(Pending& p) {
   const char* why = p.trace_why;
   const bool failed = p.answered_code != moerun::v1::OK;
@@ -618,8 +635,12 @@ void ServingEndpoint::FinishTrace(Pending& p) {
   t.code = static_cast<int>(p.answered_code);
   t.error = std::move(p.answered_error);
   t.received = p.received;
-  t.batch_start = p.received + std::chrono::microseconds(p.info.queue_us);
-  t.batch_done = p.batch_done;
+  // Refused before a batch (no batch_done): the root span alone, its parts at its end.
+  const bool batched = p.batch_done != Clock::time_point{};
+  t.batch_start = batched ? p.received + std::chrono::microseconds(p.info.queue_us) : p.answered_at;
+  t.batch_done = batched ? p.batch_done : p.answered_at;
+  t.replaced_wait_from = p.replaced_wait_from;
+  t.replaced_wait_to = p.replaced_wait_to;
   t.answered = p.answered_at;
   t.microbatches = std::move(p.mb_times);
   t.ranks = std::move(p.rank_times);

@@ -131,6 +131,8 @@ class ServingEndpoint {
   std::unique_ptr<TraceExporter> tracer_;
   void StartTrace(Pending& p);   // I/O thread, on a request's frame: its context, head sampling
   void FinishTrace(Pending& p);  // I/O thread, once answered: offers the trace if it is kept
+  // A request refused before it reached the batcher: its trace (the root span) if kept.
+  void TraceRefused(Pending& p, moerun::v1::ErrorCode code, const std::string& message);
   Counter* bad_traceparent_ = nullptr;
   Counter* traced_caller_ = nullptr;
   Counter* traced_share_ = nullptr;

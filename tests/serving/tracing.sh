@@ -7,7 +7,7 @@
 #      other span's parent in the trace, the router's and each expert rank's spans under their
 #      own resource, each expert span under the router's call to that rank), the requests
 #      without one (tracing.sample 0) emit nothing; malformed traceparents are counted and
-#      emit nothing. The server's share of each traced request's round trip is printed.
+#      emit nothing; a failed request (DEADLINE_EXCEEDED) is traced without one. The server's share of each traced request's round trip is printed.
 #   2. With FAULTS=1: the collector down (nothing listening), refusing (HTTP 503), slow
 #      (answers after 5 s, over the exporter's 2 s timeout) and answering garbage, each beside
 #      `moebench serve --verify --trace-share 1`: no failed request, the drops counted, the
@@ -117,6 +117,11 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=30) as s:
         s.sendall(struct.pack(">I", len(body)) + body)
         f = read_response(s)
         assert f.get(2, 0) == 0, f
+    # A request that fails (8192 tokens in 1 ms: DEADLINE_EXCEEDED), without a traceparent:
+    # traced because it failed.
+    s.sendall(infer_request(999, [8192, 64], 1, struct.pack("<f", 0.5) * (8192 * 64), 1))
+    f = read_response(s)
+    assert f.get(2, 0) == 2, "expected DEADLINE_EXCEEDED, got %s" % f.get(2, 0)
 PY
 settle
 [[ $(metric moerun_trace_bad_traceparent_total) == 5 ]] ||
@@ -132,6 +137,13 @@ for line in open(sys.argv[2]):
 by = collections.defaultdict(list)
 for s in spans:
     by[s["trace_id"]].append(s)
+failed = [t for t, ss in by.items() for s in ss
+          if s["name"] == "moerun.request" and s["attributes"]["moerun.trace.kept"] == "failed"]
+assert len(failed) == 1, "%d failed requests traced, expected 1" % len(failed)
+root = [s for s in by[failed[0]] if s["name"] == "moerun.request"][0]
+assert root["status_code"] == 2 and root["attributes"]["moerun.code"] == 2, root
+assert root["parent_span_id"] == "" and "deadline" in root["status_message"], root
+del by[failed[0]]
 assert set(by) == set(sent), "traces %d, traced requests %d, in both %d" % (
     len(by), len(sent), len(set(by) & set(sent)))
 RANKS = {"rank-1", "rank-2", "rank-3"}

@@ -182,5 +182,39 @@ TEST(RequestTraceTest, SpansFormOneTreeUnderTheCallersSpan) {
   EXPECT_EQ(names["moerun.expert.compute"], 2);
 }
 
+TEST(RequestTraceTest, ARefusedRequestAndAReplacedWait) {
+  RequestTrace t;
+  t.ctx.trace_id = NewTraceId();
+  t.why = "failed";
+  t.code = 3;
+  t.error = "overloaded";
+  t.received = std::chrono::steady_clock::now();
+  t.batch_start = t.batch_done = t.answered = t.received + std::chrono::microseconds(5);
+  moerun::otlp::v1::ExportTraceServiceRequest req;
+  AppendSpans(t, TraceSource{}, &req);
+  ASSERT_EQ(req.resource_spans_size(), 1);
+  const auto& spans = req.resource_spans(0).scope_spans(0).spans();
+  EXPECT_EQ(spans.size(), SpanCount(t));
+  EXPECT_EQ(spans[0].name(), "moerun.request");
+  EXPECT_TRUE(spans[0].parent_span_id().empty());
+  EXPECT_EQ(spans[0].status().code(), moerun::otlp::v1::Status::STATUS_CODE_ERROR);
+  EXPECT_EQ(spans[0].status().message(), "overloaded");
+
+  t.replaced_wait_from = t.received + std::chrono::microseconds(1);
+  t.replaced_wait_to = t.received + std::chrono::microseconds(4);
+  moerun::otlp::v1::ExportTraceServiceRequest waited;
+  AppendSpans(t, TraceSource{}, &waited);
+  const auto& w = waited.resource_spans(0).scope_spans(0).spans();
+  EXPECT_EQ(w.size(), SpanCount(t));
+  bool found = false;
+  for (const auto& s : w) {
+    if (s.name() != "moerun.replaced_wait") continue;
+    found = true;
+    EXPECT_EQ(s.parent_span_id(), w[0].span_id());
+    EXPECT_EQ(s.end_time_unix_nano() - s.start_time_unix_nano(), 3000u);
+  }
+  EXPECT_TRUE(found);
+}
+
 }  // namespace
 }  // namespace moerun
