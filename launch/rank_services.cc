@@ -489,9 +489,22 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
     for (int rank : l.ranks) lp->add_ranks(rank);
     for (double v : l.rank_load_before) lp->add_rank_load_before(v);
     for (double v : l.rank_load_after) lp->add_rank_load_after(v);
+    lp->set_experts_to_release(l.experts_to_release);
+    lp->set_max_rank_bytes(l.max_rank_bytes);
+    lp->set_kept(l.kept);
   }
   r.set_placement_json(rep.placement_json);
   r.set_note(rep.note);
+  moerun::v1::RebalanceCost* c = r.mutable_cost();
+  c->set_steps(static_cast<int32_t>(rep.cost.steps.size()));
+  c->set_copies_loaded(rep.cost.copies_loaded);
+  c->set_copies_released(rep.cost.copies_released);
+  c->set_load_bytes(rep.cost.load_bytes);
+  c->set_critical_bytes(rep.cost.critical_bytes);
+  c->set_max_rank_bytes(rep.cost.max_rank_bytes);
+  c->set_messages(rep.cost.messages);
+  c->set_switch_bytes(rep.cost.switch_bytes);
+  c->set_max_bytes(rep.max_bytes);
   return r;
 }
 
@@ -515,6 +528,7 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   o.incremental = request.incremental();
   o.max_moves = request.max_moves();
   o.target_balance = request.target_balance();
+  o.max_bytes = request.max_bytes();
   const int routers = Current()->num_routers();  // (takes mu_)
   const int64_t one = expert_bytes_.load();
   {

@@ -207,7 +207,8 @@ std::string SlotsJson(const LayerPlacement& lp, const std::vector<int>& live, in
 // are all the expert ranks: no exclusions here).
 Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<double>>& loads,
                                                 const Placement& current,
-                                                const PlanOptions& options, int ranks) {
+                                                const PlanOptions& options, int ranks,
+                                                int64_t expert_bytes) {
   if (!options.exclude.empty()) {
     return Status::InvalidArgument(fmt::format(
         "plan: --incremental starts from the running placement, which uses rank(s) {} (left out: "
@@ -238,6 +239,16 @@ Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<
     for (double v : l) total += v;
     IncrementalOptions io;
     io.max_moves = options.max_moves;
+    if (options.max_bytes > 0 && expert_bytes > 0) {
+      // The budget shared evenly by the layers: each makes its best moves first.
+      const int64_t fit = options.max_bytes / expert_bytes /
+                          static_cast<int64_t>(std::max<size_t>(1, loads.size()));
+      if (fit == 0) {  // not one copy fits: the layer stays as it is
+        plan.push_back(std::move(maps));
+        continue;
+      }
+      io.max_moves = io.max_moves > 0 ? std::min<int64_t>(io.max_moves, fit) : fit;
+    }
     io.target_balance = options.target_balance;
     MOERUN_ASSIGN_OR_RETURN(IncrementalPlan p, PlanIncremental(l, maps, ranks, io));
     plan.push_back(std::move(p.maps));
@@ -249,12 +260,94 @@ Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<
   return plan;
 }
 
+// The "moerun-placement-v1" table of `current`'s job, version + 1, with `layers_json`.
+std::string TableJson(const Placement& current, const std::string& layers_json) {
+  return fmt::format(
+      "{{\"format\": \"moerun-placement-v1\", \"version\": {}, \"num_experts\": {}, "
+      "\"num_ranks\": {}, \"num_routers\": {}, \"layers\": {{{}}}}}",
+      current.version() + 1, current.num_experts(), current.num_ranks(), current.num_routers(),
+      layers_json);
+}
+
+std::string RealSlotsJson(const LayerPlacement& lp) {
+  std::string json;
+  for (const Slot& s : lp.slots) {
+    json += fmt::format("{}[{},{}]", json.empty() ? "" : ",", s.rank, s.expert);
+  }
+  return json;
+}
+
+double MaxOf(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, x);
+  return m;
+}
+
+// The plan within `max_bytes`: the layers by max rank load lowered per byte loaded (a layer that
+// loads nothing first), taken while they fit; the others keep `current`'s slots (their reports
+// say so).
+Result<Placement> WithinBudget(const Placement& current, const Placement& planned,
+                               int64_t expert_bytes, int64_t max_bytes, PlanReport* report) {
+  struct Candidate {
+    size_t index;
+    double gain;
+    int64_t bytes;
+  };
+  std::vector<Candidate> order;
+  for (size_t i = 0; i < report->layers.size(); ++i) {
+    const LayerPlanReport& r = report->layers[i];
+    const LayerCost c = CostOfLayer(r.layer, *current.Layer(r.layer), *planned.Layer(r.layer),
+                                    current.num_ranks(), current.num_routers(), expert_bytes);
+    order.push_back({i, MaxOf(r.rank_load_before) - MaxOf(r.rank_load_after), c.load_bytes});
+  }
+  std::stable_sort(order.begin(), order.end(), [](const Candidate& a, const Candidate& b) {
+    const bool a_free = a.bytes == 0, b_free = b.bytes == 0;
+    if (a_free != b_free) return a_free;
+    return a.gain * static_cast<double>(b.bytes) > b.gain * static_cast<double>(a.bytes);
+  });
+  std::vector<bool> take(report->layers.size(), false);
+  int64_t used = 0;
+  for (const Candidate& c : order) {
+    if (c.gain <= 0 && c.bytes > 0) continue;  // costs bytes, gains nothing
+    if (used + c.bytes > max_bytes) continue;
+    used += c.bytes;
+    take[c.index] = true;
+  }
+  std::string layers_json;
+  for (size_t i = 0; i < report->layers.size(); ++i) {
+    LayerPlanReport& r = report->layers[i];
+    const LayerPlacement& lp = take[i] ? *planned.Layer(r.layer) : *current.Layer(r.layer);
+    layers_json +=
+        fmt::format("{}\"{}\": [{}]", layers_json.empty() ? "" : ", ", r.layer, RealSlotsJson(lp));
+    if (take[i]) continue;
+    r.kept = true;
+    r.balancedness_after = r.balancedness_before;
+    r.hit_rate_after = r.hit_rate_before;
+    r.rank_load_after = r.rank_load_before;
+    r.experts_to_load = 0;
+    r.bytes_to_move = 0;
+  }
+  report->placement_json = TableJson(current, layers_json);
+  return Placement::FromJson(report->placement_json, "plan");
+}
+
 }  // namespace
 
 Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                             const Placement& current, int64_t expert_bytes,
                             const PlanOptions& options) {
   const int routers = current.num_routers();
+  if (options.max_bytes < 0) return Status::InvalidArgument("plan: the byte budget is negative");
+  if (options.max_bytes > 0 && expert_bytes <= 0) {
+    return Status::InvalidArgument(
+        "plan: a byte budget needs the bytes of one expert (offline: --expert-bytes)");
+  }
+  if (options.max_bytes > 0 && !options.exclude.empty()) {
+    return Status::InvalidArgument(fmt::format(
+        "plan: rank(s) {} are left out (dead): their experts must move whatever it costs; plan "
+        "without a byte budget",
+        fmt::join(options.exclude, ",")));
+  }
   const std::vector<int> live = LiveExpertRanks(current, options.exclude);
   const int ranks = static_cast<int>(live.size());
   const std::string left_out =
@@ -267,7 +360,7 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
   if (options.incremental) {
     MOERUN_RETURN_IF_ERROR(CheckCacheExperts(options.cache_experts, current.num_ranks() - routers,
                                              "plan: cache_experts"));
-    MOERUN_ASSIGN_OR_RETURN(plan, IncrementalPlans(loads, current, options, ranks));
+    MOERUN_ASSIGN_OR_RETURN(plan, IncrementalPlans(loads, current, options, ranks, expert_bytes));
   } else {
     MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
                             PlannerInputFor(loads, current, options, ranks, left_out));
@@ -304,11 +397,22 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                                SlotsJson(*lp, live, routers));
   }
   if (report.note.empty()) {
-    report.placement_json = fmt::format(
-        "{{\"format\": \"moerun-placement-v1\", \"version\": {}, \"num_experts\": {}, "
-        "\"num_ranks\": {}, \"num_routers\": {}, \"layers\": {{{}}}}}",
-        current.version() + 1, current.num_experts(), current.num_ranks(), routers, layers_json);
-    MOERUN_RETURN_IF_ERROR(Placement::FromJson(report.placement_json, "plan").status());
+    report.placement_json = TableJson(current, layers_json);
+    MOERUN_ASSIGN_OR_RETURN(Placement next, Placement::FromJson(report.placement_json, "plan"));
+    report.max_bytes = options.max_bytes;
+    if (options.max_bytes > 0) {
+      MOERUN_ASSIGN_OR_RETURN(
+          next, WithinBudget(current, next, expert_bytes, options.max_bytes, &report));
+    }
+    std::vector<int> layers;
+    for (const auto& [layer, l] : loads) layers.push_back(layer);
+    report.cost = CostOfRebalance(current, next, layers, {expert_bytes});
+    for (LayerPlanReport& r : report.layers) {
+      const LayerCost c = CostOfLayer(r.layer, *current.Layer(r.layer), *next.Layer(r.layer),
+                                      current.num_ranks(), routers, expert_bytes);
+      r.experts_to_release = c.copies_released;
+      r.max_rank_bytes = c.max_rank_load_bytes;
+    }
   }
   return report;
 }

@@ -15,6 +15,7 @@
 #include "base/status.h"
 #include "router/placement.h"
 #include "router/planner.h"
+#include "router/rebalance_cost.h"
 
 namespace moerun {
 
@@ -36,6 +37,13 @@ struct PlanOptions {
   bool incremental = false;
   int max_moves = 0;
   double target_balance = 0;
+  // Bytes of expert weights the whole rebalance may load (0: no limit; needs expert_bytes). The
+  // layers are taken in order of balance gained per byte (max rank load lowered ÷ bytes; a layer
+  // that moves nothing first) while they fit; the others keep their current placement. With
+  // `incremental`, the budget is shared evenly: each layer's moves are capped at its share
+  // (max_bytes ÷ expert_bytes ÷ layers copies), its best moves first. Not
+  // with excluded (dead) ranks: their experts must move whatever it costs.
+  int64_t max_bytes = 0;
 };
 
 struct LayerPlanReport {
@@ -57,6 +65,9 @@ struct LayerPlanReport {
   // figures are the mean ÷ max of; moectl placement plan --plot draws them).
   std::vector<int> ranks;
   std::vector<double> rank_load_before, rank_load_after;
+  int experts_to_release = 0;  // (rank, expert) copies the plan drops
+  int64_t max_rank_bytes = 0;  // the most one expert rank loads for this layer
+  bool kept = false;           // kept as it is: max_bytes did not reach it
 };
 
 struct PlanReport {
@@ -66,6 +77,8 @@ struct PlanReport {
   std::vector<LayerPlanReport> layers;
   std::string placement_json;  // the new "moerun-placement-v1" table (version + 1)
   std::string note;            // why there is no table, when there is none
+  RebalanceCost cost;          // of moving from the current placement to the table
+  int64_t max_bytes = 0;       // the budget it was planned within (0: none)
 };
 
 // loads: per served layer, assignments per logical expert. expert_bytes: the weights of one

@@ -288,6 +288,11 @@ int main(int argc, char** argv) {
                      "Plan on the expected experts used per batch of this many tokens instead of "
                      "tokens (0: tokens)")
         ->default_val(0);
+    replay
+        ->add_option("--expert-bytes", rf.expert_bytes,
+                     "Bytes of one expert: each plan's rebalance cost in bytes (from the job's "
+                     "round-robin start, and to the plan on the judged part with --plan-fraction)")
+        ->check(CLI::NonNegativeNumber);
     replay->add_flag("--json", rf.json, "Print the JSON report on stdout");
     replay->callback([&rf] {
       if (const moerun::Status s = moerun::bench::Validate(rf); !s.ok()) {

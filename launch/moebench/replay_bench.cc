@@ -11,7 +11,9 @@
 #include "base/exit_code.h"
 #include "base/log.h"
 #include "router/activation_load.h"
+#include "router/placement.h"
 #include "router/planner.h"
+#include "router/rebalance_cost.h"
 #include "router/replay/replay_metrics.h"
 #include "router/replay/routing_trace.h"
 
@@ -224,6 +226,29 @@ void PrintTable(const json& report, std::FILE* out) {
   }
 }
 
+// The cost of moving every layer from `from` to `to` (router/rebalance_cost.h) on a job of
+// `ranks` expert ranks after `routers` routers; null where a plan is not a placement table (an
+// EPLB plan may put two copies of an expert on one rank).
+json CostJson(const std::vector<const LayerPlacement*>& from, const std::vector<LayerMaps>& to,
+              int ranks, int routers, int64_t expert_bytes) {
+  RebalanceCost c;
+  for (size_t l = 0; l < to.size(); ++l) {
+    Result<LayerPlacement> b = ToLayerPlacement(to[l], ranks, routers);
+    if (!b.ok()) return nullptr;
+    if (Placement::SameSlots(*from[l], *b)) continue;
+    AddStep(&c,
+            CostOfLayer(static_cast<int>(l), *from[l], *b, ranks + routers, routers, expert_bytes),
+            0);
+  }
+  return {{"steps", c.steps.size()},
+          {"copies_loaded", c.copies_loaded},
+          {"copies_released", c.copies_released},
+          {"load_bytes", c.load_bytes},
+          {"critical_bytes", c.critical_bytes},
+          {"max_rank_bytes", c.max_rank_bytes},
+          {"messages", c.messages}};
+}
+
 }  // namespace
 
 Status Validate(const ReplayBenchFlags& f) { return Parse(f).status(); }
@@ -376,6 +401,39 @@ int RunReplayBench(const ReplayBenchFlags& f) {
         Result<WindowBalance> w = WindowBalancedness(*judge_on, plan, in.num_ranks);
         if (!w.ok()) return FailWith(w.status().WithContext(trace.source));
         r["window_balancedness"] = {{"mean", w->mean}, {"min", w->min}};
+        // What the plan costs to reach: from the job's round-robin start, and (a split trace)
+        // on to the same policy's plan on the judged part.
+        {
+          const int routers = std::max(1, f.nodes * f.routers_per_node);
+          Result<Placement> start = Placement::RoundRobin(static_cast<int>(trace.num_experts),
+                                                          in.num_ranks + routers, routers);
+          if (!start.ok()) return FailWith(start.status());
+          std::vector<const LayerPlacement*> from(plan.size(), start->Layer(0));
+          r["rebalance_from_start"] = CostJson(from, plan, in.num_ranks, routers, f.expert_bytes);
+          if (parts) {
+            PlannerInput later = in;
+            later.load = judge_on->counts;
+            Result<std::vector<LayerMaps>> replan = PlanPlacement(later, policy);
+            if (!replan.ok()) return FailWith(replan.status().WithContext(trace.source));
+            std::vector<LayerPlacement> now;
+            for (const LayerMaps& m : plan) {
+              Result<LayerPlacement> lp = ToLayerPlacement(m, in.num_ranks, routers);
+              if (!lp.ok()) break;
+              now.push_back(std::move(*lp));
+            }
+            Result<WindowBalance> w2 = WindowBalancedness(*judge_on, *replan, in.num_ranks);
+            if (!w2.ok()) return FailWith(w2.status().WithContext(trace.source));
+            json rp = {{"window_balancedness", {{"mean", w2->mean}, {"min", w2->min}}}};
+            if (now.size() == plan.size()) {
+              std::vector<const LayerPlacement*> from_plan;
+              for (const LayerPlacement& lp : now) from_plan.push_back(&lp);
+              rp["cost"] = CostJson(from_plan, *replan, in.num_ranks, routers, f.expert_bytes);
+            } else {
+              rp["cost"] = nullptr;
+            }
+            r["replan_on_judged"] = std::move(rp);
+          }
+        }
         if (trace.token_level()) {
           json batches = json::array();
           for (int64_t b : p.batches) {

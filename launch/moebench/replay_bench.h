@@ -47,6 +47,11 @@ struct ReplayBenchFlags {
   // --activated-batch B: plan on ActivationLoad (router/activation_load.h) of the planning part at
   // B tokens a batch (the experts a rank reads per batch) instead of its token counts; 0: tokens.
   int64_t activated_batch = 0;
+  // --expert-bytes: the bytes of one expert, for each plan's rebalance cost (router/
+  // rebalance_cost.h): from the job's start (round robin, no redundant slot) to the plan, and,
+  // with --plan-fraction on a token-level trace, from the plan to the same policy's plan on the
+  // judging part (re-planning as the traffic moved on). 0: copies and messages only.
+  int64_t expert_bytes = 0;
   bool json = false;  // --json
 };
 

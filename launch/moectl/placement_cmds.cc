@@ -38,6 +38,7 @@ struct PlannerFlags {
   bool incremental = false;  // --incremental [--max-moves N] [--target-balance X]
   int max_moves = 0;
   double target_balance = 0;
+  double max_mib = 0;  // --max-mib: the rebalance's byte budget (0: none)
 };
 
 struct PlanFlags {  // placement plan
@@ -67,6 +68,7 @@ void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   pr->set_incremental(f.incremental);
   pr->set_max_moves(f.max_moves);
   pr->set_target_balance(f.target_balance);
+  pr->set_max_bytes(static_cast<int64_t>(f.max_mib * (1 << 20)));
 }
 
 // --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
@@ -226,6 +228,7 @@ int PlanOffline(const PlanFlags& f) {
   o.incremental = f.planner.incremental;
   o.max_moves = f.planner.max_moves;
   o.target_balance = f.planner.target_balance;
+  o.max_bytes = static_cast<int64_t>(f.planner.max_mib * (1 << 20));
   if (!f.cache_experts.empty()) {
     auto cache = ParseCacheExperts(f.cache_experts);
     if (!cache.ok())
@@ -276,6 +279,11 @@ std::vector<CLI::Option*> AddIncrementalOptions(CLI::App* sub, PlannerFlags& f) 
                                         "balancedness reaches this (0..1; 0: no target)")
                             ->check(CLI::Range(0.0, 1.0))
                             ->needs(inc);
+  sub->add_option("--max-mib", f.max_mib,
+                  "The rebalance may load at most this many MiB of expert weights in all: the "
+                  "layers that gain the most balance per byte move, the others stay (0: no "
+                  "limit; offline it needs --expert-bytes)")
+      ->check(kNonNegative);
   return {inc, moves, target};
 }
 

@@ -110,17 +110,33 @@ void PrintPlan(const v1::PlanResponse& p) {
   for (const auto& l : p.layers()) {
     cache = cache || l.hit_rate_before() != 1.0 || l.hit_rate_after() != 1.0;
   }
-  std::printf("%-6s %12s %10s %10s %8s %12s%s\n", "layer", "assignments", "balanced", "planned",
-              "copies", "bytes",
+  std::printf("%-6s %12s %10s %10s %8s %9s %12s %14s%s\n", "layer", "assignments", "balanced",
+              "planned", "copies", "released", "bytes", "slowest_rank",
               cache ? fmt::format(" {:>9} {:>11}", "hit_rate", "planned_hit").c_str() : "");
+  const auto mib = [](int64_t b) {
+    return fmt::format("{:.1f} MiB", static_cast<double>(b) / (1 << 20));
+  };
   for (const auto& l : p.layers()) {
     std::printf(
-        "%-6d %12llu %10.3f %10.3f %8d %12s%s\n", l.layer(),
+        "%-6d %12llu %10.3f %10.3f %8d %9d %12s %14s%s%s\n", l.layer(),
         static_cast<unsigned long long>(l.load()), l.balancedness_before(), l.balancedness_after(),
-        l.experts_to_load(),
-        fmt::format("{:.1f} MiB", static_cast<double>(l.bytes_to_move()) / (1 << 20)).c_str(),
+        l.experts_to_load(), l.experts_to_release(), mib(l.bytes_to_move()).c_str(),
+        mib(l.max_rank_bytes()).c_str(),
         cache ? fmt::format(" {:9.3f} {:11.3f}", l.hit_rate_before(), l.hit_rate_after()).c_str()
-              : "");
+              : "",
+        l.kept() ? "  (kept: over the byte budget)" : "");
+  }
+  if (p.has_cost() && p.placement_json().size() > 0) {
+    const auto& c = p.cost();
+    std::printf(
+        "cost: %d step(s) (one per layer that changes), %d copies loaded (%s), %d released; "
+        "each step's slowest rank loads %s in all (at rebalance.throttle_mib_s T the migration "
+        "takes at least that / T), at most %s on one rank; %d control messages (%s of "
+        "placements)%s\n",
+        c.steps(), c.copies_loaded(), mib(c.load_bytes()).c_str(), c.copies_released(),
+        mib(c.critical_bytes()).c_str(), mib(c.max_rank_bytes()).c_str(), c.messages(),
+        mib(c.switch_bytes()).c_str(),
+        c.max_bytes() > 0 ? fmt::format("; budget {}", mib(c.max_bytes())).c_str() : "");
   }
   if (!p.note().empty()) std::printf("note: %s\n", p.note().c_str());
 }
