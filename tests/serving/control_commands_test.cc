@@ -228,6 +228,7 @@ TEST_F(ControlCommandsTest, ApplyPlanSendsThePlanOptions) {
   EXPECT_EQ(a.plan().policy(), "eplb-global");
   EXPECT_EQ(a.plan().groups(), 4);
   EXPECT_EQ(a.plan().nodes(), 2);
+  EXPECT_EQ(a.plan().max_bytes(), 0);
   EXPECT_DOUBLE_EQ(a.min_gain(), 0.05);
   // --json --wait: the progress lines go to stderr (here mixed in), the final answer is the
   // last JSON document.
@@ -508,6 +509,32 @@ TEST_F(OfflinePlanTest, CacheExpertsShowTheHitRate) {
   r = Plan({"--json"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(r.output)["layers"][0]["hit_rate_after"].get<double>(), 1.0);
+}
+
+// The cost of the plan beside it, and the plan within a byte budget.
+TEST_F(OfflinePlanTest, TheCostAndAByteBudget) {
+  ProcessResult r = Plan({"--expert-bytes", "1048576", "--redundant", "3", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  const int64_t bytes = std::stoll(j["cost"]["load_bytes"].get<std::string>());
+  EXPECT_GT(bytes, 0);
+  EXPECT_EQ(bytes, std::stoll(j["layers"][0]["bytes_to_move"].get<std::string>()));
+  EXPECT_EQ(j["cost"]["steps"], 1);
+  EXPECT_GE(j["cost"]["messages"].get<int>(), 1);
+  r = Plan({"--expert-bytes", "1048576", "--redundant", "3"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cost: 1 step(s)"), std::string::npos) << r.output;
+  // A budget below one expert: nothing moves.
+  r = Plan({"--expert-bytes", "1048576", "--incremental", "--max-mib", "0.5", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["cost"]["load_bytes"], "0") << r.output;
+  EXPECT_EQ(j["cost"]["steps"], 0) << r.output;
+  EXPECT_EQ(j["layers"][0]["experts_to_load"], 0) << r.output;
+  // A budget without the expert's bytes is refused with one line.
+  r = Plan({"--max-mib", "10"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--expert-bytes"), std::string::npos) << r.output;
 }
 
 TEST_F(OfflinePlanTest, BadCacheExpertsExit2WithOneLine) {
