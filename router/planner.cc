@@ -7,8 +7,10 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 #include <utility>
 
+#include "base/thread_pool.h"
 #include "router/local_search.h"
 #include "router/node_planner.h"
 
@@ -338,22 +340,35 @@ LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) 
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
   MOERUN_RETURN_IF_ERROR(CheckInput(in, policy));
   if (policy == PlannerPolicy::kNodeAware) return PlanNodeAware(in);
-  std::vector<LayerMaps> plan;
-  plan.reserve(in.load.size());
-  for (const std::vector<double>& load : in.load) {
+  // Layers are independent: each is planned alone, on whichever thread takes it (the same
+  // plan as one thread's, layer by layer).
+  std::vector<LayerMaps> plan(in.load.size());
+  const auto one = [&](int64_t l, int) {
+    const std::vector<double>& load = in.load[static_cast<size_t>(l)];
+    LayerMaps& out = plan[static_cast<size_t>(l)];
     switch (policy) {
       case PlannerPolicy::kEplbHierarchical:
-        plan.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
+        out = EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks);
         break;
       case PlannerPolicy::kEplbGlobal:
-        plan.push_back(EplbLayer(load, in.num_slots, 1, 1, in.num_ranks));
+        out = EplbLayer(load, in.num_slots, 1, 1, in.num_ranks);
         break;
       case PlannerPolicy::kDefault:
-        plan.push_back(DefaultLayer(load, in));
+        out = DefaultLayer(load, in);
         break;
       case PlannerPolicy::kNodeAware:  // planned above
         break;
     }
+  };
+  const int64_t layers = static_cast<int64_t>(in.load.size());
+  int threads = in.threads > 0 ? in.threads : static_cast<int>(std::thread::hardware_concurrency());
+  threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), layers));
+  // The EPLB ports take microseconds a layer: threads would cost more than they save.
+  if (threads <= 1 || policy != PlannerPolicy::kDefault) {
+    for (int64_t l = 0; l < layers; ++l) one(l, 0);
+  } else {
+    ThreadPool pool(threads);
+    pool.ParallelFor(layers, one);
   }
   return plan;
 }

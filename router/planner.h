@@ -72,6 +72,9 @@ struct PlannerInput {
   // node load it may go for that (the knob between balance and locality).
   RoutingSample sample;
   double node_slack = 0.05;
+  // Threads the planner plans layers on (each layer alone, so the plan is the same whatever the
+  // count): 0 = one per hardware thread, 1 = the calling thread alone.
+  int threads = 0;
 };
 
 struct LayerMaps {

@@ -779,3 +779,34 @@ TEST(IncrementalTest, MakePlanReportsTheBytesItMoves) {
 
 }  // namespace
 }  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// Layers planned on several threads: the same plan as on one, layer for layer.
+TEST(PlannerTest, ThreadsDoNotChangeThePlan) {
+  const json cases = LoadExpected();
+  PlannerInput in = InputOf(cases["cases"][0]);
+  // Many layers: the first case's layers, each load rotated, so that they differ.
+  const std::vector<std::vector<double>> base = in.load;
+  in.load.clear();
+  for (int k = 0; k < 12; ++k) {
+    for (std::vector<double> l : base) {
+      std::rotate(l.begin(), l.begin() + (k % static_cast<int>(l.size())), l.end());
+      in.load.push_back(l);
+    }
+  }
+  in.threads = 1;
+  const std::vector<LayerMaps> one = Plan(in, PlannerPolicy::kDefault);
+  in.threads = 3;
+  const std::vector<LayerMaps> three = Plan(in, PlannerPolicy::kDefault);
+  ASSERT_EQ(one.size(), in.load.size());
+  ASSERT_EQ(three.size(), one.size());
+  for (size_t l = 0; l < one.size(); ++l) {
+    EXPECT_EQ(one[l].phy2log, three[l].phy2log) << "layer " << l;
+    EXPECT_EQ(one[l].logcnt, three[l].logcnt) << "layer " << l;
+  }
+}
+
+}  // namespace
+}  // namespace moerun
