@@ -259,7 +259,8 @@ class AsyncClient(ClientOptions):
         return self._conn is not None and not self._conn.dead
 
     async def infer(self, x: Any, *, layer: Optional[int] = None, dtype: Optional[str] = None,
-                    deadline_ms: int = 0, timeout: Optional[float] = None) -> Any:
+                    deadline_ms: int = 0, timeout: Optional[float] = None,
+                    traceparent: str = "") -> Any:
         """The MoE layer's output for ``x``; arguments, result and errors as
         :meth:`moerun.client.Client.infer`. Safe to await from many tasks at once."""
         prep = tensors.prepare(x, dtype)
@@ -267,7 +268,7 @@ class AsyncClient(ClientOptions):
         deadline = time.monotonic() + wait
         rid = self._next_id
         self._next_id += 1
-        head = request_head(rid, prep, layer, deadline_ms, self._key)
+        head = request_head(rid, prep, layer, deadline_ms, self._key, traceparent)
         check_request_size(head, prep, self.max_frame_bytes)
         data = _frame.byte_view(prep.payload)
         attempts = 0
@@ -311,12 +312,13 @@ class AsyncClient(ClientOptions):
 
     async def infer_many(self, xs: Sequence[Any], *, layer: Optional[int] = None,
                          dtype: Optional[str] = None, deadline_ms: int = 0,
-                         timeout: Optional[float] = None) -> List[Any]:
+                         timeout: Optional[float] = None, traceparent: str = "") -> List[Any]:
         """:meth:`infer` of every input at once (concurrently, on the one connection; each
         call bounded by ``timeout``); the outputs in the inputs' order. The first error raises
         and cancels the other calls."""
         tasks = [asyncio.ensure_future(self.infer(x, layer=layer, dtype=dtype,
-                                                  deadline_ms=deadline_ms, timeout=timeout))
+                                                  deadline_ms=deadline_ms, timeout=timeout,
+                                                  traceparent=traceparent))
                  for x in xs]
         if not tasks:
             return []
