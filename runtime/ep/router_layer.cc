@@ -420,7 +420,7 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   stats_.rows_sent += static_cast<uint64_t>(rows);
   const auto t_sent = SteadyClock::now();
   timing_.dispatch_us += MicrosBetween(t_dispatch, t_sent);
-  if (st.mb_index >= 0) mb_times_[static_cast<size_t>(st.mb_index)].sent = t_sent;
+  if (Traced(st)) mb_times_[static_cast<size_t>(st.mb_index)].sent = t_sent;
 
   // The shared expert runs here while the expert ranks work.
   if (w.shared) {
@@ -473,7 +473,7 @@ Status RouterLayer::Collect(Stage& st, float* out) {
     // At the deadline the late transfers stay valid in st.reqs: Abandon strands or cancels them.
     st.done_at.assign(st.reqs.size(), SteadyClock::time_point{});
     const auto t_wait = SteadyClock::now();
-    if (st.mb_index >= 0) {
+    if (Traced(st)) {
       MicrobatchTimes& mt = mb_times_[static_cast<size_t>(st.mb_index)];
       if (mt.wait == SteadyClock::time_point{}) mt.wait = t_wait;
     }
@@ -576,12 +576,16 @@ Status RouterLayer::Collect(Stage& st, float* out) {
   });
   const auto t_end = SteadyClock::now();
   timing_.combine_us += MicrosBetween(t_combine, t_end);
-  if (st.mb_index >= 0) {
+  if (Traced(st)) {
     MicrobatchTimes& mt = mb_times_[static_cast<size_t>(st.mb_index)];
     mt.combine = t_combine;
     mt.end = t_end;
   }
   return Status::Ok();
+}
+
+bool RouterLayer::Traced(const Stage& st) const {
+  return st.mb_index >= 0 && static_cast<size_t>(st.mb_index) < mb_times_.size();
 }
 
 void RouterLayer::RecordRankTimes(const Stage& st, int d, int64_t rows, const EpResultTrailer& tr,
@@ -605,7 +609,7 @@ void RouterLayer::RecordRankTimes(const Stage& st, int d, int64_t rows, const Ep
       c.best_delay = INT64_MAX;
     }
   }
-  if (st.mb_index < 0) return;
+  if (!Traced(st)) return;
   RankTimes& r = rank_times_.emplace_back();
   r.microbatch = st.mb_index;
   r.rank = d;

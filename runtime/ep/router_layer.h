@@ -165,6 +165,8 @@ class RouterLayer {
   };
   static constexpr int kOffsetWindow = 64;
   std::vector<ClockOffset> clock_;
+  // Whether the stage's microbatch has its MicrobatchTimes in this Forward's mb_times_.
+  bool Traced(const Stage& st) const;
   void RecordRankTimes(const Stage& st, int d, int64_t rows, const EpResultTrailer& tr,
                        SteadyClock::time_point received);
   std::string what_;  // names the layer in errors

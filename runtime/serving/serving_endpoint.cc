@@ -586,6 +586,7 @@ void ServingEndpoint::TakeFinished() {
 }
 
 void ServingEndpoint::StartTrace(Pending& p) {
+  p.trace = TraceContext{};
   if (!p.req.traceparent.empty()) {
     p.trace_parent = ParseTraceparent(p.req.traceparent, &p.trace);
     if (!p.trace_parent) bad_traceparent_->Inc();
