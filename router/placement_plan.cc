@@ -407,11 +407,14 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     std::vector<int> layers;
     for (const auto& [layer, l] : loads) layers.push_back(layer);
     report.cost = CostOfRebalance(current, next, layers, {expert_bytes});
+    // Each layer's part of it (a layer whose slots do not change has no step: nothing moves).
+    std::map<int, const LayerCost*> step_of;
+    for (const LayerCost& c : report.cost.steps) step_of[c.layer] = &c;
     for (LayerPlanReport& r : report.layers) {
-      const LayerCost c = CostOfLayer(r.layer, *current.Layer(r.layer), *next.Layer(r.layer),
-                                      current.num_ranks(), routers, expert_bytes);
-      r.experts_to_release = c.copies_released;
-      r.max_rank_bytes = c.max_rank_load_bytes;
+      const auto it = step_of.find(r.layer);
+      if (it == step_of.end()) continue;
+      r.experts_to_release = it->second->copies_released;
+      r.max_rank_bytes = it->second->max_rank_load_bytes;
     }
   }
   return report;

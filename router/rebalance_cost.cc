@@ -83,13 +83,13 @@ void AddStep(RebalanceCost* r, LayerCost c, int64_t placement_bytes) {
   r->critical_bytes += c.max_rank_load_bytes;
   r->messages += c.load_messages + c.switch_messages + c.release_messages;
   r->switch_bytes += static_cast<int64_t>(c.switch_messages) * placement_bytes;
-  r->steps.push_back(std::move(c));
-  // The most one rank loads over every step so far.
-  std::map<int, int64_t> rank_bytes;
-  for (const LayerCost& s : r->steps) {
-    for (const RankMoves& m : s.ranks) rank_bytes[m.rank] += m.load_bytes;
+  for (const RankMoves& m : c.ranks) {
+    if (m.load_bytes == 0) continue;
+    int64_t& total = r->rank_load_bytes[m.rank];
+    total += m.load_bytes;
+    r->max_rank_bytes = std::max(r->max_rank_bytes, total);
   }
-  for (const auto& [rank, b] : rank_bytes) r->max_rank_bytes = std::max(r->max_rank_bytes, b);
+  r->steps.push_back(std::move(c));
 }
 
 }  // namespace moerun

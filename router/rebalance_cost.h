@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "router/placement.h"
@@ -49,6 +50,7 @@ struct RebalanceCost {
   int messages = 0;            // control messages sent (each is answered: as many replies)
   int64_t switch_bytes = 0;    // bytes of the placements sent with the switches
   int64_t max_rank_bytes = 0;  // the most one expert rank loads over the whole migration
+  std::map<int, int64_t> rank_load_bytes;  // per expert rank that loads: its bytes in all
 };
 
 // `expert_bytes[i]`: the bytes of one expert of layers[i] (or one value for every layer).

@@ -1,42 +1,36 @@
 #include "runtime/serving/request_trace.h"
 
 #include <map>
+#include <string>
 
 namespace moerun {
 namespace {
 
 namespace pb = ::moerun::otlp::v1;
 
-void Attr(pb::Span* s, const char* key, int64_t v) {
-  pb::KeyValue* kv = s->add_attributes();
+// An attribute of a span or a resource (both hold a repeated KeyValue `attributes`).
+template <typename Owner>
+void Attr(Owner* o, const char* key, int64_t v) {
+  pb::KeyValue* kv = o->add_attributes();
   kv->set_key(key);
   kv->mutable_value()->set_int_value(v);
 }
-void Attr(pb::Span* s, const char* key, const std::string& v) {
-  pb::KeyValue* kv = s->add_attributes();
+template <typename Owner>
+void Attr(Owner* o, const char* key, const std::string& v) {
+  pb::KeyValue* kv = o->add_attributes();
   kv->set_key(key);
   kv->mutable_value()->set_string_value(v);
-}
-void ResourceAttr(pb::Resource* r, const char* key, const std::string& v) {
-  pb::KeyValue* kv = r->add_attributes();
-  kv->set_key(key);
-  kv->mutable_value()->set_string_value(v);
-}
-void ResourceAttr(pb::Resource* r, const char* key, int64_t v) {
-  pb::KeyValue* kv = r->add_attributes();
-  kv->set_key(key);
-  kv->mutable_value()->set_int_value(v);
 }
 
 pb::ScopeSpans* NewScope(pb::ExportTraceServiceRequest* out, const TraceSource& src, int rank,
                          const char* role) {
   pb::ResourceSpans* rs = out->add_resource_spans();
   pb::Resource* r = rs->mutable_resource();
-  ResourceAttr(r, "service.name", src.service);
-  ResourceAttr(r, "service.instance.id", "rank-" + std::to_string(rank));
-  ResourceAttr(r, "moerun.rank", int64_t{rank});
-  ResourceAttr(r, "moerun.role", std::string(role));
-  if (rank == src.router_rank && !src.host.empty()) ResourceAttr(r, "host.name", src.host);
+  Attr(r, "service.name", src.service);
+  Attr(r, "service.instance.id", "rank-" + std::to_string(rank));
+  Attr(r, "moerun.rank", int64_t{rank});
+  Attr(r, "moerun.role", std::string(role));
+  if (rank == src.router_rank && !src.host.empty()) Attr(r, "host.name", src.host);
   pb::ScopeSpans* ss = rs->add_scope_spans();
   ss->mutable_scope()->set_name("moerun");
   return ss;

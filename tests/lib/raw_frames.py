@@ -38,9 +38,10 @@ def read_exact(s, n):
     return b
 
 
-def fields(body):
-    """A message's fields by number: varints as ints, length-delimited ones as bytes."""
-    i, f = 0, {}
+def decode(body):
+    """A message's fields in order, as (number, wire type, value): varints and fixed64/fixed32
+    as ints, length-delimited ones as bytes. Any other wire type is a ValueError."""
+    out, i = [], 0
 
     def rv():
         nonlocal i
@@ -55,13 +56,27 @@ def fields(body):
 
     while i < len(body):
         tag = rv()
-        if tag & 7 == 0:
-            f[tag >> 3] = rv()
-        else:
+        f, w = tag >> 3, tag & 7
+        if w == 0:
+            out.append((f, w, rv()))
+        elif w == 1:
+            out.append((f, w, struct.unpack("<Q", body[i:i + 8])[0]))
+            i += 8
+        elif w == 5:
+            out.append((f, w, struct.unpack("<I", body[i:i + 4])[0]))
+            i += 4
+        elif w == 2:
             n = rv()
-            f[tag >> 3] = body[i:i + n]
+            out.append((f, w, bytes(body[i:i + n])))
             i += n
-    return f
+        else:
+            raise ValueError("wire type %d" % w)
+    return out
+
+
+def fields(body):
+    """A message's fields by number (the last of a repeated one), as decode() reads them."""
+    return {f: v for f, _, v in decode(body)}
 
 
 def read_response(s):

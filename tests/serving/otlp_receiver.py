@@ -3,15 +3,16 @@
 each `POST /v1/traces` body (application/x-protobuf) with the field numbers of the published
 schema (opentelemetry-proto: collector/trace/v1 ExportTraceServiceRequest, trace/v1
 ResourceSpans, ScopeSpans, Span, Status; common/v1 KeyValue, AnyValue; resource/v1 Resource),
-by its own decoder of the protobuf wire format (not moerun's generated classes), and appends one
-JSON line per span to OUT.
+by the tests' own decoder of the protobuf wire format (tests/lib/raw_frames.py, not moerun's
+generated classes), and appends one JSON line per span to OUT.
 
   otlp_receiver.py PORT_FILE OUT [--port P] [--mode ok|sink|refuse|slow|garbage] [--slow-s S]
 
 The port it listens on (127.0.0.1; --port, else chosen by the kernel) is written to PORT_FILE
-once it listens. sink: 200 without decoding (a collector that keeps up with anything). Modes, for the collector faults: ok (200 and an empty ExportTraceServiceResponse),
-refuse (503 every time), slow (answers after --slow-s seconds), garbage (not HTTP at all: random
-bytes, then the connection is closed). Every request's outcome is counted in OUT + ".posts".
+once it listens. Modes: ok (200 and an empty ExportTraceServiceResponse), sink (200 without
+decoding: a collector that keeps up with anything), and for the collector faults refuse (503
+every time), slow (answers after --slow-s seconds), garbage (not HTTP at all: random bytes,
+then the connection is closed). Every request's outcome is counted in OUT + ".posts".
 """
 import http.server
 import json
@@ -22,38 +23,8 @@ import sys
 import threading
 import time
 
-
-def decode(buf):
-    """[(field, wire, value)]: varint ints, fixed64/fixed32 as raw ints, bytes for wire 2."""
-    out, i = [], 0
-    def varint():
-        nonlocal i
-        v = sh = 0
-        while True:
-            c = buf[i]
-            i += 1
-            v |= (c & 0x7F) << sh
-            sh += 7
-            if c < 0x80:
-                return v
-    while i < len(buf):
-        tag = varint()
-        f, w = tag >> 3, tag & 7
-        if w == 0:
-            out.append((f, w, varint()))
-        elif w == 1:
-            out.append((f, w, struct.unpack("<Q", buf[i:i + 8])[0]))
-            i += 8
-        elif w == 5:
-            out.append((f, w, struct.unpack("<I", buf[i:i + 4])[0]))
-            i += 4
-        elif w == 2:
-            n = varint()
-            out.append((f, w, bytes(buf[i:i + n])))
-            i += n
-        else:
-            raise ValueError("wire type %d" % w)
-    return out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+from raw_frames import decode  # noqa: E402  (the protobuf wire format, by hand)
 
 
 def any_value(b):  # AnyValue: 1 string, 2 bool, 3 int, 4 double
