@@ -12,6 +12,7 @@
 
 #include "base/thread_pool.h"
 #include "router/local_search.h"
+#include "router/node_local.h"
 #include "router/node_planner.h"
 
 namespace moerun {
@@ -270,17 +271,21 @@ const char* PlannerPolicyName(PlannerPolicy policy) {
       return "default";
     case PlannerPolicy::kNodeAware:
       return "node-aware";
+    case PlannerPolicy::kNodeLocal:
+      return "node-local";
   }
   return "?";
 }
 
 Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name) {
   for (PlannerPolicy p : {PlannerPolicy::kEplbHierarchical, PlannerPolicy::kEplbGlobal,
-                          PlannerPolicy::kDefault, PlannerPolicy::kNodeAware}) {
+                          PlannerPolicy::kDefault, PlannerPolicy::kNodeAware,
+                          PlannerPolicy::kNodeLocal}) {
     if (name == PlannerPolicyName(p)) return p;
   }
   return Status::InvalidArgument(fmt::format(
-      "unknown planner policy \"{}\" (eplb-hierarchical, eplb-global, default or node-aware)",
+      "unknown planner policy \"{}\" (eplb-hierarchical, eplb-global, default, node-aware or "
+      "node-local)",
       name));
 }
 
@@ -340,6 +345,7 @@ LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) 
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
   MOERUN_RETURN_IF_ERROR(CheckInput(in, policy));
   if (policy == PlannerPolicy::kNodeAware) return PlanNodeAware(in);
+  if (policy == PlannerPolicy::kNodeLocal) return PlanNodeLocal(in);
   // Layers are independent: each is planned alone, on whichever thread takes it (the same
   // plan as one thread's, layer by layer).
   std::vector<LayerMaps> plan(in.load.size());
@@ -357,6 +363,7 @@ Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPoli
         out = DefaultLayer(load, in);
         break;
       case PlannerPolicy::kNodeAware:  // planned above
+      case PlannerPolicy::kNodeLocal:
         break;
     }
   };

@@ -32,6 +32,9 @@
 //    group) go to nodes so that each sampled token's experts lie on few nodes, each node's load
 //    within (1 + node_slack) × the mean; then each node is planned alone by kDefault. Without a
 //    routing sample (window counts only), a balanced packing of the units onto the nodes.
+//  - kNodeLocal: router/node_local.h. Copies of the hottest experts on every node (for a dispatch
+//    that prefers its own node's copies), the rest spread over the nodes by load, each node then
+//    planned alone by kDefault.
 //  - PlanIncremental (not a policy: it needs the running placement): the same moves from the
 //    running placement of a layer, within a budget of expert copies to load, until a target
 //    balance is reached or no move helps.
@@ -49,9 +52,9 @@
 
 namespace moerun {
 
-enum class PlannerPolicy { kEplbHierarchical, kEplbGlobal, kDefault, kNodeAware };
+enum class PlannerPolicy { kEplbHierarchical, kEplbGlobal, kDefault, kNodeAware, kNodeLocal };
 
-// "eplb-hierarchical", "eplb-global", "default", "node-aware".
+// "eplb-hierarchical", "eplb-global", "default", "node-aware", "node-local".
 const char* PlannerPolicyName(PlannerPolicy policy);
 Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name);
 
@@ -72,6 +75,12 @@ struct PlannerInput {
   // node load it may go for that (the knob between balance and locality).
   RoutingSample sample;
   double node_slack = 0.05;
+  // kNodeLocal only: the share of the redundant slots that become copies on other nodes (the rest
+  // stay with each node for copies inside it), in [0, 1].
+  double local_share = 0.75;
+  // kNodeLocal only: the loads it plans copies on are the window's + copy_prior × their mean (0:
+  // the window's hot experts get the copies; large: copies spread evenly, for unseen traffic).
+  double copy_prior = 0;
   // Threads the planner plans layers on (each layer alone, so the plan is the same whatever the
   // count): 0 = one per hardware thread, 1 = the calling thread alone.
   int threads = 0;

@@ -284,6 +284,21 @@ int main(int argc, char** argv) {
                      "node-aware: how far above the mean node load a node may go (a fraction)")
         ->default_val(rf.node_slack);
     replay
+        ->add_option("--local-share", rf.local_share,
+                     "node-local: the share of the redundant slots that become copies on other "
+                     "nodes")
+        ->default_val(rf.local_share);
+    replay
+        ->add_option("--copy-prior", rf.copy_prior,
+                     "node-local: plan copies on the loads + this x their mean (0: the window's "
+                     "hot experts; large: copies spread evenly, for unseen traffic)")
+        ->default_val(rf.copy_prior);
+    replay
+        ->add_option("--spill", rf.spill,
+                     "Routers prefer copies on their own node, within (1 + S) x the least "
+                     "loaded copy's load + 1 (negative: no preference)")
+        ->default_val(rf.spill);
+    replay
         ->add_option("--activated-batch", rf.activated_batch,
                      "Plan on the expected experts used per batch of this many tokens instead of "
                      "tokens (0: tokens)")

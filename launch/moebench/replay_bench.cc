@@ -99,6 +99,15 @@ Result<Parsed> Parse(const ReplayBenchFlags& f) {
     return Status::InvalidArgument("--split must be tokens or streams");
   }
   if (f.experts < 0) return Status::InvalidArgument("--experts must be >= 0");
+  if (!(f.local_share >= 0 && f.local_share <= 1)) {
+    return Status::InvalidArgument("--local-share must be in [0, 1]");
+  }
+  if (!(f.copy_prior >= 0 && f.copy_prior <= 1e6)) {
+    return Status::InvalidArgument("--copy-prior must be in [0, 1e6]");
+  }
+  if (!(f.spill >= -1 && f.spill <= 1000)) {
+    return Status::InvalidArgument("--spill must be in [0, 1000] (or < 0: no preference)");
+  }
   if (!(f.node_slack >= 0 && f.node_slack <= 10)) {
     return Status::InvalidArgument("--node-slack must be in [0, 10]");
   }
@@ -272,6 +281,9 @@ int RunReplayBench(const ReplayBenchFlags& f) {
                    {"split", f.split},
                    {"timing_runs", f.timing_runs},
                    {"node_slack", f.node_slack},
+                   {"local_share", f.local_share},
+                   {"copy_prior", f.copy_prior},
+                   {"spill", f.spill >= 0 ? json(f.spill) : json(nullptr)},
                    {"activated_batch", f.activated_batch}}},
                  {"results", json::array()}};
   // Every trace is read (and every configuration checked) before anything is planned, so a bad
@@ -323,8 +335,10 @@ int RunReplayBench(const ReplayBenchFlags& f) {
     const bool groups_fit = trace.num_experts % f.groups == 0;
     // The same for every rank count: node-aware's sample, and the planner's loads for
     // --activated-batch.
-    const bool node_aware = std::find(p.policies.begin(), p.policies.end(),
-                                      PlannerPolicy::kNodeAware) != p.policies.end();
+    const bool node_aware = std::find_if(p.policies.begin(), p.policies.end(), [](auto q) {
+                              return q == PlannerPolicy::kNodeAware ||
+                                     q == PlannerPolicy::kNodeLocal;
+                            }) != p.policies.end();
     const RoutingSample sample = node_aware ? SampleOf(*plan_on) : RoutingSample{};
     std::vector<std::vector<double>> activated;
     if (f.activated_batch > 0) {
@@ -343,11 +357,14 @@ int RunReplayBench(const ReplayBenchFlags& f) {
       in.num_groups = groups_fit ? f.groups : 1;
       in.sample = sample;
       in.node_slack = f.node_slack;
+      in.local_share = f.local_share;
+      in.copy_prior = f.copy_prior;
       if (f.activated_batch > 0) in.load = activated;
       ReplayTopology topo;
       topo.num_ranks = in.num_ranks;
       topo.num_nodes = f.nodes;
       topo.routers_per_node = f.routers_per_node;
+      topo.spill = f.spill;
 
       for (PlannerPolicy policy : p.policies) {
         json r = {{"trace", trace.source},

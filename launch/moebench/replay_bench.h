@@ -44,6 +44,12 @@ struct ReplayBenchFlags {
   int experts = 0;               // --experts: the model's expert count for token-level files
   int timing_runs = 3;           // --timing-runs: planner runs, the median is reported
   double node_slack = 0.05;      // --node-slack: node-aware's knob (router/node_planner.h)
+  double local_share = 0.75;     // --local-share: node-local's knobs (router/node_local.h)
+  double copy_prior = 0;         // --copy-prior
+  // --spill S: the routers prefer copies on their own node within this bound (router/
+  // dispatch_plan.h, DispatchLocality; the runtime's `dispatch: {prefer_node: true, spill: S}`);
+  // < 0: the plain choice (the least loaded rank).
+  double spill = -1;
   // --activated-batch B: plan on ActivationLoad (router/activation_load.h) of the planning part at
   // B tokens a batch (the experts a rank reads per batch) instead of its token counts; 0: tokens.
   int64_t activated_batch = 0;

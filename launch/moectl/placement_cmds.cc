@@ -294,7 +294,7 @@ void AddPlanCommand(CLI::App& placement, Session& s) {
   plan->add_option("--redundant", f->planner.redundant, "Redundant expert slots per layer")
       ->default_val(0);
   plan->add_option("--policy", f->planner.policy,
-                   "default, eplb-hierarchical, eplb-global or node-aware")
+                   "default, eplb-hierarchical, eplb-global, node-aware or node-local")
       ->default_val("default");
   plan->add_option("--groups", f->planner.groups,
                    "Expert groups (default: the model's gate groups)");
@@ -426,7 +426,7 @@ std::vector<CLI::Option*> AddPlannerOptions(CLI::App* sub, MigrateFlags& f) {
       {sub->add_option("--redundant", f.planner.redundant, "Redundant expert slots per layer")
            ->check(kNonNegative),
        sub->add_option("--policy", f.planner.policy,
-                       "default, eplb-hierarchical, eplb-global or node-aware"),
+                       "default, eplb-hierarchical, eplb-global, node-aware or node-local"),
        sub->add_option("--groups", f.planner.groups,
                        "Expert groups (default: the model's gate groups)")
            ->check(kNonNegative),

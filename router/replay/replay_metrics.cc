@@ -33,6 +33,7 @@ Status CheckTopology(const ReplayTopology& topo) {
                                    std::to_string(topo.num_ranks) + ")");
   }
   if (topo.routers_per_node < 1) return Status::InvalidArgument("routers per node must be >= 1");
+  if (std::isnan(topo.spill)) return Status::InvalidArgument("spill must be a number");
   return Status::Ok();
 }
 
@@ -175,6 +176,9 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
   Copies c;
 
   DispatchPlan dp;
+  std::vector<int> rank_node(static_cast<size_t>(R));
+  for (int d = 0; d < R; ++d) rank_node[static_cast<size_t>(d)] = d / ranks_per_node;
+  DispatchLocality locality{rank_node, 0, topo.spill};
   std::vector<double> load(static_cast<size_t>(R));
   std::vector<int64_t> rank_rows(static_cast<size_t>(R));
   std::vector<int64_t> slot_rows;
@@ -214,7 +218,9 @@ Result<BatchMetrics> MeasureBatches(const RoutingTrace& trace, const std::vector
             ids.insert(ids.end(), row, row + K);
           }
           std::fill(load.begin(), load.end(), 0.0);
-          dp.Build(ids.data(), hi - lo, static_cast<int>(K), lp, load);
+          locality.node = i / topo.routers_per_node;
+          dp.Build(ids.data(), hi - lo, static_cast<int>(K), lp, load,
+                   topo.spill >= 0 ? &locality : nullptr);
           for (int d = 0; d < R; ++d) rank_rows[static_cast<size_t>(d)] += dp.rows_to(d);
           for (size_t sl = 0; sl < lp.slots.size(); ++sl) slot_rows[sl] += dp.slot_rows[sl];
           CountCopies(dp, hi - lo, K, i / topo.routers_per_node, ranks_per_node, &c);

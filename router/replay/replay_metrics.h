@@ -11,7 +11,8 @@
 //    (routers_per_node × nodes; router i takes tokens [i·n/R, (i+1)·n/R) and sits on node
 //    i / routers_per_node); each router builds the runtime's own DispatchPlan
 //    (router/dispatch_plan.h: each assignment to the replica on the least loaded rank) for its
-//    tokens, starting from zero load, as the runtime starts each batch from its in-flight rows.
+//    tokens, starting from zero load, as the runtime starts each batch from its in-flight rows
+//    (with topo.spill >= 0, the plan that prefers the router's own node: DispatchLocality).
 //    A token whose record of the layer is missing (an id -1) is left out of that layer.
 //    Per (layer, batch): rank loads = rows per rank summed over the routers; imbalance =
 //    (max − mean) ÷ mean over the expert ranks (0 = perfect, R − 1 = one rank takes all); the
@@ -41,6 +42,10 @@ struct ReplayTopology {
   int num_ranks = 1;         // expert ranks
   int num_nodes = 1;         // divides num_ranks
   int routers_per_node = 1;  // >= 1
+  // The routers' replica choice: < 0 the plain one (least loaded rank); >= 0 the runtime's
+  // preference for the router's own node with this bound (router/dispatch_plan.h,
+  // DispatchLocality::spill).
+  double spill = -1;
 };
 
 // InvalidArgument for ranks < 1, nodes < 1 or not dividing the ranks, routers_per_node < 1.
