@@ -135,6 +135,22 @@ Result<std::unique_ptr<RankServices>> RankServices::Start(
                      "Microbatches abandoned in flight to a dead rank and dispatched again");
     rs->replaced_counter_ = m.AddCounter("moerun_experts_replaced_total",
                                          "Expert copies re-placed on survivors after a death");
+    {
+      const std::shared_ptr<DispatchBytes> b = rs->dispatch_bytes_;
+      const char* help =
+          "Bytes of token rows this router dispatched to expert ranks: all of them, those to ranks "
+          "on another node (per row, as sent), and per (token, other node) (what a transport that "
+          "sends a token once per node would send)";
+      m.AddCallbackCounter("moerun_dispatch_bytes_total", help,
+                           [b] { return static_cast<double>(b->rows.load()); },
+                           {{"to", "all"}, {"per", "row"}});
+      m.AddCallbackCounter("moerun_dispatch_bytes_total", help,
+                           [b] { return static_cast<double>(b->off_node_rows.load()); },
+                           {{"to", "other_node"}, {"per", "row"}});
+      m.AddCallbackCounter("moerun_dispatch_bytes_total", help,
+                           [b] { return static_cast<double>(b->off_node_token_nodes.load()); },
+                           {{"to", "other_node"}, {"per", "token_node"}});
+    }
     for (int r = 0; r < placement.num_ranks(); ++r) {
       rs->answering_by_rank_.push_back(
           r < placement.num_routers()
@@ -278,6 +294,18 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
   // The window's balancedness is over the expert ranks that are alive (a dead one has no load).
   if (health != nullptr) health->CopyView(&peers_scratch_);
   DeadExpertRanks(peers_scratch_, Current()->num_routers(), &skip_scratch_);
+  {
+    uint64_t rows = 0, off_rows = 0, off_token_nodes = 0;
+    for (RouterLayer* l : ep_layers_) {
+      const EpStats& st = l->stats();
+      rows += st.rows_sent * static_cast<uint64_t>(l->weights().spec.hidden) * sizeof(float);
+      off_rows += st.off_node_row_bytes;
+      off_token_nodes += st.off_node_token_node_bytes;
+    }
+    dispatch_bytes_->rows.store(rows);
+    dispatch_bytes_->off_node_rows.store(off_rows);
+    dispatch_bytes_->off_node_token_nodes.store(off_token_nodes);
+  }
   for (RouterLayer* l : ep_layers_) {
     const int layer = l->weights().layer;
     auto& seen = rank_seen_[layer];
@@ -362,6 +390,11 @@ moerun::v1::StatusResponse RankServices::Status() const {
     std::lock_guard<std::mutex> lock(mu_);
     peers = peers_;
   }
+  std::vector<std::string> nodes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    nodes = node_names_;
+  }
   int dead = 0;
   for (const PeerView& p : peers) dead += p.dead && !p.retired ? 1 : 0;  // retired: no failure
   s.set_ranks_dead(dead);
@@ -373,6 +406,7 @@ moerun::v1::StatusResponse RankServices::Status() const {
     rs->set_rank(r);
     const bool is_router = r < placement->num_routers();
     rs->set_role(is_router ? "router" : "expert");
+    if (static_cast<size_t>(r) < nodes.size()) rs->set_node(nodes[static_cast<size_t>(r)]);
     if (r == rank_) {
       rs->set_host(HostName());
       rs->set_pid(::getpid());
@@ -524,7 +558,15 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
     MOERUN_ASSIGN_OR_RETURN(o.policy, ParsePlannerPolicy(request.policy()));
   }
   o.groups = request.groups() > 0 ? request.groups() : gate_groups_;
-  o.nodes = request.nodes() > 0 ? request.nodes() : 1;
+  o.nodes = request.nodes() > 0 ? request.nodes() : 0;  // 0: the job's nodes
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::map<std::string, int> ids;
+    for (const std::string& name : node_names_) {
+      const auto [it, fresh] = ids.emplace(name, static_cast<int>(ids.size()));
+      o.rank_node.push_back(name.empty() ? -1 : it->second);
+    }
+  }
   o.incremental = request.incremental();
   o.max_moves = request.max_moves();
   o.target_balance = request.target_balance();

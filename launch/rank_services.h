@@ -49,6 +49,12 @@ class RankServices : public PlanSource {
   bool router() const { return router_; }
   MetricsRegistry& metrics() { return metrics_; }
   void set_loaded() { loaded_ = true; }
+  // Each rank's node name (RankJob::node_names), once the job is ready: moectl status shows them
+  // and the planner's node-aware policies plan on them.
+  void set_nodes(std::vector<std::string> names) {
+    std::lock_guard<std::mutex> lock(mu_);
+    node_names_ = std::move(names);
+  }
   void set_draining() { draining_ = true; }
   uint16_t http_port() const;
 
@@ -123,6 +129,13 @@ class RankServices : public PlanSource {
   std::vector<PeerView> peers_scratch_;
   std::vector<bool> skip_scratch_;  // per expert rank: dead (left out of the window balancedness)
   std::vector<RouterLayer*> ep_layers_;
+  std::vector<std::string> node_names_;  // per rank (guarded by mu_)
+  // The routers' dispatch bytes over every layer (Refresh sums the layers' stats; the metrics
+  // read them): all rows, rows to other nodes, (token, other node) pairs.
+  struct DispatchBytes {
+    std::atomic<uint64_t> rows{0}, off_node_rows{0}, off_node_token_nodes{0};
+  };
+  std::shared_ptr<DispatchBytes> dispatch_bytes_ = std::make_shared<DispatchBytes>();
 };
 
 }  // namespace moerun

@@ -200,6 +200,8 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   o.cache_pinned = c.expert_cache_pinned;
   o.cache_spill_dir = c.expert_cache_spill_dir;
   o.spare_ranks = c.spare_expert_ranks;
+  o.nodes = c.nodes;
+  o.ep.node_spill = c.dispatch.prefer_node ? c.dispatch.spill : -1;
   return o;
 }
 
@@ -250,6 +252,7 @@ Status ServeRank(Transport* t, const ServeSetup& setup, const JobOptions& option
                           setup.metrics_listen, std::chrono::seconds(sc.load_window_s), http));
   MOERUN_RETURN_IF_ERROR(job->Load());
   MOERUN_RETURN_IF_ERROR(job->WaitReady());
+  services->set_nodes(job->node_names());
   services->set_loaded();
   if (job->rank() == 0) {
     spdlog::info(

@@ -337,6 +337,58 @@ std::vector<Key<TracingConfig>> TracingKeys() {
   };
 }
 
+std::vector<Key<DispatchConfig>> DispatchKeys() {
+  using V = DispatchConfig;
+  return {
+      {"prefer_node",
+       [](const Reader& r, V* v) {
+         const YAML::Node n = r.node()["prefer_node"];
+         if (!n) return Status::Ok();
+         try {
+           v->prefer_node = n.as<bool>();
+           return Status::Ok();
+         } catch (const YAML::Exception&) {
+           return Status::InvalidArgument(r.Where("prefer_node") + " must be true or false");
+         }
+       }},
+      Number("spill", &V::spill, 0.0, 1000.0),
+  };
+}
+
+// nodes: {NAME: [rank, ...]}: every rank in at most one node.
+Status ReadNodes(const Reader& r, ServeConfig* c) {
+  const YAML::Node n = r.node()["nodes"];
+  if (!n) return Status::Ok();
+  if (!n.IsMap() || n.size() == 0) {
+    return Status::InvalidArgument(r.Where("nodes") +
+                                   " must be a mapping of node names to lists of ranks");
+  }
+  for (const auto& kv : n) {
+    const std::string name = kv.first.as<std::string>();
+    const std::string where = r.Where("nodes") + "." + name;
+    if (name.empty()) return Status::InvalidArgument(r.Where("nodes") + ": a node name is empty");
+    if (!kv.second.IsSequence() || kv.second.size() == 0) {
+      return Status::InvalidArgument(where + " must be a non-empty list of ranks");
+    }
+    for (const auto& v : kv.second) {
+      int rank = -1;
+      try {
+        rank = v.as<int>();
+      } catch (const YAML::Exception&) {
+      }
+      if (rank < 0 || rank > 65535) {
+        return Status::InvalidArgument(where + " must list rank numbers (0..65535)");
+      }
+      const auto [it, fresh] = c->nodes.emplace(rank, name);
+      if (!fresh) {
+        return Status::InvalidArgument(where + ": rank " + std::to_string(rank) +
+                                       " is already on node " + it->second);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 // The top level. "model" is resolved and "files" read once both model and preset are known.
 std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::string& base) {
   using C = ServeConfig;
@@ -380,6 +432,9 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
       Section<C, RebalanceConfig>("rebalance", source, RebalanceKeys,
                                   [](C* c) { return &c->rebalance; }),
       Section<C, TracingConfig>("tracing", source, TracingKeys, [](C* c) { return &c->tracing; }),
+      Section<C, DispatchConfig>("dispatch", source, DispatchKeys,
+                                 [](C* c) { return &c->dispatch; }),
+      {"nodes", ReadNodes},
       Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
       {"expert_cache_policy",
        [](const Reader& r, C* c) {

@@ -3,6 +3,7 @@
 // config file's folder. The README documents every key.
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,13 @@ struct TracingConfig {
   int64_t queue_spans = 16384;  // spans waiting for the exporter at most (more are dropped)
 };
 
+// Which copy of an expert a router sends a token to (router/dispatch_plan.h, DispatchLocality).
+struct DispatchConfig {
+  bool prefer_node = false;  // a copy on the router's own node first (else the least loaded)
+  double spill = 1.0;        // ... while its rank's load is within the least loaded copy's load
+                             // + spill × the mean rows a rank gets in the microbatch
+};
+
 struct ServeConfig {
   // Weights: a checkpoint folder, or a preset.
   std::string model;
@@ -90,6 +98,10 @@ struct ServeConfig {
   ServingConfig serving;
   RebalanceConfig rebalance;
   TracingConfig tracing;
+  DispatchConfig dispatch;
+  // nodes: {NAME: [rank, ...], ...}: which ranks share a node (rank -> node name); empty: each
+  // rank's host name, gathered at start (runtime/ranks/rank_job.h).
+  std::map<int, std::string> nodes;
   std::string log_level = "info";
   // files.allow: the only directories `moectl expert update --from FILE` may name (absolute,
   // lexically normal; runtime/migration/file_allow.h). Without the key: the model's folder, or none

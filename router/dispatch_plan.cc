@@ -9,10 +9,12 @@ namespace {
 int LeastLoaded(const std::vector<int>& reps, const LayerPlacement& placement,
                 std::span<const double> rank_load) {
   int best = reps[0];
-  double best_load = rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(best)].rank)];
+  double best_load =
+      rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(best)].rank)];
   for (size_t r = 1; r < reps.size(); ++r) {
     const int s = reps[r];
-    const double load = rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(s)].rank)];
+    const double load =
+        rank_load[static_cast<size_t>(placement.slots[static_cast<size_t>(s)].rank)];
     if (load < best_load) {
       best = s;
       best_load = load;

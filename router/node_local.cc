@@ -11,7 +11,21 @@
 namespace moerun {
 namespace {
 
-Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const std::vector<double>& load0) {
+// Whether a rank of `m` holds an expert twice (a placement table cannot).
+bool HoldsTwice(const LayerMaps& m, int ranks) {
+  const size_t per = m.phy2log.size() / static_cast<size_t>(ranks);
+  for (size_t r = 0; r < static_cast<size_t>(ranks); ++r) {
+    std::vector<int> here(m.phy2log.begin() + static_cast<std::ptrdiff_t>(r * per),
+                          m.phy2log.begin() + static_cast<std::ptrdiff_t>((r + 1) * per));
+    std::sort(here.begin(), here.end());
+    if (std::adjacent_find(here.begin(), here.end()) != here.end()) return true;
+  }
+  return false;
+}
+
+// One layer with `keep` redundant slots kept for copies inside the nodes.
+Result<LayerMaps> PlanLayerKeeping(const PlannerInput& in, size_t layer,
+                                   const std::vector<double>& load0, int keep) {
   const int experts = static_cast<int>(load0.size());
   std::vector<double> load = load0;
   // The window's loads pulled towards their mean by copy_prior (for traffic unlike the window's).
@@ -21,8 +35,7 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const std::vec
   const int slots_per_node = in.num_slots / nodes;
   const int redundant = in.num_slots - experts;
   // 1. Node-level copies, and each node's room for distinct experts.
-  const int cross = static_cast<int>(std::floor(in.local_share * redundant + 1e-9));
-  const int keep = redundant - cross;
+  const int cross = redundant - keep;
   std::vector<int> room(static_cast<size_t>(nodes), slots_per_node - keep / nodes);
   for (int n = 0; n < keep % nodes; ++n) --room[static_cast<size_t>(n)];
   std::vector<int> order(static_cast<size_t>(experts));
@@ -113,7 +126,8 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const std::vec
       node_load[static_cast<size_t>(best)] += per_copy(e);
       --room[static_cast<size_t>(best)];
       if (co_use) {
-        for (int32_t t : tokens_of[static_cast<size_t>(e)]) touched[size_t(t)] |= uint64_t{1} << best;
+        for (int32_t t : tokens_of[static_cast<size_t>(e)])
+          touched[size_t(t)] |= uint64_t{1} << best;
       }
     }
   }
@@ -138,6 +152,23 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer, const std::vec
   return MapsFromSlots(std::move(phy2log), experts);
 }
 
+// One layer: the share's copies inside the nodes, fewer where a node's plan would need an expert
+// twice on one of its ranks (few ranks a node, or few experts), none at the last.
+Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
+  const int redundant = in.num_slots - static_cast<int>(in.load[layer].size());
+  int keep = redundant - static_cast<int>(std::floor(in.local_share * redundant + 1e-9));
+  if (in.num_ranks / in.num_nodes == 1) keep = 0;  // one rank a node: no copy inside it
+  for (;;) {
+    MOERUN_ASSIGN_OR_RETURN(LayerMaps m, PlanLayerKeeping(in, layer, in.load[layer], keep));
+    if (!HoldsTwice(m, in.num_ranks)) return m;
+    if (keep == 0) {
+      return Status::Internal(
+          fmt::format("planner: node-local placed an expert twice on a rank in layer {}", layer));
+    }
+    keep /= 2;
+  }
+}
+
 }  // namespace
 
 Result<std::vector<LayerMaps>> PlanNodeLocal(const PlannerInput& in) {
@@ -152,7 +183,7 @@ Result<std::vector<LayerMaps>> PlanNodeLocal(const PlannerInput& in) {
   if (in.num_nodes <= 1) return PlanPlacement(in, PlannerPolicy::kDefault);
   std::vector<LayerMaps> plan(in.load.size());
   for (size_t l = 0; l < in.load.size(); ++l) {
-    MOERUN_ASSIGN_OR_RETURN(plan[l], PlanLayer(in, l, in.load[l]));
+    MOERUN_ASSIGN_OR_RETURN(plan[l], PlanLayer(in, l));
   }
   return plan;
 }

@@ -9,9 +9,10 @@
 //  1. Copies per node: the layer's redundant slots (slots − experts) are split: a share
 //     `local_share` becomes copies on other nodes (node-level replicas), the rest stays with each
 //     node for copies inside it (so that a hot expert can have two copies on one node and the
-//     dispatch a choice there). Every expert gets one node copy; then, hottest first, an expert
-//     gets a copy on every node, until the node-level copies are spent (the last one may get
-//     fewer than N).
+//     dispatch a choice there); none with one rank a node, and halved (to none) while a node's plan
+//     would hold an expert twice on one rank. Every expert gets one node copy; then, hottest first,
+//     an expert gets a copy on every node, until the node-level copies are spent (the last one may
+//     get fewer than N).
 //  2. Which nodes: the experts on every node go everywhere; the others, by their load per node
 //     copy (load ÷ copies) heaviest first, each copy to the node of least expected load that has
 //     room and does not hold it yet. A node's expected load counts each of its experts'

@@ -56,6 +56,38 @@ std::vector<int> LiveExpertRanks(const Placement& current, const std::vector<int
   return live;
 }
 
+// The nodes of the job (PlanOptions::rank_node) for a plan over `live` (sorted here into
+// (node, rank) order where they spread evenly over two or more nodes); 1 where unknown.
+Result<int> JobNodes(const PlanOptions& options, std::vector<int>* live) {
+  const auto node_of = [&](int r) {
+    return static_cast<size_t>(r) < options.rank_node.size()
+               ? options.rank_node[static_cast<size_t>(r)]
+               : -1;
+  };
+  std::map<int, int> count;
+  for (int r : *live) ++count[node_of(r)];
+  if (count.empty() || count.count(-1) || count.size() == 1) return 1;
+  const bool even = std::all_of(count.begin(), count.end(),
+                                [&](const auto& c) { return c.second == count.begin()->second; });
+  if (!even) {
+    const bool needs = options.policy == PlannerPolicy::kNodeAware ||
+                       options.policy == PlannerPolicy::kNodeLocal ||
+                       options.policy == PlannerPolicy::kEplbHierarchical;
+    if (!needs) return 1;
+    std::string list;
+    for (const auto& [node, n] : count) {
+      list += fmt::format("{}node {}: {} rank(s)", list.empty() ? "" : ", ", node, n);
+    }
+    return Status::InvalidArgument(fmt::format(
+        "plan: {} needs the same number of live expert ranks on every node ({}); give --nodes 1 "
+        "or another policy",
+        PlannerPolicyName(options.policy), list));
+  }
+  std::stable_sort(live->begin(), live->end(),
+                   [&](int a, int b) { return node_of(a) < node_of(b); });
+  return static_cast<int>(count.size());
+}
+
 // The planner's input for the loads over `ranks` live expert ranks, or InvalidArgument for options
 // or loads the placement cannot take (`left_out` names the excluded ranks in the messages).
 Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& loads,
@@ -348,8 +380,12 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
         "without a byte budget",
         fmt::join(options.exclude, ",")));
   }
-  const std::vector<int> live = LiveExpertRanks(current, options.exclude);
+  std::vector<int> live = LiveExpertRanks(current, options.exclude);
   const int ranks = static_cast<int>(live.size());
+  PlanOptions opts = options;
+  if (options.nodes < 1 && !options.incremental) {
+    MOERUN_ASSIGN_OR_RETURN(opts.nodes, JobNodes(options, &live));
+  }
   const std::string left_out =
       options.exclude.empty()
           ? std::string()
@@ -363,7 +399,7 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     MOERUN_ASSIGN_OR_RETURN(plan, IncrementalPlans(loads, current, options, ranks, expert_bytes));
   } else {
     MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
-                            PlannerInputFor(loads, current, options, ranks, left_out));
+                            PlannerInputFor(loads, current, opts, ranks, left_out));
     MOERUN_ASSIGN_OR_RETURN(plan, PlanPlacement(in, options.policy));
     // With expert caches, keep hot experts resident where that does not raise the max rank load.
     if (AnyCache(cache)) {

@@ -23,7 +23,13 @@ struct PlanOptions {
   int redundant = 0;  // redundant expert slots per layer (slots = experts + redundant)
   PlannerPolicy policy = PlannerPolicy::kDefault;
   int groups = 1;  // expert groups (EPLB hierarchical: groups to nodes); 0: as the model's gate
-  int nodes = 1;   // nodes the expert ranks span
+  int nodes = 1;   // nodes the expert ranks span, in order; 0: those rank_node gives (else 1)
+  // Per rank of the job (routers included): its node id (-1: unknown). With nodes = 0 and the
+  // live expert ranks spread evenly over two or more nodes, the plan's nodes are these (the
+  // planner's rank i is then the i-th live expert rank in (node, rank) order); unevenly spread,
+  // the node-aware policies (node-aware, node-local, eplb-hierarchical) are refused and the others
+  // plan with one node.
+  std::vector<int> rank_node;
   // Expert ranks left out (dead): the plan's slots go to the others, none to these.
   std::vector<int> exclude;
   // Per expert rank (index 0 = the first expert rank, whether excluded or not): the experts of

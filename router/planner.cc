@@ -278,9 +278,9 @@ const char* PlannerPolicyName(PlannerPolicy policy) {
 }
 
 Result<PlannerPolicy> ParsePlannerPolicy(const std::string& name) {
-  for (PlannerPolicy p : {PlannerPolicy::kEplbHierarchical, PlannerPolicy::kEplbGlobal,
-                          PlannerPolicy::kDefault, PlannerPolicy::kNodeAware,
-                          PlannerPolicy::kNodeLocal}) {
+  for (PlannerPolicy p :
+       {PlannerPolicy::kEplbHierarchical, PlannerPolicy::kEplbGlobal, PlannerPolicy::kDefault,
+        PlannerPolicy::kNodeAware, PlannerPolicy::kNodeLocal}) {
     if (name == PlannerPolicyName(p)) return p;
   }
   return Status::InvalidArgument(fmt::format(

@@ -87,10 +87,10 @@ Status Transport::Barrier(Deadline deadline, int among) {
 Result<std::vector<std::vector<uint8_t>>> AllGatherBytes(Transport& t,
                                                          const std::vector<uint8_t>& mine, int tag,
                                                          size_t max_bytes, Deadline deadline,
-                                                         const char* what) {
-  const int n = t.size(), me = t.rank();
+                                                         const char* what, int among) {
+  const int n = among > 0 ? std::min(among, t.size()) : t.size(), me = t.rank();
   std::vector<uint64_t> lens(static_cast<size_t>(n), 0);
-  std::vector<std::vector<uint8_t>> all(static_cast<size_t>(n));
+  std::vector<std::vector<uint8_t>> all(static_cast<size_t>(t.size()));
   const uint64_t my_len = mine.size();
   std::vector<Request> reqs;
   for (int p = 0; p < n; ++p) {

@@ -138,10 +138,12 @@ inline constexpr int kReservedTagBase = 1 << 20;
 
 // Every rank's `mine` (1 to max_bytes bytes each), indexed by rank, this rank's own included:
 // sizes, then the bytes, exchanged with every peer on the reserved tags `tag` and `tag + 1`.
-// Collective; used to bootstrap one transport (UCX worker addresses) over another.
+// Collective; used to bootstrap one transport (UCX worker addresses) over another. With `among`
+// > 0 only ranks [0, among) take part (the others have no process yet: spare ranks; their
+// entries stay empty).
 Result<std::vector<std::vector<uint8_t>>> AllGatherBytes(Transport& t,
                                                          const std::vector<uint8_t>& mine, int tag,
                                                          size_t max_bytes, Deadline deadline,
-                                                         const char* what);
+                                                         const char* what, int among = 0);
 
 }  // namespace moerun

@@ -335,10 +335,10 @@ int RunReplayBench(const ReplayBenchFlags& f) {
     const bool groups_fit = trace.num_experts % f.groups == 0;
     // The same for every rank count: node-aware's sample, and the planner's loads for
     // --activated-batch.
-    const bool node_aware = std::find_if(p.policies.begin(), p.policies.end(), [](auto q) {
-                              return q == PlannerPolicy::kNodeAware ||
-                                     q == PlannerPolicy::kNodeLocal;
-                            }) != p.policies.end();
+    const bool node_aware =
+        std::find_if(p.policies.begin(), p.policies.end(), [](auto q) {
+          return q == PlannerPolicy::kNodeAware || q == PlannerPolicy::kNodeLocal;
+        }) != p.policies.end();
     const RoutingSample sample = node_aware ? SampleOf(*plan_on) : RoutingSample{};
     std::vector<std::vector<double>> activated;
     if (f.activated_batch > 0) {

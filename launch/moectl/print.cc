@@ -59,8 +59,8 @@ void PrintStatus(const v1::StatusResponse& s) {
         l.layer(), static_cast<unsigned long long>(l.assignments()), l.balancedness(), l.window_s(),
         static_cast<unsigned long long>(l.window_assignments()), l.window_balancedness());
   }
-  std::printf("%-5s %-7s %-20s %-8s %-22s %12s %12s %9s %s\n", "rank", "role", "host", "pid",
-              "state", "assignments", "rows_served", "rss_mib", "experts");
+  std::printf("%-5s %-7s %-20s %-12s %-8s %-22s %12s %12s %9s %s\n", "rank", "role", "host", "node",
+              "pid", "state", "assignments", "rows_served", "rss_mib", "experts");
   for (const auto& r : s.ranks()) {
     std::string experts;
     for (const auto& le : r.layers()) {
@@ -69,8 +69,9 @@ void PrintStatus(const v1::StatusResponse& s) {
       for (int e : le.experts()) list += fmt::format("{}{}", list.empty() ? "" : ",", e);
       experts += fmt::format("{} ", list.empty() ? "-" : list);
     }
-    std::printf("%-5d %-7s %-20s %-8lld %-22s %12llu %12llu %9s %s\n", r.rank(), r.role().c_str(),
-                r.host().empty() ? "?" : r.host().c_str(), static_cast<long long>(r.pid()),
+    std::printf("%-5d %-7s %-20s %-12s %-8lld %-22s %12llu %12llu %9s %s\n", r.rank(),
+                r.role().c_str(), r.host().empty() ? "?" : r.host().c_str(),
+                r.node().empty() ? "?" : r.node().c_str(), static_cast<long long>(r.pid()),
                 r.state().c_str(), static_cast<unsigned long long>(r.assignments()),
                 static_cast<unsigned long long>(r.rows_served()), Mib(r.resident_bytes()).c_str(),
                 experts.c_str());

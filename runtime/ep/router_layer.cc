@@ -347,7 +347,23 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   std::copy(in_flight_.begin(), in_flight_.end(), st.rows_to.begin());
   const LayerPlacement& lp = Live();
   if (orphans_ > 0) MOERUN_RETURN_IF_ERROR(NoOrphans(st.gating.ids().data(), tokens * k));
-  st.plan.Build(st.gating.ids().data(), tokens, k, lp, st.rows_to);  // rows_to: load after
+  const bool nodes_known = opts_.rank_node.size() == static_cast<size_t>(ranks);
+  DispatchLocality locality;
+  if (nodes_known) {
+    locality.rank_node = opts_.rank_node;
+    locality.node = opts_.rank_node[static_cast<size_t>(t_->rank())];
+    locality.spill = opts_.node_spill;
+  }
+  st.plan.Build(st.gating.ids().data(), tokens, k, lp, st.rows_to,
+                nodes_known ? &locality : nullptr);  // rows_to: load after
+  if (nodes_known) {
+    const auto row_bytes = static_cast<uint64_t>(hidden) * sizeof(float);
+    stats_.off_node_rows += static_cast<uint64_t>(st.plan.off_node_rows);
+    stats_.off_node_token_nodes += static_cast<uint64_t>(st.plan.off_node_token_nodes);
+    stats_.off_node_row_bytes += static_cast<uint64_t>(st.plan.off_node_rows) * row_bytes;
+    stats_.off_node_token_node_bytes +=
+        static_cast<uint64_t>(st.plan.off_node_token_nodes) * row_bytes;
+  }
   if (routing_observer_) routing_observer_(st.gating.ids().data(), tokens, k);
   for (int d = 0; d < ranks; ++d) {
     st.rows_to[static_cast<size_t>(d)] = static_cast<double>(st.plan.rows_to(d));

@@ -46,6 +46,12 @@ struct EpResultTrailer;
 struct EpOptions {
   int64_t microbatch_tokens = 0;  // 0: the whole batch is one microbatch
   std::chrono::milliseconds deadline{30000};
+  // Per rank, routers included: its node (ranks that share a host share an id); empty: unknown
+  // (no off-node counts). RankJob fills it at the start barrier.
+  std::vector<int> rank_node;
+  // >= 0 (and rank_node known): among an expert's copies, one on the router's own node first,
+  // within this bound (router/dispatch_plan.h, DispatchLocality::spill); < 0: the least loaded.
+  double node_spill = -1;
 };
 
 struct EpStats {
@@ -55,6 +61,12 @@ struct EpStats {
   uint64_t load_retries = 0;          // microbatches sent again: an expert was still loading
   uint64_t rows_sent = 0;
   std::vector<uint64_t> rows_per_rank;  // assignments sent to each rank, cumulative
+  // With EpOptions::rank_node: rows sent to ranks on other nodes, and (token, other node) pairs
+  // (what a transport that sends a token once per node would send), and their bytes.
+  uint64_t off_node_rows = 0;
+  uint64_t off_node_token_nodes = 0;
+  uint64_t off_node_row_bytes = 0;
+  uint64_t off_node_token_node_bytes = 0;
 };
 
 class RouterLayer {

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "base/host_name.h"
 #include "base/log.h"
 #include "runtime/ep/protocol.h"
 #include "runtime/model/expert_file.h"
@@ -176,10 +177,59 @@ Status RankJob::LoadCached() {
   return Status::Ok();
 }
 
+Status RankJob::LearnNodes() {
+  const int n = t_->size();
+  for (const auto& [rank, name] : opts_.nodes) {
+    if (rank >= n) {
+      return Status::InvalidArgument(
+          fmt::format("nodes: rank {} (node {}) is not in this job of {} ranks", rank, name, n));
+    }
+  }
+  node_names_.assign(static_cast<size_t>(n), std::string());
+  const int launched = n - opts_.spare_ranks;
+  if (!opts_.nodes.empty()) {
+    for (int r = 0; r < launched; ++r) {
+      if (!opts_.nodes.count(r)) {
+        return Status::InvalidArgument(
+            fmt::format("nodes: rank {} is on no node (list every launched rank)", r));
+      }
+    }
+    for (const auto& [rank, name] : opts_.nodes) node_names_[static_cast<size_t>(rank)] = name;
+  } else if (!opts_.joined) {
+    std::string mine = HostName();
+    if (mine.empty()) mine = "?";
+    if (mine.size() > 255) mine.resize(255);
+    MOERUN_ASSIGN_OR_RETURN(
+        auto all,
+        AllGatherBytes(*t_, std::vector<uint8_t>(mine.begin(), mine.end()), kReservedTagBase + 64,
+                       255, SteadyClock::now() + opts_.startup_timeout, "host names", launched));
+    for (int r = 0; r < launched; ++r) {
+      const auto& b = all[static_cast<size_t>(r)];
+      node_names_[static_cast<size_t>(r)].assign(b.begin(), b.end());
+    }
+  }
+  // Ids in order of first appearance; a rank whose node is unknown is alone on its own.
+  std::map<std::string, int> ids;
+  opts_.ep.rank_node.assign(static_cast<size_t>(n), 0);
+  int next = 0;
+  for (int r = 0; r < n; ++r) {
+    const std::string& name = node_names_[static_cast<size_t>(r)];
+    if (name.empty()) {
+      opts_.ep.rank_node[static_cast<size_t>(r)] = next++;
+      continue;
+    }
+    const auto [it, fresh] = ids.emplace(name, next);
+    if (fresh) ++next;
+    opts_.ep.rank_node[static_cast<size_t>(r)] = it->second;
+  }
+  return Status::Ok();
+}
+
 Status RankJob::WaitReady() {
-  if (opts_.joined) return Status::Ok();  // the others are serving already
+  if (opts_.joined) return LearnNodes();  // the others are serving already
   MOERUN_RETURN_IF_ERROR(
       t_->Barrier(SteadyClock::now() + opts_.startup_timeout, t_->size() - opts_.spare_ranks));
+  MOERUN_RETURN_IF_ERROR(LearnNodes());
   if (rank() == 0) {
     spdlog::info("all {} ranks ready ({} router(s), {} expert ranks, placement {} v{}){}",
                  t_->size() - opts_.spare_ranks, opts_.routers,

@@ -65,6 +65,10 @@ struct JobOptions {
   // A folder for the cache's spill file (loaded experts written once, later misses read back);
   // empty: misses load from the source each time.
   std::string cache_spill_dir;
+  // Which ranks share a node (rank -> node name, the config's `nodes:`); empty: each rank's host
+  // name. Learnt by every launched rank at the start barrier (WaitReady); the routers' dispatch
+  // (ep.rank_node) and moectl's status and planner use it.
+  std::map<int, std::string> nodes;
 };
 
 // The weights an expert rank loaded, by layer number (what a device copy is made from).
@@ -84,6 +88,8 @@ class RankJob {
 
   Status Load();
   Status WaitReady();
+  // Once ready: each rank's node name ("" where unknown: a spare rank without a `nodes:` entry).
+  const std::vector<std::string>& node_names() const { return node_names_; }
   // Once loaded: the weights by layer number.
   LoadedLayers loaded() const;
 
@@ -94,6 +100,7 @@ class RankJob {
 
  private:
   RankJob() = default;
+  Status LearnNodes();  // node_names_ and opts_.ep.rank_node, at the start barrier
   Status LoadCached();  // Load for an expert rank with an expert cache
   // Loads each layer's experts of its mask (and the router's tensors); the experts loaded.
   Result<size_t> LoadMasks(const std::map<int, std::vector<bool>>& masks);
@@ -110,6 +117,7 @@ class RankJob {
   // With an expert cache: what the placement gives this rank, and the source of its misses.
   std::map<int, std::vector<bool>> hosted_, pinned_;
   std::unique_ptr<ExpertReader> reader_;
+  std::vector<std::string> node_names_;  // per rank ("" where unknown: a spare rank)
 };
 
 // What each router rank does once the job is ready.

@@ -315,3 +315,100 @@ TEST(DispatchPlanTest, BuildAgainReusesItsStorage) {
 
 }  // namespace
 }  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// Ranks 1, 2 on node 0 (with router 0), ranks 3, 4 on node 1. Expert 0 on ranks 1 and 3, expert 1
+// on rank 2 and 4, expert 2 on rank 4 only.
+const char* kTwoNodes = R"({"format": "moerun-placement-v1", "version": 1, "num_experts": 3,
+  "num_ranks": 5, "num_routers": 1,
+  "layers": {"*": [[1, 0], [3, 0], [2, 1], [4, 1], [4, 2]]}})";
+
+TEST(DispatchPlanTest, LocalityPrefersTheRoutersNodeWithinTheBound) {
+  const Placement p = MustParse(kTwoNodes);
+  const LayerPlacement& lp = *p.Layer(0);
+  const std::vector<int> node = {0, 0, 0, 1, 1};
+  // Router on node 1: expert 0 goes to rank 3, expert 1 to rank 4 (both local), whatever the
+  // plain choice (ties to the first slot: ranks 1 and 2) would say.
+  DispatchLocality loc{node, 1, 1.0};
+  std::vector<double> load(5, 0.0);
+  const std::vector<int32_t> ids = {0, 1};
+  DispatchPlan plan;
+  plan.Build(ids.data(), 1, 2, lp, load, &loc);
+  std::vector<int> chosen = CheckPlan(plan, ids, 1, 2, lp);
+  EXPECT_EQ(chosen, (std::vector<int>{1, 3}));
+  EXPECT_EQ(plan.off_node_rows, 0);
+  EXPECT_EQ(plan.off_node_token_nodes, 0);
+
+  // Without locality the plain choice, and the counts are 0.
+  std::fill(load.begin(), load.end(), 0.0);
+  plan.Build(ids.data(), 1, 2, lp, load);
+  EXPECT_EQ(CheckPlan(plan, ids, 1, 2, lp), (std::vector<int>{0, 2}));
+  EXPECT_EQ(plan.off_node_rows, 0);
+
+  // With spill < 0: the plain choice, but counted (router on node 1: both rows leave it, to one
+  // node).
+  DispatchLocality count_only{node, 1, -1};
+  std::fill(load.begin(), load.end(), 0.0);
+  plan.Build(ids.data(), 1, 2, lp, load, &count_only);
+  EXPECT_EQ(CheckPlan(plan, ids, 1, 2, lp), (std::vector<int>{0, 2}));
+  EXPECT_EQ(plan.off_node_rows, 2);
+  EXPECT_EQ(plan.off_node_token_nodes, 1);
+
+  // Past the bound the least loaded copy: rank 3 carries 10 rows, rank 1 none; the bound is
+  // 0 + 1.0 × max(1, 1 row ÷ 4 serving ranks) = 1.
+  std::vector<double> busy = {0, 0, 0, 10, 0};
+  const std::vector<int32_t> one = {0};
+  plan.Build(one.data(), 1, 1, lp, busy, &loc);
+  EXPECT_EQ(CheckPlan(plan, one, 1, 1, lp), (std::vector<int>{0}));
+  EXPECT_EQ(plan.off_node_rows, 1);
+  // A wide bound keeps it local.
+  DispatchLocality wide{node, 1, 20.0};
+  busy = {0, 0, 0, 10, 0};
+  plan.Build(one.data(), 1, 1, lp, busy, &wide);
+  EXPECT_EQ(CheckPlan(plan, one, 1, 1, lp), (std::vector<int>{1}));
+  EXPECT_EQ(plan.off_node_rows, 0);
+}
+
+TEST(DispatchPlanTest, LocalityPrefersANodeTheTokenAlreadyGoesTo) {
+  const Placement p = MustParse(kTwoNodes);
+  const LayerPlacement& lp = *p.Layer(0);
+  // A third node (rank 0, the router's, holds no expert): expert 2 is only on rank 4 (node 1),
+  // so expert 1 then goes to rank 4 too (node 1 again) rather than to rank 2 (its first slot).
+  const std::vector<int> node = {2, 0, 0, 1, 1};
+  DispatchLocality loc{node, 2, 1.0};
+  std::vector<double> load(5, 0.0);
+  const std::vector<int32_t> ids = {2, 1};
+  DispatchPlan plan;
+  plan.Build(ids.data(), 1, 2, lp, load, &loc);
+  EXPECT_EQ(CheckPlan(plan, ids, 1, 2, lp), (std::vector<int>{4, 3}));
+  EXPECT_EQ(plan.off_node_rows, 2);
+  EXPECT_EQ(plan.off_node_token_nodes, 1);
+}
+
+TEST(DispatchPlanTest, LocalityKeepsEveryPropertyOnRandomPlans) {
+  std::mt19937 rng(7);
+  const Placement p = MustParse(kTwoNodes);
+  const LayerPlacement& lp = *p.Layer(0);
+  const std::vector<int> node = {0, 0, 0, 1, 1};
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t tokens = 1 + static_cast<int64_t>(rng() % 40);
+    const int k = 1 + static_cast<int>(rng() % 3);
+    std::vector<int32_t> ids(static_cast<size_t>(tokens * k));
+    for (auto& e : ids) e = static_cast<int32_t>(rng() % 3);
+    DispatchLocality loc{node, static_cast<int>(rng() % 2), (rng() % 4) * 0.5};
+    std::vector<double> load(5, 0.0);
+    DispatchPlan plan;
+    plan.Build(ids.data(), tokens, k, lp, load, &loc);
+    const std::vector<int> chosen = CheckPlan(plan, ids, tokens, k, lp);
+    ASSERT_EQ(chosen.size(), ids.size());
+    int64_t off = 0;
+    for (int s : chosen) off += node[static_cast<size_t>(lp.slots[size_t(s)].rank)] != loc.node;
+    EXPECT_EQ(plan.off_node_rows, off);
+    EXPECT_LE(plan.off_node_token_nodes, plan.off_node_rows);
+  }
+}
+
+}  // namespace
+}  // namespace moerun

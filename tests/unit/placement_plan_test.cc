@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <set>
+#include <string>
 #include <vector>
 
 namespace moerun {
@@ -117,6 +119,51 @@ TEST(PlacementPlanTest, ClearErrors) {
   EXPECT_FALSE(MakePlan({}, *current, 0, o).ok());
   o.redundant = -1;
   EXPECT_FALSE(MakePlan({{0, std::vector<double>(8, 1.0)}}, *current, 0, o).ok());
+}
+
+}  // namespace
+}  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// The job's nodes (PlanOptions::rank_node, nodes = 0): ranks 1 and 3 on node 0 with the router,
+// ranks 2 and 4 on node 1 (interleaved, as `mpirun --map-by node` puts them). A node-local plan
+// puts the hot experts on both nodes, by the ranks' real nodes.
+TEST(PlacementPlanTest, TheJobsNodesPlanByTheRanksRealNodes) {
+  auto current = Placement::Linear(8, 5, 1);
+  ASSERT_TRUE(current.ok());
+  const std::map<int, std::vector<double>> loads = {{0, {900, 800, 10, 10, 10, 10, 10, 10}}};
+  PlanOptions o;
+  o.redundant = 4;  // 12 slots, 3 a rank
+  o.policy = PlannerPolicy::kNodeLocal;
+  o.nodes = 0;
+  o.rank_node = {0, 0, 1, 0, 1};
+  auto rep = MakePlan(loads, *current, 0, o);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  auto planned = Placement::FromJson(rep->placement_json, "plan");
+  ASSERT_TRUE(planned.ok()) << planned.status().ToString();
+  const LayerPlacement& lp = *planned->Layer(0);
+  for (int hot : {0, 1}) {
+    std::set<int> nodes;
+    for (int s : lp.replicas[static_cast<size_t>(hot)]) {
+      nodes.insert(o.rank_node[static_cast<size_t>(lp.slots[static_cast<size_t>(s)].rank)]);
+    }
+    EXPECT_EQ(nodes, (std::set<int>{0, 1})) << "expert " << hot;
+  }
+  // Unevenly spread (3 expert ranks on node 0, 1 on node 1): node-local is refused, the default
+  // policy plans with one node.
+  o.rank_node = {0, 0, 0, 0, 1};
+  auto uneven = MakePlan(loads, *current, 0, o);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.status().message().find("same number of live expert ranks"), std::string::npos)
+      << uneven.status().ToString();
+  o.policy = PlannerPolicy::kDefault;
+  EXPECT_TRUE(MakePlan(loads, *current, 0, o).ok());
+  // Unknown nodes: one node.
+  o.policy = PlannerPolicy::kNodeLocal;
+  o.rank_node = {0, -1, 0, 1, 1};
+  EXPECT_TRUE(MakePlan(loads, *current, 0, o).ok());
 }
 
 }  // namespace

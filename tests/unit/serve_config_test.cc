@@ -264,5 +264,35 @@ TEST(ServeConfigTest, Tracing) {
   }
 }
 
+TEST(ServeConfigTest, NodesAndDispatch) {
+  auto c = ParseServeConfig(
+      "preset: {name: deepseek-v3, experts: 16}\n"
+      "nodes: {hostA: [0, 1, 2], hostB: [3, 4, 5]}\n"
+      "dispatch: {prefer_node: true, spill: 2.5}\n",
+      "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->nodes.size(), 6u);
+  EXPECT_EQ(c->nodes.at(0), "hostA");
+  EXPECT_EQ(c->nodes.at(5), "hostB");
+  EXPECT_TRUE(c->dispatch.prefer_node);
+  EXPECT_DOUBLE_EQ(c->dispatch.spill, 2.5);
+  auto d = ParseServeConfig("preset: {name: deepseek-v3}\n", "c.yaml", "");
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(d->nodes.empty());
+  EXPECT_FALSE(d->dispatch.prefer_node);
+  for (const char* bad :
+       {"nodes: [0, 1]\n", "nodes: {a: [0, 1], b: [1]}\n", "nodes: {a: []}\n", "nodes: {a: [-1]}\n",
+        "nodes: {a: [x]}\n", "nodes: {a: 3}\n", "dispatch: {prefer_node: maybe}\n",
+        "dispatch: {spill: -1}\n", "dispatch: {spil: 1}\n"}) {
+    auto e = ParseServeConfig(std::string("preset: {name: deepseek-v3}\n") + bad, "c.yaml", "");
+    EXPECT_FALSE(e.ok()) << bad;
+    if (!e.ok()) {
+      const std::string& m = e.status().message();
+      EXPECT_TRUE(m.find("nodes") != std::string::npos || m.find("dispatch") != std::string::npos)
+          << bad << ": " << m;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moerun
