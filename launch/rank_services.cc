@@ -571,6 +571,8 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   o.max_moves = request.max_moves();
   o.target_balance = request.target_balance();
   o.max_bytes = request.max_bytes();
+  if (request.has_local_share()) o.local_share = request.local_share();
+  if (request.has_copy_prior()) o.copy_prior = request.copy_prior();
   const int routers = Current()->num_routers();  // (takes mu_)
   const int64_t one = expert_bytes_.load();
   {

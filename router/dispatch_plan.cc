@@ -40,11 +40,25 @@ void DispatchPlan::Build(const int32_t* ids, int64_t tokens, int k, const LayerP
   // 1. Choose a slot per assignment: the replica on the least loaded rank (preferring the
   //    router's node, then the token's other nodes, within the bound, where told).
   const bool prefer = locality != nullptr && locality->spill >= 0;
-  double slack = 0;  // the bound's rows above the least loaded copy
+  double slack = 0;        // the bound's rows above the least loaded copy (other nodes)
+  double local_slack = 0;  // ... above the mean load of the router's node's ranks
+  double local_sum = 0;    // the load of the router's node's ranks
+  int local_ranks = 0;
   if (prefer) {
     int serving = 0;
-    for (const auto& rs : placement.rank_slots) serving += rs.empty() ? 0 : 1;
-    slack = locality->spill * std::max(1.0, static_cast<double>(n) / std::max(serving, 1));
+    double before = 0;  // rows already in flight (the runtime's other microbatches)
+    for (size_t d = 0; d < placement.rank_slots.size(); ++d) {
+      if (placement.rank_slots[d].empty()) continue;
+      ++serving;
+      before += rank_load[d];
+      if (locality->rank_node[d] == locality->node) ++local_ranks, local_sum += rank_load[d];
+    }
+    slack =
+        locality->spill * std::max(1.0, (before + static_cast<double>(n)) / std::max(serving, 1));
+    if (local_ranks > 0) {
+      local_slack =
+          locality->spill * std::max(1.0, (local_sum + static_cast<double>(n)) / local_ranks);
+    }
   }
   for (size_t i = 0; i < n; ++i) {
     const auto& reps = placement.replicas[static_cast<size_t>(ids[i])];
@@ -52,16 +66,17 @@ void DispatchPlan::Build(const int32_t* ids, int64_t tokens, int k, const LayerP
     if (prefer && reps.size() > 1) {
       const std::span<const int> node_of = locality->rank_node;
       const double bound = rank_load[rank_of(best)] + slack;
+      const double local_bound = local_ranks > 0 ? local_sum / local_ranks + local_slack : -1.0;
       const size_t first = i - i % static_cast<size_t>(k);  // this token's earlier choices
       int local = -1, visited = -1;
       for (int s : reps) {
         const double load = rank_load[rank_of(s)];
-        if (load > bound) continue;
         const int nd = node_of[rank_of(s)];
         if (nd == locality->node) {
-          if (local < 0 || load < rank_load[rank_of(local)]) local = s;
+          if (load <= local_bound && (local < 0 || load < rank_load[rank_of(local)])) local = s;
           continue;
         }
+        if (load > bound) continue;
         bool seen = false;
         for (size_t j = first; j < i && !seen; ++j) seen = node_of[rank_of(slot_of_[j])] == nd;
         if (seen && (visited < 0 || load < rank_load[rank_of(visited)])) visited = s;
@@ -71,6 +86,7 @@ void DispatchPlan::Build(const int32_t* ids, int64_t tokens, int k, const LayerP
     slot_of_[i] = best;
     ++slot_rows[static_cast<size_t>(best)];
     rank_load[rank_of(best)] += 1.0;
+    if (prefer && locality->rank_node[rank_of(best)] == locality->node) local_sum += 1.0;
   }
   if (locality != nullptr) {  // the off-node counts
     const std::span<const int> node_of = locality->rank_node;

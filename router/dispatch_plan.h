@@ -10,9 +10,12 @@
 //
 // With a DispatchLocality (the router's node and every rank's), the choice prefers the router's
 // own node: among an expert's copies, the least loaded one on the router's node is taken when its
-// rank's load is within the bound, load ≤ (the least load among all the copies) + spill × m,
-// where m = max(1, this plan's rows ÷ the ranks that hold slots) is the mean rows a rank gets;
-// else the least loaded copy on a node this token already goes to, within the same bound (a
+// rank is not overloaded among its node's ranks: load ≤ (the mean load of the node's ranks that
+// hold slots) + spill × m, m = max(1, (their load given in + this plan's rows) ÷ their count), the
+// mean they would reach if every row stayed on the node. The node's ranks are compared with each
+// other only: a router sees the rows it has in flight, not the other routers' rows on the other
+// nodes' ranks. Else the least loaded copy on a node this token already goes to, within the least
+// loaded copy's load + spill × (the mean load of all the ranks with slots, this plan included) (a
 // hierarchical transport sends a token once per node); else the least loaded copy anywhere.
 // spill < 0: no preference (the plain choice), only the counts below. The rows and their order
 // per slot are the same whatever copy is chosen, so the answer is too (bitwise).

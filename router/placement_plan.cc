@@ -115,6 +115,8 @@ Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& l
   in.num_slots = slots;
   in.num_groups = options.groups < 1 ? 1 : options.groups;
   in.num_nodes = options.nodes < 1 ? 1 : options.nodes;
+  in.local_share = options.local_share;
+  in.copy_prior = options.copy_prior;
   in.num_ranks = ranks;
   double total = 0;
   for (const auto& [layer, l] : loads) {

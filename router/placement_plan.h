@@ -30,6 +30,8 @@ struct PlanOptions {
   // the node-aware policies (node-aware, node-local, eplb-hierarchical) are refused and the others
   // plan with one node.
   std::vector<int> rank_node;
+  double local_share = 0.75;  // node-local's knobs (router/node_local.h)
+  double copy_prior = 0;
   // Expert ranks left out (dead): the plan's slots go to the others, none to these.
   std::vector<int> exclude;
   // Per expert rank (index 0 = the first expert rank, whether excluded or not): the experts of

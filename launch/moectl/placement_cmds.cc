@@ -38,7 +38,8 @@ struct PlannerFlags {
   bool incremental = false;  // --incremental [--max-moves N] [--target-balance X]
   int max_moves = 0;
   double target_balance = 0;
-  double max_mib = 0;  // --max-mib: the rebalance's byte budget (0: none)
+  double max_mib = 0;                        // --max-mib: the rebalance's byte budget (0: none)
+  double local_share = -1, copy_prior = -1;  // --local-share, --copy-prior (< 0: unset)
 };
 
 struct PlanFlags {  // placement plan
@@ -69,6 +70,8 @@ void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   pr->set_max_moves(f.max_moves);
   pr->set_target_balance(f.target_balance);
   pr->set_max_bytes(static_cast<int64_t>(f.max_mib * (1 << 20)));
+  if (f.local_share >= 0) pr->set_local_share(f.local_share);
+  if (f.copy_prior >= 0) pr->set_copy_prior(f.copy_prior);
 }
 
 // --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
@@ -229,6 +232,8 @@ int PlanOffline(const PlanFlags& f) {
   o.max_moves = f.planner.max_moves;
   o.target_balance = f.planner.target_balance;
   o.max_bytes = static_cast<int64_t>(f.planner.max_mib * (1 << 20));
+  if (f.planner.local_share >= 0) o.local_share = f.planner.local_share;
+  if (f.planner.copy_prior >= 0) o.copy_prior = f.planner.copy_prior;
   if (!f.cache_experts.empty()) {
     auto cache = ParseCacheExperts(f.cache_experts);
     if (!cache.ok())
@@ -284,6 +289,14 @@ std::vector<CLI::Option*> AddIncrementalOptions(CLI::App* sub, PlannerFlags& f) 
                   "layers that gain the most balance per byte move, the others stay (0: no "
                   "limit; offline it needs --expert-bytes)")
       ->check(kNonNegative);
+  sub->add_option("--local-share", f.local_share,
+                  "node-local: the share of the redundant slots copied to other nodes (default "
+                  "0.75)")
+      ->check(CLI::Range(0.0, 1.0));
+  sub->add_option("--copy-prior", f.copy_prior,
+                  "node-local: plan the copies on the loads + this x their mean (default 0: the "
+                  "window's hot experts; large: spread evenly, for traffic unlike the window's)")
+      ->check(CLI::Range(0.0, 1e6));
   return {inc, moves, target};
 }
 
@@ -298,7 +311,10 @@ void AddPlanCommand(CLI::App& placement, Session& s) {
       ->default_val("default");
   plan->add_option("--groups", f->planner.groups,
                    "Expert groups (default: the model's gate groups)");
-  plan->add_option("--nodes", f->planner.nodes, "Nodes the expert ranks span (default 1)");
+  plan->add_option(
+      "--nodes", f->planner.nodes,
+      "Nodes the expert ranks span, in rank order (default: the job's nodes from its ranks' "
+      "hosts or its nodes: map; offline 1)");
   AddIncrementalOptions(plan, f->planner);
   plan->add_option("--out", f->out, "Write the planned placement JSON to FILE");
   plan->add_option("--plot", f->plot,
@@ -430,7 +446,10 @@ std::vector<CLI::Option*> AddPlannerOptions(CLI::App* sub, MigrateFlags& f) {
        sub->add_option("--groups", f.planner.groups,
                        "Expert groups (default: the model's gate groups)")
            ->check(kNonNegative),
-       sub->add_option("--nodes", f.planner.nodes, "Nodes the expert ranks span (default 1)")
+       sub->add_option("--nodes", f.planner.nodes,
+                       "Nodes the expert ranks span, in rank order (default: the job's nodes from "
+                       "its ranks' "
+                       "hosts or its nodes: map; offline 1)")
            ->check(kNonNegative),
        sub->add_option("--min-gain", f.min_gain,
                        "Apply only if the predicted mean balancedness gains this much "

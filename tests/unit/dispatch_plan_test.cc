@@ -356,11 +356,12 @@ TEST(DispatchPlanTest, LocalityPrefersTheRoutersNodeWithinTheBound) {
   EXPECT_EQ(plan.off_node_rows, 2);
   EXPECT_EQ(plan.off_node_token_nodes, 1);
 
-  // Past the bound the least loaded copy: rank 3 carries 10 rows, rank 1 none; the bound is
-  // 0 + 1.0 × max(1, 1 row ÷ 4 serving ranks) = 1.
+  // Past the bound the least loaded copy: rank 3 carries 10 rows, its node-mate rank 4 none; the
+  // bound is their mean 5 + 0.5 × max(1, (10 + 1 row) ÷ 2 ranks) = 7.75 < 10.
+  DispatchLocality tight{node, 1, 0.5};
   std::vector<double> busy = {0, 0, 0, 10, 0};
   const std::vector<int32_t> one = {0};
-  plan.Build(one.data(), 1, 1, lp, busy, &loc);
+  plan.Build(one.data(), 1, 1, lp, busy, &tight);
   EXPECT_EQ(CheckPlan(plan, one, 1, 1, lp), (std::vector<int>{0}));
   EXPECT_EQ(plan.off_node_rows, 1);
   // A wide bound keeps it local.
