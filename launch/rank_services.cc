@@ -509,6 +509,7 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
   moerun::v1::PlanResponse r;
   r.set_policy(rep.policy);
   r.set_slots_per_rank(rep.slots_per_rank);
+  r.set_min_slots_per_rank(rep.min_slots_per_rank);
   r.set_plan_ms_per_layer(rep.plan_ms_per_layer);
   for (const LayerPlanReport& l : rep.layers) {
     moerun::v1::LayerPlan* lp = r.add_layers();

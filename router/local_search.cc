@@ -30,8 +30,10 @@ struct Move {
 
 class Search {
  public:
-  Search(const std::vector<double>& load, const std::vector<int>& p2l, int num_ranks)
-      : load_(load),
+  // Experts from `pinned` on never move and never get a slot (the empty slots' voids).
+  Search(const std::vector<double>& load, const std::vector<int>& p2l, int num_ranks, int pinned)
+      : pinned_(pinned),
+        load_(load),
         num_log_(static_cast<int>(load.size())),
         slots_(static_cast<int>(p2l.size())),
         ranks_(num_ranks),
@@ -277,6 +279,7 @@ class Search {
     Move best_move;
     for (int i = a * per_rank_; i < (a + 1) * per_rank_; ++i) {
       const int ei = p2l_[Sz(i)];
+      if (ei >= pinned_) continue;
       const double wi = w_[Ex(ei)];
       for (int b = 0; b < ranks_; ++b) {
         if (b == a || Held(b, ei) > 0) continue;
@@ -287,6 +290,7 @@ class Search {
         }
         for (int j = b * per_rank_; j < (b + 1) * per_rank_; ++j) {
           const int ej = p2l_[Sz(j)];
+          if (ej >= pinned_) continue;
           // The new loads of ranks a and b bound the new max from below.
           const double d = w_[Ex(ej)] - wi;
           if (rank_load_[Sz(b)] - d > Bound(best) || rank_load_[Sz(a)] + d > Bound(best)) continue;
@@ -339,7 +343,9 @@ class Search {
       const int r_f = g.r1 != b ? g.r1 : g.r2;
       const double r_f_load = g.r1 != b ? g.v1 : g.v2;
       auto consider = [&](int e) {
-        if (e == f || Held(b, e) > 0 || b_less_f + w_more_[Ex(e)] > Bound(best)) return;
+        if (e >= pinned_ || e == f || Held(b, e) > 0 || b_less_f + w_more_[Ex(e)] > Bound(best)) {
+          return;
+        }
         if (r_f >= 0 && r_f_load > Bound(best) && Held(r_f, e) == 0) return;
         Take(AssignKey(j, e), Move{Kind::kAssign, -1, j, e}, max_copies, &best, &best_move);
       };
@@ -374,13 +380,13 @@ class Search {
     const double wi = w_[Ex(e)];
     for (int j = 0; j < slots_; ++j) {
       const int b = j / per_rank_, ej = p2l_[Sz(j)];
-      if (b == a || ej == e || Held(b, e) > 0 || Held(a, ej) > 0) continue;
+      if (ej >= pinned_ || b == a || ej == e || Held(b, e) > 0 || Held(a, ej) > 0) continue;
       const double d = w_[Ex(ej)] - wi;
       if (rank_load_[Sz(b)] - d > bound() || rank_load_[Sz(a)] + d > bound()) continue;
       take(SwapKey(i, j), Move{Kind::kSwap, i, j, -1});
     }
     const double a_less_e = rank_load_[Sz(a)] - wi;
-    for (int g = 0; g < num_log_; ++g) {
+    for (int g = 0; g < pinned_; ++g) {
       if (Held(a, g) > 0 || a_less_e + w_more_[Ex(g)] > bound()) continue;
       take(AssignKey(i, g), Move{Kind::kAssign, -1, i, g});
     }
@@ -415,6 +421,7 @@ class Search {
     Reorder();
   }
 
+  const int pinned_;
   const std::vector<double>& load_;
   const int num_log_, slots_, ranks_, per_rank_;
   std::vector<int> p2l_, cnt_;
@@ -451,6 +458,7 @@ LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log) {
   maps.log2phy.resize(static_cast<size_t>(num_log));
   maps.logcnt.assign(static_cast<size_t>(num_log), 0);
   for (size_t s = 0; s < phy2log.size(); ++s) {
+    if (phy2log[s] == kEmptySlot) continue;
     const size_t e = static_cast<size_t>(phy2log[s]);
     maps.log2phy[e].push_back(static_cast<int>(s));
     ++maps.logcnt[e];
@@ -461,10 +469,31 @@ LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log) {
 
 SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
                          const SearchLimits& limits) {
-  Search search(load, start.phy2log, num_ranks);
+  const int experts = static_cast<int>(load.size());
+  const auto empties = std::count(start.phy2log.begin(), start.phy2log.end(), kEmptySlot);
+  if (empties == 0) {
+    Search search(load, start.phy2log, num_ranks, experts);
+    search.Balance(limits);
+    if (limits.lift_twice) search.LiftTwice();
+    return search.Result();
+  }
+  // Empty slots (ranks of fewer slots) searched as pinned zero-load "void" experts, one each.
+  std::vector<double> padded = load;
+  padded.resize(load.size() + static_cast<size_t>(empties), 0.0);
+  std::vector<int> p2l = start.phy2log;
+  int next = experts;
+  for (int& e : p2l) {
+    if (e == kEmptySlot) e = next++;
+  }
+  Search search(padded, p2l, num_ranks, experts);
   search.Balance(limits);
   if (limits.lift_twice) search.LiftTwice();
-  return search.Result();
+  SearchResult r = search.Result();
+  for (int& e : r.maps.phy2log) {
+    if (e >= experts) e = kEmptySlot;
+  }
+  r.maps = MapsFromSlots(std::move(r.maps.phy2log), experts);
+  return r;
 }
 
 }  // namespace moerun

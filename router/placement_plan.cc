@@ -104,15 +104,21 @@ Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& l
   const int slots = experts + options.redundant;
   MOERUN_RETURN_IF_ERROR(CheckCacheExperts(
       options.cache_experts, current.num_ranks() - current.num_routers(), "plan: cache_experts"));
-  if (slots % ranks != 0) {
-    const int up = (ranks - slots % ranks) % ranks;
-    return Status::InvalidArgument(fmt::format(
-        "plan: {} experts + {} redundant = {} slots do not divide evenly over {} expert ranks{}; "
-        "use --redundant {}",
-        experts, options.redundant, slots, ranks, left_out, options.redundant + up));
-  }
   PlannerInput in;
   in.num_slots = slots;
+  // Slots that do not divide: as evenly as counts allow (the first ranks one more).
+  if (slots % ranks != 0) {
+    if (options.policy != PlannerPolicy::kDefault && options.policy != PlannerPolicy::kEplbGlobal) {
+      const int up = (ranks - slots % ranks) % ranks;
+      return Status::InvalidArgument(fmt::format(
+          "plan: {} experts + {} redundant = {} slots do not divide evenly over {} expert "
+          "ranks{}; {} needs the same number on every rank: use --redundant {}, or --policy "
+          "default or eplb-global (any count)",
+          experts, options.redundant, slots, ranks, left_out, PlannerPolicyName(options.policy),
+          options.redundant + up));
+    }
+    in.rank_slots = EvenRankSlots(slots, ranks);
+  }
   in.num_groups = options.groups < 1 ? 1 : options.groups;
   in.num_nodes = options.nodes < 1 ? 1 : options.nodes;
   in.local_share = options.local_share;
@@ -161,7 +167,9 @@ int CopiesToLoad(const LayerPlacement& cur, const LayerMaps& maps, const std::ve
     }
     std::set<int> want;
     for (int s = rank * per_rank; s < (rank + 1) * per_rank; ++s) {
-      want.insert(maps.phy2log[static_cast<size_t>(s)]);
+      if (maps.phy2log[static_cast<size_t>(s)] != kEmptySlot) {
+        want.insert(maps.phy2log[static_cast<size_t>(s)]);
+      }
     }
     for (int e : want) copies += have.count(e) ? 0 : 1;
   }
@@ -403,8 +411,9 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
                             PlannerInputFor(loads, current, opts, ranks, left_out));
     MOERUN_ASSIGN_OR_RETURN(plan, PlanPlacement(in, options.policy));
-    // With expert caches, keep hot experts resident where that does not raise the max rank load.
-    if (AnyCache(cache)) {
+    // With expert caches, keep hot experts resident where that does not raise the max rank load
+    // (ranks of the same slot count only).
+    if (AnyCache(cache) && in.rank_slots.empty()) {
       for (size_t k = 0; k < plan.size(); ++k) {
         plan[k] = ImproveForCache(in.load[k], plan[k], ranks, cache);
       }
@@ -416,6 +425,14 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
   PlanReport report;
   report.policy = options.incremental ? "incremental" : PlannerPolicyName(options.policy);
   report.slots_per_rank = static_cast<int>(plan[0].phy2log.size()) / ranks;
+  report.min_slots_per_rank = report.slots_per_rank;
+  for (int r = 0; r < ranks; ++r) {
+    int used = 0;
+    for (int x = r * report.slots_per_rank; x < (r + 1) * report.slots_per_rank; ++x) {
+      used += plan[0].phy2log[static_cast<size_t>(x)] != kEmptySlot ? 1 : 0;
+    }
+    report.min_slots_per_rank = std::min(report.min_slots_per_rank, used);
+  }
   report.plan_ms_per_layer = ms / static_cast<double>(plan.size());
   const ReportContext ctx{live, cache, report.slots_per_rank, routers, expert_bytes, options};
   std::string layers_json;

@@ -20,7 +20,10 @@
 namespace moerun {
 
 struct PlanOptions {
-  int redundant = 0;  // redundant expert slots per layer (slots = experts + redundant)
+  // Redundant expert slots per layer (slots = experts + redundant): any count; where the slots do
+  // not divide over the live expert ranks, the first ranks hold one more (default and eplb-global
+  // only: the other policies need the same count on every rank).
+  int redundant = 0;
   PlannerPolicy policy = PlannerPolicy::kDefault;
   int groups = 1;  // expert groups (EPLB hierarchical: groups to nodes); 0: as the model's gate
   int nodes = 1;   // nodes the expert ranks span, in order; 0: those rank_node gives (else 1)
@@ -79,8 +82,9 @@ struct LayerPlanReport {
 };
 
 struct PlanReport {
-  std::string policy;  // the policy's name, or "incremental"
-  int slots_per_rank = 0;
+  std::string policy;            // the policy's name, or "incremental"
+  int slots_per_rank = 0;        // the most an expert rank holds
+  int min_slots_per_rank = 0;    // the fewest (where the slots do not divide over the ranks)
   double plan_ms_per_layer = 0;  // wall time of the planner (and cache refinement) ÷ layers
   std::vector<LayerPlanReport> layers;
   std::string placement_json;  // the new "moerun-placement-v1" table (version + 1)

@@ -168,6 +168,7 @@ std::vector<double> RankLoads(const std::vector<double>& load, const std::vector
   std::vector<double> rank_load(static_cast<size_t>(num_ranks), 0.0);
   const size_t per_rank = phy2log.size() / static_cast<size_t>(num_ranks);
   for (size_t s = 0; s < phy2log.size(); ++s) {
+    if (phy2log[s] == kEmptySlot) continue;
     const size_t e = static_cast<size_t>(phy2log[s]);
     rank_load[s / per_rank] += load[e] / cnt[e];
   }
@@ -179,6 +180,7 @@ bool HoldsTwice(const LayerMaps& maps, int num_ranks) {
   const size_t per_rank = maps.phy2log.size() / static_cast<size_t>(num_ranks);
   std::set<std::pair<size_t, int>> seen;
   for (size_t s = 0; s < maps.phy2log.size(); ++s) {
+    if (maps.phy2log[s] == kEmptySlot) continue;
     if (!seen.insert({s / per_rank, maps.phy2log[s]}).second) return true;
   }
   return false;
@@ -191,13 +193,15 @@ LayerMaps Repair(const std::vector<double>& load, const LayerMaps& start, int nu
   const int num_log = static_cast<int>(load.size());
   const size_t per_rank = p2l.size() / static_cast<size_t>(num_ranks);
   std::vector<int> cnt(static_cast<size_t>(num_log), 0);
-  for (int e : p2l) ++cnt[static_cast<size_t>(e)];
+  for (int e : p2l) {
+    if (e != kEmptySlot) ++cnt[static_cast<size_t>(e)];
+  }
   for (size_t r = 0; r < static_cast<size_t>(num_ranks); ++r) {
     std::set<int> here;
     for (size_t s = r * per_rank; s < (r + 1) * per_rank; ++s) here.insert(p2l[s]);
     std::set<int> seen;
     for (size_t s = r * per_rank; s < (r + 1) * per_rank; ++s) {
-      if (seen.insert(p2l[s]).second) continue;
+      if (p2l[s] == kEmptySlot || seen.insert(p2l[s]).second) continue;
       int best = -1;
       for (int e = 0; e < num_log; ++e) {
         if (here.count(e)) continue;
@@ -237,10 +241,43 @@ Status CheckInput(const PlannerInput& in, PlannerPolicy policy) {
   }
   const int num_log = static_cast<int>(experts);
   if (in.num_ranks < 1) return Status::InvalidArgument("planner: num_ranks must be at least 1");
-  if (in.num_slots < num_log || in.num_slots % in.num_ranks != 0) {
-    return Status::InvalidArgument(fmt::format(
-        "planner: {} slots must be at least the {} experts and a multiple of the {} ranks",
-        in.num_slots, num_log, in.num_ranks));
+  if (in.num_slots < num_log) {
+    return Status::InvalidArgument(
+        fmt::format("planner: {} slots are fewer than the {} experts: every expert needs one",
+                    in.num_slots, num_log));
+  }
+  if (in.rank_slots.empty() && in.num_slots % in.num_ranks != 0) {
+    return Status::InvalidArgument(
+        fmt::format("planner: {} slots are not a multiple of the {} ranks (give each rank's slots)",
+                    in.num_slots, in.num_ranks));
+  }
+  if (!in.rank_slots.empty()) {
+    if (in.rank_slots.size() != static_cast<size_t>(in.num_ranks)) {
+      return Status::InvalidArgument(fmt::format("planner: slots given for {} ranks, not {}",
+                                                 in.rank_slots.size(), in.num_ranks));
+    }
+    int64_t sum = 0;
+    for (size_t r = 0; r < in.rank_slots.size(); ++r) {
+      const int c = in.rank_slots[r];
+      if (c < 0 || c > num_log) {
+        return Status::InvalidArgument(fmt::format(
+            "planner: expert rank {} is given {} slots; it may hold 0 to {} (one per expert)", r, c,
+            num_log));
+      }
+      sum += c;
+    }
+    if (sum != in.num_slots) {
+      return Status::InvalidArgument(fmt::format(
+          "planner: the ranks' slots sum to {}, not the {} slots planned", sum, in.num_slots));
+    }
+    const bool uneven = std::any_of(in.rank_slots.begin(), in.rank_slots.end(),
+                                    [&](int c) { return c != in.rank_slots[0]; });
+    if (uneven && policy != PlannerPolicy::kDefault && policy != PlannerPolicy::kEplbGlobal) {
+      return Status::InvalidArgument(fmt::format(
+          "planner: {} needs the same number of slots on every rank; ranks with different slot "
+          "counts are planned by default or eplb-global",
+          PlannerPolicyName(policy)));
+    }
   }
   if (in.num_groups < 1 || num_log % in.num_groups != 0) {
     return Status::InvalidArgument(fmt::format(
@@ -304,6 +341,23 @@ LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int n
   return LocalSearch(load, start, num_ranks, limits).maps;
 }
 
+// The best of `candidates` the placement table can hold (no expert twice on a rank); only if
+// there is none, the best of all; the first among equals.
+LayerMaps BestForTable(const std::vector<double>& load, std::vector<LayerMaps> candidates,
+                       int num_ranks) {
+  size_t best = 0;
+  double best_b = PredictedBalancedness(load, candidates[0], num_ranks);
+  bool best_twice = HoldsTwice(candidates[0], num_ranks);
+  for (size_t c = 1; c < candidates.size(); ++c) {
+    const double b = PredictedBalancedness(load, candidates[c], num_ranks);
+    const bool twice = HoldsTwice(candidates[c], num_ranks);
+    if ((best_twice && !twice) || (twice == best_twice && b > best_b)) {
+      best = c, best_b = b, best_twice = twice;
+    }
+  }
+  return std::move(candidates[best]);
+}
+
 // kDefault on one layer (see planner.h): the EPLB plans, each improved, the best that the
 // placement table can hold.
 LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) {
@@ -326,32 +380,111 @@ LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) 
       }
     }
   }
-  // The best plan the table can hold; only if there is none, the best of all.
-  size_t best = 0;
-  double best_b = PredictedBalancedness(load, candidates[0], in.num_ranks);
-  bool best_twice = HoldsTwice(candidates[0], in.num_ranks);
-  for (size_t c = 1; c < candidates.size(); ++c) {
-    const double b = PredictedBalancedness(load, candidates[c], in.num_ranks);
-    const bool twice = HoldsTwice(candidates[c], in.num_ranks);
-    if ((best_twice && !twice) || (twice == best_twice && b > best_b)) {
-      best = c, best_b = b, best_twice = twice;
+  return BestForTable(load, std::move(candidates), in.num_ranks);
+}
+
+// EPLB's global plan for ranks of `caps` slots (uneven; slot s on rank s / the most): the plan of
+// the layer padded with zero-load "void" experts, one per empty slot (ids from the experts'
+// count: EPLB never gives them a second slot, all real experts coming first among equal loads);
+// then each void on a rank with more of them than it has empty slots is swapped with the
+// lightest slot (load per copy; one whose expert the void's rank does not hold first) of a rank
+// with fewer; the voids become kEmptySlot.
+LayerMaps EplbUneven(const std::vector<double>& load, const std::vector<int>& caps) {
+  const int experts = static_cast<int>(load.size());
+  const int ranks = static_cast<int>(caps.size());
+  const int per = *std::max_element(caps.begin(), caps.end());
+  int voids = 0;
+  for (int c : caps) voids += per - c;
+  std::vector<double> padded_load = load;
+  padded_load.resize(static_cast<size_t>(experts + voids), 0.0);
+  const LayerMaps padded = EplbLayer(padded_load, per * ranks, 1, 1, ranks);
+  std::vector<int> p2l = padded.phy2log;
+  const auto rank_slots = [&](int r) {
+    return std::pair<size_t, size_t>(static_cast<size_t>(r * per),
+                                     static_cast<size_t>((r + 1) * per));
+  };
+  std::vector<int> extra(static_cast<size_t>(ranks), 0);  // voids on the rank less its empties
+  for (int r = 0; r < ranks; ++r) {
+    const auto [lo, hi] = rank_slots(r);
+    int v = 0;
+    for (size_t x = lo; x < hi; ++x) v += p2l[x] >= experts ? 1 : 0;
+    extra[static_cast<size_t>(r)] = v - (per - caps[static_cast<size_t>(r)]);
+  }
+  const auto weight = [&](int e) {
+    return load[static_cast<size_t>(e)] / padded.logcnt[static_cast<size_t>(e)];
+  };
+  for (int a = 0; a < ranks; ++a) {
+    while (extra[static_cast<size_t>(a)] > 0) {
+      const auto [alo, ahi] = rank_slots(a);
+      size_t i = alo;
+      while (p2l[i] < experts) ++i;  // a void on rank a
+      std::set<int> held(p2l.begin() + static_cast<std::ptrdiff_t>(alo),
+                         p2l.begin() + static_cast<std::ptrdiff_t>(ahi));
+      size_t best = p2l.size();
+      bool best_held = true;
+      for (int b = 0; b < ranks; ++b) {
+        if (extra[static_cast<size_t>(b)] >= 0) continue;
+        const auto [blo, bhi] = rank_slots(b);
+        for (size_t j = blo; j < bhi; ++j) {
+          if (p2l[j] >= experts) continue;
+          const bool h = held.count(p2l[j]) > 0;
+          if (best == p2l.size() || (best_held && !h) ||
+              (h == best_held && weight(p2l[j]) < weight(p2l[best]))) {
+            best = j, best_held = h;
+          }
+        }
+      }
+      std::swap(p2l[i], p2l[best]);
+      --extra[static_cast<size_t>(a)];
+      ++extra[best / static_cast<size_t>(per)];
     }
   }
-  return std::move(candidates[best]);
+  for (int& e : p2l) {
+    if (e >= experts) e = kEmptySlot;
+  }
+  return MapsFromSlots(std::move(p2l), experts);
+}
+
+// kDefault and kEplbGlobal for ranks of uneven slot counts: EplbUneven, and (kDefault) that plan
+// improved by the local search (which never moves an empty slot); the better one the table can
+// hold.
+LayerMaps UnevenLayer(const std::vector<double>& load, const PlannerInput& in,
+                      PlannerPolicy policy) {
+  LayerMaps start = EplbUneven(load, in.rank_slots);
+  if (policy == PlannerPolicy::kEplbGlobal) return start;
+  std::vector<LayerMaps> candidates;
+  candidates.push_back(Improve(load, start, in.num_ranks));
+  if (HoldsTwice(start, in.num_ranks)) {
+    candidates.push_back(Improve(load, Repair(load, start, in.num_ranks), in.num_ranks));
+  }
+  candidates.push_back(std::move(start));
+  return BestForTable(load, std::move(candidates), in.num_ranks);
 }
 
 }  // namespace
+
+std::vector<int> EvenRankSlots(int slots, int ranks) {
+  std::vector<int> out;
+  for (int r = 0; r < ranks; ++r) out.push_back(slots / ranks + (r < slots % ranks ? 1 : 0));
+  return out;
+}
 
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
   MOERUN_RETURN_IF_ERROR(CheckInput(in, policy));
   if (policy == PlannerPolicy::kNodeAware) return PlanNodeAware(in);
   if (policy == PlannerPolicy::kNodeLocal) return PlanNodeLocal(in);
+  const bool uneven = std::any_of(in.rank_slots.begin(), in.rank_slots.end(),
+                                  [&](int c) { return c != in.rank_slots[0]; });
   // Layers are independent: each is planned alone, on whichever thread takes it (the same
   // plan as one thread's, layer by layer).
   std::vector<LayerMaps> plan(in.load.size());
   const auto one = [&](int64_t l, int) {
     const std::vector<double>& load = in.load[static_cast<size_t>(l)];
     LayerMaps& out = plan[static_cast<size_t>(l)];
+    if (uneven) {
+      out = UnevenLayer(load, in, policy);
+      return;
+    }
     switch (policy) {
       case PlannerPolicy::kEplbHierarchical:
         out = EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks);
@@ -421,7 +554,9 @@ double PredictedBalancedness(const std::vector<double>& layer_load, const LayerM
                              int num_ranks) {
   if (num_ranks < 1 || maps.phy2log.empty()) return 1.0;
   std::vector<int> cnt(layer_load.size(), 0);
-  for (int e : maps.phy2log) ++cnt[static_cast<size_t>(e)];
+  for (int e : maps.phy2log) {
+    if (e != kEmptySlot) ++cnt[static_cast<size_t>(e)];
+  }
   const std::vector<double> rank_load = RankLoads(layer_load, maps.phy2log, cnt, num_ranks);
   double sum = 0, max = 0;
   for (double v : rank_load) sum += v, max = std::max(max, v);
@@ -436,7 +571,9 @@ int64_t BytesToMove(const LayerMaps& from, const LayerMaps& to, int num_ranks,
   const size_t to_per = std::max<size_t>(1, to.phy2log.size() / static_cast<size_t>(num_ranks));
   std::set<std::pair<size_t, int>> had, need;
   for (size_t s = 0; s < from.phy2log.size(); ++s) had.insert({s / from_per, from.phy2log[s]});
-  for (size_t s = 0; s < to.phy2log.size(); ++s) need.insert({s / to_per, to.phy2log[s]});
+  for (size_t s = 0; s < to.phy2log.size(); ++s) {
+    if (to.phy2log[s] != kEmptySlot) need.insert({s / to_per, to.phy2log[s]});
+  }
   int64_t n = 0;
   for (const auto& x : need) n += had.count(x) == 0 ? 1 : 0;
   return n * expert_bytes;
@@ -457,6 +594,7 @@ Result<LayerPlacement> ToLayerPlacement(const LayerMaps& maps, int num_ranks, in
   for (size_t s = 0; s < slots; ++s) {
     const int e = maps.phy2log[s];
     const int rank = num_routers + static_cast<int>(s / per_rank);
+    if (e == kEmptySlot) continue;  // a rank with fewer slots
     if (e < 0 || static_cast<size_t>(e) >= num_log) {
       return Status::InvalidArgument(
           fmt::format("planner: slot {} names expert {} of {}", s, e, num_log));
@@ -465,9 +603,10 @@ Result<LayerPlacement> ToLayerPlacement(const LayerMaps& maps, int num_ranks, in
       return Status::InvalidArgument(fmt::format(
           "planner: expert {} has two slots on rank {}; a placement holds one", e, rank));
     }
+    const int slot = static_cast<int>(lp.slots.size());
     lp.slots.push_back(Slot{rank, e});
-    lp.replicas[static_cast<size_t>(e)].push_back(static_cast<int>(s));
-    lp.rank_slots[static_cast<size_t>(rank)].push_back(static_cast<int>(s));
+    lp.replicas[static_cast<size_t>(e)].push_back(slot);
+    lp.rank_slots[static_cast<size_t>(rank)].push_back(slot);
   }
   for (size_t e = 0; e < num_log; ++e) {
     if (lp.replicas[e].empty()) {
@@ -482,16 +621,23 @@ Result<LayerMaps> FromLayerPlacement(const LayerPlacement& placement, int num_ro
   if (num_routers < 0 || ranks <= num_routers) {
     return Status::InvalidArgument("planner: the placement has no expert rank");
   }
-  const size_t per_rank = placement.rank_slots[static_cast<size_t>(num_routers)].size();
+  size_t per_rank = 0;  // the most any expert rank holds; the others' last slots are empty
+  for (int r = num_routers; r < ranks; ++r) {
+    per_rank = std::max(per_rank, placement.rank_slots[static_cast<size_t>(r)].size());
+  }
+  if (per_rank == 0) return Status::InvalidArgument("planner: no expert rank holds a slot");
   std::vector<int> phy2log;
   for (int r = 0; r < ranks; ++r) {
     const auto& rs = placement.rank_slots[static_cast<size_t>(r)];
-    if (r < num_routers ? !rs.empty() : rs.size() != per_rank) {
-      return Status::InvalidArgument(
-          fmt::format("planner: rank {} holds {} slots; routers hold none and expert ranks {} each",
-                      r, rs.size(), per_rank));
+    if (r < num_routers) {
+      if (!rs.empty()) {
+        return Status::InvalidArgument(
+            fmt::format("planner: router rank {} holds {} slots; routers hold none", r, rs.size()));
+      }
+      continue;
     }
     for (int s : rs) phy2log.push_back(placement.slots[static_cast<size_t>(s)].expert);
+    phy2log.insert(phy2log.end(), per_rank - rs.size(), kEmptySlot);
   }
   return MapsFromSlots(std::move(phy2log), static_cast<int>(placement.replicas.size()));
 }

@@ -39,8 +39,12 @@
 //    running placement of a layer, within a budget of expert copies to load, until a target
 //    balance is reached or no move helps.
 //
-// Slots: physical slot s lives on expert rank s / (num_slots / num_ranks); expert ranks come after
-// the router ranks in the job (ToLayerPlacement adds the offset).
+// Slots: physical slot s lives on expert rank s / (slots per rank); expert ranks come after the
+// router ranks in the job (ToLayerPlacement adds the offset). Ranks may hold different numbers of
+// slots (PlannerInput::rank_slots): every rank then has the most any holds, and a rank's slots
+// beyond its own count are empty (kEmptySlot in phy2log: nothing is placed there, the table
+// leaves them out).
+inline constexpr int kEmptySlot = -1;
 #pragma once
 
 #include <cstdint>
@@ -67,7 +71,7 @@ struct RoutingSample {
 
 struct PlannerInput {
   std::vector<std::vector<double>> load;  // [layers][logical experts]: assignments in the window
-  int num_slots = 0;   // physical experts per layer = logical + redundant; a multiple of num_ranks
+  int num_slots = 0;   // physical experts per layer = logical + redundant (see rank_slots)
   int num_groups = 1;  // expert groups (divides the experts)
   int num_nodes = 1;   // nodes (divides num_ranks)
   int num_ranks = 1;   // expert ranks (GPUs)
@@ -84,10 +88,15 @@ struct PlannerInput {
   // Threads the planner plans layers on (each layer alone, so the plan is the same whatever the
   // count): 0 = one per hardware thread, 1 = the calling thread alone.
   int threads = 0;
+  // Each expert rank's slots (its capacity, e.g. from its memory), summing to num_slots, each at
+  // most the experts; empty: num_slots ÷ num_ranks each (then num_ranks must divide num_slots).
+  // Uneven counts: kDefault and kEplbGlobal only (EPLB's packing into those capacities, then the
+  // local search, which never moves an empty slot).
+  std::vector<int> rank_slots;
 };
 
 struct LayerMaps {
-  std::vector<int> phy2log;               // [num_slots]: the logical expert of each slot
+  std::vector<int> phy2log;               // [slots]: the logical expert of each slot, or kEmptySlot
   std::vector<std::vector<int>> log2phy;  // per logical expert: its slots (EPLB: by replica rank)
   std::vector<int> logcnt;                // per logical expert: its number of slots
 };
@@ -96,10 +105,16 @@ struct LayerMaps {
 PlannerPolicy EplbAutoPolicy(const PlannerInput& input);
 
 // The maps of every layer. InvalidArgument on bad input (ragged or empty load, negative or
-// non-finite load, num_slots not a multiple of num_ranks or fewer than the experts, num_groups not
-// dividing the experts, num_nodes not dividing num_ranks, kEplbHierarchical where num_groups %
-// num_nodes != 0). Deterministic.
+// non-finite load, num_slots fewer than the experts, not a multiple of num_ranks without
+// rank_slots, rank_slots of the wrong size, negative, above the experts or not summing to
+// num_slots, or given to a policy other than kDefault and kEplbGlobal, num_groups not dividing the
+// experts, num_nodes not dividing num_ranks, kEplbHierarchical where num_groups % num_nodes != 0).
+// Deterministic.
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& input, PlannerPolicy policy);
+
+// `slots` spread over `ranks` as evenly as counts allow (the first slots % ranks ranks hold one
+// more): PlannerInput::rank_slots where the slots do not divide.
+std::vector<int> EvenRankSlots(int slots, int ranks);
 
 struct IncrementalOptions {
   int64_t max_moves = 0;      // expert copies (rank, expert) the plan may load; 0: no limit

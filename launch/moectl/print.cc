@@ -100,10 +100,14 @@ void PrintStats(const v1::StatsResponse& s) {
 }
 
 void PrintPlan(const v1::PlanResponse& p) {
+  const std::string slots =
+      p.min_slots_per_rank() > 0 && p.min_slots_per_rank() < p.slots_per_rank()
+          ? fmt::format("{} to {}", p.min_slots_per_rank(), p.slots_per_rank())
+          : std::to_string(p.slots_per_rank());
   std::printf(
-      "plan (%s policy, %d slots per expert rank%s, planned in %.3f ms per layer): a dry run, "
+      "plan (%s policy, %s slots per expert rank%s, planned in %.3f ms per layer): a dry run, "
       "nothing changed\n",
-      p.policy().c_str(), p.slots_per_rank(),
+      p.policy().c_str(), slots.c_str(),
       p.window_s() > 0 ? fmt::format(", loads of the last {:.0f} s", p.window_s()).c_str() : "",
       p.plan_ms_per_layer());
   // The predicted expert-cache hit rates, where any expert rank has a cache.

@@ -148,8 +148,10 @@ class Control:
     def plan(self, redundant: int = 0, policy: str = "", groups: int = 0,
              nodes: int = 0) -> "control_pb2.PlanResponse":
         """A dry run of the planner on the window's loads (``moectl placement plan``):
-        ``redundant`` slots per layer, ``policy`` ("default", "eplb-hierarchical",
-        "eplb-global"; "" = default), expert ``groups`` (0: the model's), ``nodes`` (0: 1).
+        ``redundant`` slots per layer (any count: where they do not divide over the expert
+        ranks, the first ranks hold one more; default and eplb-global only), ``policy``
+        ("default", "eplb-hierarchical", "eplb-global", "node-aware", "node-local"; "" =
+        default), expert ``groups`` (0: the model's), ``nodes`` (0: the job's nodes).
         Nothing changes."""
         req = control_pb2.ControlRequest(plan=control_pb2.PlanRequest(
             redundant=int(redundant), policy=policy, groups=int(groups), nodes=int(nodes)))

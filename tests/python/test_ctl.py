@@ -83,8 +83,10 @@ def test_plan_as_moectl(ctl, serve_job):
     assert (mine["policy"], mine["slots_per_rank"]) == (theirs["policy"], theirs["slots_per_rank"])
     assert [lp["layer"] for lp in mine["layers"]] == [lp["layer"] for lp in theirs["layers"]]
     assert ctl.plan().slots_per_rank == 8  # 16 experts over 2 expert ranks
+    odd = ctl.plan(redundant=1)  # 17 slots: 9 and 8
+    assert (odd.slots_per_rank, odd.min_slots_per_rank) == (9, 8)
     with pytest.raises(moerun.InvalidArgumentError, match="do not divide evenly") as ei:
-        ctl.plan(redundant=1)
+        ctl.plan(redundant=1, policy="eplb-hierarchical")
     assert ei.value.from_server
 
 

@@ -93,13 +93,22 @@ TEST(PlacementPlanTest, DeadRanksAreLeftOut) {
     }
   }
   EXPECT_EQ(rep->layers[0].experts_to_load, to_load);
-  // Uneven over the live ranks, and no live rank at all: clear errors that say why.
+  // Uneven over the live ranks: planned (the default policy takes any count), nothing on the
+  // dead rank; a policy that needs even counts says why; no live rank at all: an error.
   o.redundant = 1;
   auto uneven = MakePlan(loads, *current, 0, o);
-  ASSERT_FALSE(uneven.ok());
-  EXPECT_NE(uneven.status().message().find("2 expert ranks (rank(s) 2 left out: dead)"),
+  ASSERT_TRUE(uneven.ok()) << uneven.status().ToString();
+  EXPECT_EQ(uneven->slots_per_rank, uneven->min_slots_per_rank + 1);
+  auto uneven_table = Placement::FromJson(uneven->placement_json, "plan");
+  ASSERT_TRUE(uneven_table.ok()) << uneven_table.status().ToString();
+  EXPECT_TRUE(uneven_table->Layer(0)->rank_slots[2].empty());
+  o.policy = PlannerPolicy::kEplbHierarchical;
+  auto refused = MakePlan(loads, *current, 0, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("2 expert ranks (rank(s) 2 left out: dead)"),
             std::string::npos)
-      << uneven.status().ToString();
+      << refused.status().ToString();
+  o.policy = PlannerPolicy::kDefault;
   o.redundant = 0;
   o.exclude = {1, 2, 3};
   EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
@@ -109,10 +118,17 @@ TEST(PlacementPlanTest, ClearErrors) {
   auto current = Placement::Linear(8, 4, 1);  // 3 expert ranks
   ASSERT_TRUE(current.ok());
   PlanOptions o;
+  // 8 slots over 3 ranks: 3, 3 and 2 for the default policy; node-aware needs even counts.
   auto uneven = MakePlan({{0, std::vector<double>(8, 1.0)}}, *current, 0, o);
-  ASSERT_FALSE(uneven.ok());
-  EXPECT_NE(uneven.status().message().find("use --redundant 1"), std::string::npos)
-      << uneven.status().ToString();
+  ASSERT_TRUE(uneven.ok()) << uneven.status().ToString();
+  EXPECT_EQ(uneven->slots_per_rank, 3);
+  EXPECT_EQ(uneven->min_slots_per_rank, 2);
+  o.policy = PlannerPolicy::kNodeAware;
+  auto refused = MakePlan({{0, std::vector<double>(8, 1.0)}}, *current, 0, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("use --redundant 1"), std::string::npos)
+      << refused.status().ToString();
+  o.policy = PlannerPolicy::kDefault;
   o.redundant = 1;
   EXPECT_FALSE(MakePlan({{0, std::vector<double>(8, 0.0)}}, *current, 0, o).ok());  // no load
   EXPECT_FALSE(MakePlan({{0, std::vector<double>(7, 1.0)}}, *current, 0, o).ok());  // wrong size

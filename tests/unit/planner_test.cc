@@ -335,10 +335,17 @@ TEST(PlannerTest, PlacementRoundTrip) {
   twice.log2phy = {{0, 1}, {2}, {3}};
   twice.logcnt = {2, 1, 1};
   EXPECT_FALSE(ToLayerPlacement(twice, 2, 1).ok());
-  // Uneven expert ranks cannot be maps.
+  // Uneven expert ranks: the fewer slots' rank padded with an empty slot, and back.
   auto linear = Placement::Linear(3, 3, 1);  // ranks 1, 2 with 2 and 1 experts
   ASSERT_TRUE(linear.ok());
-  EXPECT_FALSE(FromLayerPlacement(*linear->Layer(0), 1).ok());
+  auto uneven = FromLayerPlacement(*linear->Layer(0), 1);
+  ASSERT_TRUE(uneven.ok()) << uneven.status().ToString();
+  EXPECT_EQ(uneven->phy2log, (std::vector<int>{0, 1, 2, kEmptySlot}));
+  EXPECT_EQ(uneven->logcnt, (std::vector<int>{1, 1, 1}));
+  auto lp = ToLayerPlacement(*uneven, 2, 1);
+  ASSERT_TRUE(lp.ok()) << lp.status().ToString();
+  EXPECT_TRUE(Placement::SameSlots(*lp, *linear->Layer(0)));
+  EXPECT_NEAR(PredictedBalancedness({30, 30, 60}, *uneven, 2), 1.0, 1e-12);
 }
 
 // ---- The local search (router/local_search.h) against the simple reference, and the
@@ -806,6 +813,114 @@ TEST(PlannerTest, ThreadsDoNotChangeThePlan) {
     EXPECT_EQ(one[l].phy2log, three[l].phy2log) << "layer " << l;
     EXPECT_EQ(one[l].logcnt, three[l].logcnt) << "layer " << l;
   }
+}
+
+}  // namespace
+}  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// Each rank's non-empty slots, no expert twice on one, every expert placed. (EPLB's own plans
+// may hold an expert twice on a rank, as eplb.py's do; the default's never.)
+void CheckUneven(const LayerMaps& m, const std::vector<int>& caps, int experts) {
+  const int ranks = static_cast<int>(caps.size());
+  ASSERT_EQ(m.phy2log.size() % static_cast<size_t>(ranks), 0u);
+  const size_t per = m.phy2log.size() / static_cast<size_t>(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    std::set<int> here;
+    int used = 0;
+    for (size_t s = static_cast<size_t>(r) * per; s < (static_cast<size_t>(r) + 1) * per; ++s) {
+      if (m.phy2log[s] == kEmptySlot) continue;
+      ++used;
+      EXPECT_TRUE(here.insert(m.phy2log[s]).second) << "expert twice on rank " << r;
+    }
+    EXPECT_EQ(used, caps[static_cast<size_t>(r)]) << "rank " << r;
+  }
+  for (int e = 0; e < experts; ++e) EXPECT_GE(m.logcnt[static_cast<size_t>(e)], 1) << e;
+}
+
+std::vector<double> SkewedLoad(int experts, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<double> load(static_cast<size_t>(experts));
+  for (int e = 0; e < experts; ++e) {
+    load[static_cast<size_t>(e)] = 1000.0 / (1 + e) + static_cast<double>(rng() % 50);
+  }
+  std::shuffle(load.begin(), load.end(), rng);
+  return load;
+}
+
+// Any redundant count on 3, 4, 5 and 7 expert ranks: the slots spread as evenly as counts allow,
+// a table in every case, the default never worse than EPLB's packing into the same capacities.
+TEST(UnevenSlotsTest, EveryRedundantCountOnAnyRanks) {
+  for (int ranks : {3, 4, 5, 7}) {
+    for (int experts : {16, 64}) {
+      for (int redundant = 0; redundant <= 2 * ranks + 1; ++redundant) {
+        PlannerInput in;
+        in.load = {SkewedLoad(experts, static_cast<uint32_t>(ranks * 100 + redundant))};
+        in.num_ranks = ranks;
+        in.num_slots = experts + redundant;
+        in.rank_slots = EvenRankSlots(in.num_slots, ranks);
+        auto d = PlanPlacement(in, PlannerPolicy::kDefault);
+        auto g = PlanPlacement(in, PlannerPolicy::kEplbGlobal);
+        ASSERT_TRUE(d.ok() && g.ok()) << ranks << " ranks, " << redundant << ": "
+                                      << d.status().ToString() << g.status().ToString();
+        SCOPED_TRACE(::testing::Message() << ranks << " ranks, " << experts << " experts, "
+                                          << redundant << " redundant");
+        CheckUneven((*d)[0], in.rank_slots, experts);
+        ASSERT_TRUE(ToLayerPlacement((*d)[0], ranks, 1).ok());
+        if (ToLayerPlacement((*g)[0], ranks, 1).ok()) {  // EPLB's plan is a table too
+          EXPECT_GE(PredictedBalancedness(in.load[0], (*d)[0], ranks) + 1e-12,
+                    PredictedBalancedness(in.load[0], (*g)[0], ranks));
+        }
+      }
+    }
+  }
+}
+
+// Capacities as given (a small rank, a rank with none): each rank holds exactly its count; the
+// incremental search from that placement keeps the counts.
+TEST(UnevenSlotsTest, GivenCapacitiesAndTheIncrementalSearch) {
+  PlannerInput in;
+  in.load = {SkewedLoad(16, 7)};
+  in.num_ranks = 4;
+  in.rank_slots = {8, 6, 0, 6};
+  in.num_slots = 20;
+  auto d = PlanPlacement(in, PlannerPolicy::kDefault);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  CheckUneven((*d)[0], in.rank_slots, 16);
+  EXPECT_GT(PredictedBalancedness(in.load[0], (*d)[0], 4), 0.7);  // 3 of 4 ranks serve: <= 0.75
+  // From it, with other loads: the same counts per rank.
+  IncrementalOptions io;
+  io.max_moves = 6;
+  auto inc = PlanIncremental(SkewedLoad(16, 8), (*d)[0], 4, io);
+  ASSERT_TRUE(inc.ok()) << inc.status().ToString();
+  CheckUneven(inc->maps, in.rank_slots, 16);
+  EXPECT_LE(inc->experts_moved, 6);
+}
+
+TEST(UnevenSlotsTest, BadCapacitiesAreRefused) {
+  PlannerInput in;
+  in.load = {SkewedLoad(8, 1)};
+  in.num_ranks = 3;
+  in.num_slots = 10;
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());  // 10 over 3, no capacities
+  in.rank_slots = {4, 4, 1};
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());  // sums to 9
+  in.rank_slots = {9, 0, 1};
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());  // 9 > 8 experts on one rank
+  in.rank_slots = {6, 5, -1};
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());
+  in.rank_slots = {4, 3};
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());  // 2 counts for 3 ranks
+  in.rank_slots = {4, 3, 3};
+  EXPECT_TRUE(PlanPlacement(in, PlannerPolicy::kDefault).ok());
+  auto refused = PlanPlacement(in, PlannerPolicy::kNodeLocal);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("same number of slots"), std::string::npos);
+  in.num_slots = 7;  // fewer slots than experts
+  in.rank_slots = {3, 2, 2};
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());
 }
 
 }  // namespace
