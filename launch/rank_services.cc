@@ -574,6 +574,7 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   o.max_bytes = request.max_bytes();
   if (request.has_local_share()) o.local_share = request.local_share();
   if (request.has_copy_prior()) o.copy_prior = request.copy_prior();
+  for (const auto& [rank, n] : request.rank_slots()) o.rank_slots[rank] = n;
   const int routers = Current()->num_routers();  // (takes mu_)
   const int64_t one = expert_bytes_.load();
   {

@@ -90,9 +90,58 @@ Result<int> JobNodes(const PlanOptions& options, std::vector<int>* live) {
 
 // The planner's input for the loads over `ranks` live expert ranks, or InvalidArgument for options
 // or loads the placement cannot take (`left_out` names the excluded ranks in the messages).
+// Each planned rank's slots (planned rank i is live[i]) where options.rank_slots names some;
+// empty where none is named (then the slots spread evenly, PlannerInputFor).
+Result<std::vector<int>> GivenRankSlots(const PlanOptions& options, const std::vector<int>& live,
+                                        int slots, int experts) {
+  if (options.rank_slots.empty()) return std::vector<int>();
+  if (options.incremental) {
+    return Status::InvalidArgument(
+        "plan: --rank-slots plans afresh; --incremental keeps each rank's slots");
+  }
+  std::vector<int> caps(live.size(), -1);
+  int given = 0;
+  for (const auto& [rank, n] : options.rank_slots) {
+    const auto at = std::find(live.begin(), live.end(), rank);
+    if (at == live.end()) {
+      return Status::InvalidArgument(
+          fmt::format("plan: --rank-slots names rank {}, which is not a live expert rank ({})",
+                      rank, fmt::join(live, ",")));
+    }
+    if (n < 0 || n > experts) {
+      return Status::InvalidArgument(fmt::format(
+          "plan: --rank-slots gives rank {} {} slots; a rank holds 0 to {} (one per expert)", rank,
+          n, experts));
+    }
+    caps[static_cast<size_t>(at - live.begin())] = n;
+    given += n;
+  }
+  const int others = static_cast<int>(std::count(caps.begin(), caps.end(), -1));
+  const int rest = slots - given;
+  if (rest < 0 || (others == 0 && rest != 0)) {
+    return Status::InvalidArgument(fmt::format(
+        "plan: --rank-slots gives {} slots, the plan has {} (experts + redundant){}", given, slots,
+        others == 0 ? "" : fmt::format(" for {} rank(s) in all", live.size())));
+  }
+  const std::vector<int> share = EvenRankSlots(rest, std::max(others, 1));
+  int k = 0;
+  for (int& c : caps) {
+    if (c >= 0) continue;
+    c = share[static_cast<size_t>(k++)];
+    if (c > experts) {
+      return Status::InvalidArgument(fmt::format(
+          "plan: the ranks not named in --rank-slots would hold {} slots each, more than the {} "
+          "experts; give more --redundant to the named ones or fewer in all",
+          c, experts));
+    }
+  }
+  return caps;
+}
+
 Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& loads,
                                      const Placement& current, const PlanOptions& options,
-                                     int ranks, const std::string& left_out) {
+                                     const std::vector<int>& live, const std::string& left_out) {
+  const int ranks = static_cast<int>(live.size());
   const int experts = current.num_experts();
   if (loads.empty()) return Status::InvalidArgument("plan: no layer to plan");
   if (ranks < 1)
@@ -106,8 +155,20 @@ Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& l
       options.cache_experts, current.num_ranks() - current.num_routers(), "plan: cache_experts"));
   PlannerInput in;
   in.num_slots = slots;
+  MOERUN_ASSIGN_OR_RETURN(in.rank_slots, GivenRankSlots(options, live, slots, experts));
+  const bool given_even =
+      !in.rank_slots.empty() && std::all_of(in.rank_slots.begin(), in.rank_slots.end(),
+                                            [&](int c) { return c == in.rank_slots[0]; });
+  if (given_even) in.rank_slots.clear();
+  if (!in.rank_slots.empty() && options.policy != PlannerPolicy::kDefault &&
+      options.policy != PlannerPolicy::kEplbGlobal) {
+    return Status::InvalidArgument(fmt::format(
+        "plan: {} needs the same number of slots on every rank; --rank-slots plans with default "
+        "or eplb-global",
+        PlannerPolicyName(options.policy)));
+  }
   // Slots that do not divide: as evenly as counts allow (the first ranks one more).
-  if (slots % ranks != 0) {
+  if (in.rank_slots.empty() && slots % ranks != 0) {
     if (options.policy != PlannerPolicy::kDefault && options.policy != PlannerPolicy::kEplbGlobal) {
       const int up = (ranks - slots % ranks) % ranks;
       return Status::InvalidArgument(fmt::format(
@@ -380,6 +441,10 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
                             const PlanOptions& options) {
   const int routers = current.num_routers();
   if (options.max_bytes < 0) return Status::InvalidArgument("plan: the byte budget is negative");
+  if (options.incremental && !options.rank_slots.empty()) {
+    return Status::InvalidArgument(
+        "plan: --rank-slots plans afresh; --incremental keeps each rank's slots");
+  }
   if (options.max_bytes > 0 && expert_bytes <= 0) {
     return Status::InvalidArgument(
         "plan: a byte budget needs the bytes of one expert (offline: --expert-bytes)");
@@ -409,7 +474,7 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
     MOERUN_ASSIGN_OR_RETURN(plan, IncrementalPlans(loads, current, options, ranks, expert_bytes));
   } else {
     MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
-                            PlannerInputFor(loads, current, opts, ranks, left_out));
+                            PlannerInputFor(loads, current, opts, live, left_out));
     MOERUN_ASSIGN_OR_RETURN(plan, PlanPlacement(in, options.policy));
     // With expert caches, keep hot experts resident where that does not raise the max rank load
     // (ranks of the same slot count only).

@@ -33,6 +33,11 @@ struct PlanOptions {
   // the node-aware policies (node-aware, node-local, eplb-hierarchical) are refused and the others
   // plan with one node.
   std::vector<int> rank_node;
+  // Slots of named expert ranks (rank number -> count, e.g. what its memory holds); the live
+  // expert ranks not named share the rest as evenly as counts allow. InvalidArgument for a rank
+  // that is not a live expert rank, a count above the experts or below 0, or counts that leave
+  // the others fewer than 0 slots (or some when none is left to take them). Not with incremental.
+  std::map<int, int> rank_slots;
   double local_share = 0.75;  // node-local's knobs (router/node_local.h)
   double copy_prior = 0;
   // Expert ranks left out (dead): the plan's slots go to the others, none to these.

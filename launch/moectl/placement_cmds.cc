@@ -40,6 +40,7 @@ struct PlannerFlags {
   double target_balance = 0;
   double max_mib = 0;                        // --max-mib: the rebalance's byte budget (0: none)
   double local_share = -1, copy_prior = -1;  // --local-share, --copy-prior (< 0: unset)
+  std::string rank_slots;                    // --rank-slots RANK:N[,RANK:N...]
 };
 
 struct PlanFlags {  // placement plan
@@ -61,6 +62,8 @@ struct MigrateFlags {      // placement apply/import/progress, rebalance
   bool wait = false, json = false;
 };
 
+Result<std::map<int, int>> ParseRankSlots(const std::string& text);
+
 void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   pr->set_redundant(f.redundant);
   pr->set_policy(f.policy);
@@ -72,6 +75,9 @@ void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   pr->set_max_bytes(static_cast<int64_t>(f.max_mib * (1 << 20)));
   if (f.local_share >= 0) pr->set_local_share(f.local_share);
   if (f.copy_prior >= 0) pr->set_copy_prior(f.copy_prior);
+  if (auto slots = ParseRankSlots(f.rank_slots); !f.rank_slots.empty() && slots.ok()) {
+    for (const auto& [rank, n] : *slots) (*pr->mutable_rank_slots())[rank] = n;
+  }
 }
 
 // --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
@@ -111,6 +117,39 @@ Result<std::map<int, std::vector<double>>> ReadLoads(const std::string& path) {
   if (loads.empty()) return Status::InvalidArgument(path + ": no loads");
   return loads;
 }
+
+// --rank-slots RANK:N[,RANK:N...]: the slots of named expert ranks.
+Result<std::map<int, int>> ParseRankSlots(const std::string& text) {
+  std::map<int, int> out;
+  size_t start = 0;
+  const auto bad = [&] {
+    return Status::InvalidArgument(fmt::format(
+        "must be RANK:SLOTS pairs (whole numbers, each rank once), comma-separated, not {}", text));
+  };
+  while (true) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) return bad();
+    int rank = -1, n = -1;
+    const auto [e1, c1] = std::from_chars(item.data(), item.data() + colon, rank);
+    const auto [e2, c2] = std::from_chars(item.data() + colon + 1, item.data() + item.size(), n);
+    if (c1 != std::errc() || e1 != item.data() + colon || c2 != std::errc() ||
+        e2 != item.data() + item.size() || rank < 0 || n < 0 || !out.emplace(rank, n).second) {
+      return bad();
+    }
+    if (comma == text.size()) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+const CLI::Validator kRankSlots(
+    [](std::string& text) -> std::string {
+      auto v = ParseRankSlots(text);
+      return v.ok() ? std::string() : v.status().message();
+    },
+    "RANK:N[,RANK:N...]");
 
 // --cache-experts N[,N...]: experts of each layer every expert rank's cache holds (0: no cache).
 Result<std::vector<int>> ParseCacheExperts(const std::string& text) {
@@ -234,6 +273,11 @@ int PlanOffline(const PlanFlags& f) {
   o.max_bytes = static_cast<int64_t>(f.planner.max_mib * (1 << 20));
   if (f.planner.local_share >= 0) o.local_share = f.planner.local_share;
   if (f.planner.copy_prior >= 0) o.copy_prior = f.planner.copy_prior;
+  if (!f.planner.rank_slots.empty()) {
+    auto slots = ParseRankSlots(f.planner.rank_slots);
+    if (!slots.ok()) return Fail("--rank-slots " + slots.status().message(), 2);
+    o.rank_slots = *slots;
+  }
   if (!f.cache_experts.empty()) {
     auto cache = ParseCacheExperts(f.cache_experts);
     if (!cache.ok())
@@ -297,6 +341,10 @@ std::vector<CLI::Option*> AddIncrementalOptions(CLI::App* sub, PlannerFlags& f) 
                   "node-local: plan the copies on the loads + this x their mean (default 0: the "
                   "window's hot experts; large: spread evenly, for traffic unlike the window's)")
       ->check(CLI::Range(0.0, 1e6));
+  sub->add_option("--rank-slots", f.rank_slots,
+                  "Slots of named expert ranks (what each one's memory holds), RANK:N[,RANK:N...]; "
+                  "the others share the rest evenly (default and eplb-global)")
+      ->check(kRankSlots);
   return {inc, moves, target};
 }
 

@@ -3,6 +3,8 @@
 # 4 expert ranks, 16 experts, a skewed preset), `moebench serve --verify` running throughout, while
 #   1. `moectl rebalance --redundant R --min-gain -1 --wait` for R = 1, 2, 3, 5 (17, 18, 19, 21
 #      slots on 4 ranks, none dividing: ranks of 5 and 4, or 6 and 5 slots);
+#      then `--redundant 2 --rank-slots 1:2` (a small rank 1 of 2 slots; the others 6, 5, 5), and
+#      counts it cannot hold refused;
 #   2. `moectl retire 4` (its experts re-placed on the 3 others), then `moectl rebalance
 #      --redundant 1 --wait` on 3 expert ranks (17 slots: 6, 6 and 5);
 #   3. a policy that needs even counts asked for an uneven one is refused with the reason, and
@@ -106,12 +108,13 @@ PY
 }
 
 RESULTS=()
-rebalance() {  # rebalance R RANKS
+rebalance() {  # rebalance R RANKS [moectl options...]
   local r=$1 ranks=$2 held
+  shift 2
   held=$(slot_counts)
   bench_start 3
   sleep 1
-  "$MOECTL" "${CTL[@]}" rebalance --redundant "$r" --min-gain -1 --wait --json >"$WORK/rebalance.$r.$ranks.json" \
+  "$MOECTL" "${CTL[@]}" rebalance --redundant "$r" "$@" --min-gain -1 --wait --json >"$WORK/rebalance.$r.$ranks.json" \
     2>"$WORK/rebalance.err" || fail "moectl rebalance --redundant $r on $ranks ranks: $(cat "$WORK/rebalance.err")"
   bench_check "rebalance --redundant $r on $ranks ranks"
   local state
@@ -123,7 +126,9 @@ rebalance() {  # rebalance R RANKS
     [[ "$counts $lo $hi $total" == "$held" ]] || fail "a skipped rebalance changed the placement"
   else
     [[ $total == $((16 + r)) ]] || fail "--redundant $r on $ranks ranks: $total slots held ($counts), not $((16 + r))"
-    [[ $((hi - lo)) -le 1 ]] || fail "--redundant $r on $ranks ranks: counts $counts differ by more than one"
+    if [[ $# == 0 ]]; then
+      [[ $((hi - lo)) -le 1 ]] || fail "--redundant $r on $ranks ranks: counts $counts differ by more than one"
+    fi
   fi
   local predicted
   predicted=$(python3 -c "
@@ -136,6 +141,18 @@ print(sum(l['balancedness_after'] for l in ls) / max(len(ls), 1))" "$WORK/rebala
 }
 
 for r in 1 2 3 5; do rebalance "$r" 4; done
+# A small rank: rank 1 may hold 2 slots (its memory), the others share the rest (6, 5, 5).
+rebalance 2 4 --rank-slots 1:2
+[[ "$(slot_counts)" == "1:2,2:6,3:5,4:5 2 6 18" ]] || fail "--rank-slots 1:2: slots $(slot_counts)"
+# A count the rank cannot hold, or a rank that is not a live expert rank: refused, nothing moved.
+before=$(slot_counts)
+for bad in 1:17 9:2 0:2; do
+  if "$MOECTL" "${CTL[@]}" rebalance --redundant 2 --rank-slots "$bad" --wait >"$WORK/bad.out" 2>&1; then
+    fail "--rank-slots $bad was not refused"
+  fi
+  grep -q "rank-slots" "$WORK/bad.out" || fail "--rank-slots $bad: the refusal does not say why: $(cat "$WORK/bad.out")"
+done
+[[ "$(slot_counts)" == "$before" ]] || fail "a refused rebalance changed the placement"
 
 # A policy that needs even counts: refused, nothing moved.
 before=$(slot_counts)

@@ -184,3 +184,43 @@ TEST(PlacementPlanTest, TheJobsNodesPlanByTheRanksRealNodes) {
 
 }  // namespace
 }  // namespace moerun
+
+namespace moerun {
+namespace {
+
+// --rank-slots: named ranks hold their counts, the others share the rest; bad counts refused.
+TEST(PlacementPlanTest, GivenRankSlots) {
+  auto current = Placement::Linear(8, 5, 1);  // 4 expert ranks
+  ASSERT_TRUE(current.ok());
+  const std::map<int, std::vector<double>> loads = {{0, {90, 80, 10, 10, 10, 10, 10, 10}}};
+  PlanOptions o;
+  o.redundant = 2;          // 10 slots
+  o.rank_slots = {{2, 1}};  // rank 2: one slot; ranks 1, 3, 4 share 9
+  auto rep = MakePlan(loads, *current, 0, o);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  auto table = Placement::FromJson(rep->placement_json, "plan");
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  const LayerPlacement& lp = *table->Layer(0);
+  EXPECT_EQ(lp.rank_slots[2].size(), 1u);
+  for (int r : {1, 3, 4}) EXPECT_EQ(lp.rank_slots[static_cast<size_t>(r)].size(), 3u) << r;
+  for (const auto& bad : std::vector<std::map<int, int>>{
+           {{2, 9}},                             // more than the 8 experts
+           {{0, 2}},                             // a router
+           {{7, 2}},                             // no such rank
+           {{1, 4}, {2, 4}, {3, 4}},             // 12 > 10 slots
+           {{1, 2}, {2, 2}, {3, 2}, {4, 2}}}) {  // 8 < 10, no rank left to take the rest
+    o.rank_slots = bad;
+    auto r = MakePlan(loads, *current, 0, o);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("rank-slots"), std::string::npos) << r.status().ToString();
+  }
+  o.rank_slots = {{2, 1}};
+  o.incremental = true;
+  EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
+  o.incremental = false;
+  o.policy = PlannerPolicy::kNodeLocal;
+  EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
+}
+
+}  // namespace
+}  // namespace moerun
