@@ -1,6 +1,7 @@
 #include "runtime/ranks/rank_job.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
 
@@ -221,6 +222,24 @@ Status RankJob::LearnNodes() {
     const auto [it, fresh] = ids.emplace(name, next);
     if (fresh) ++next;
     opts_.ep.rank_node[static_cast<size_t>(r)] = it->second;
+  }
+  if (rank() == 0 && !opts_.joined) {
+    std::map<std::string, std::vector<int>> on;
+    for (int r = 0; r < n; ++r) {
+      if (!node_names_[static_cast<size_t>(r)].empty()) {
+        on[node_names_[static_cast<size_t>(r)]].push_back(r);
+      }
+    }
+    std::string list;
+    for (const auto& [name, ranks] : on) {
+      list +=
+          fmt::format("{}{}: rank(s) {}", list.empty() ? "" : "; ", name, fmt::join(ranks, ","));
+    }
+    spdlog::info(
+        "{} node(s) ({}): {}{}", on.size(), opts_.nodes.empty() ? "host names" : "nodes:", list,
+        opts_.ep.node_spill >= 0
+            ? fmt::format("; routers prefer their node's copies (spill {})", opts_.ep.node_spill)
+            : std::string());
   }
   return Status::Ok();
 }
