@@ -68,6 +68,12 @@ RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> 
       in_flight_(static_cast<size_t>(placement_->num_ranks()), 0.0),
       own_strands_(transport) {
   const Placement& pl = *placement_;
+  // The node map is used (counts, preference) only where the job spans more than one node.
+  if (opts_.rank_node.size() != static_cast<size_t>(pl.num_ranks()) ||
+      std::all_of(opts_.rank_node.begin(), opts_.rank_node.end(),
+                  [&](int n) { return n == opts_.rank_node[0]; })) {
+    opts_.rank_node.clear();
+  }
   what_ = "expert-parallel layer " + std::to_string(w_->layer);
   for (auto& s : stages_) s = std::make_unique<Stage>(*w_, kernels_, pool_);
   for (auto& s : stages_) {

@@ -47,7 +47,8 @@ struct EpOptions {
   int64_t microbatch_tokens = 0;  // 0: the whole batch is one microbatch
   std::chrono::milliseconds deadline{30000};
   // Per rank, routers included: its node (ranks that share a host share an id); empty: unknown
-  // (no off-node counts). RankJob fills it at the start barrier.
+  // (no off-node counts; so too where every rank is on one node). RankJob fills it at the start
+  // barrier.
   std::vector<int> rank_node;
   // >= 0 (and rank_node known): among an expert's copies, one on the router's own node first,
   // within this bound (router/dispatch_plan.h, DispatchLocality::spill); < 0: the least loaded.
