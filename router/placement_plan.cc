@@ -332,7 +332,7 @@ Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<
           "plan: layer {} has loads for {} experts, the placement {}", layer, l.size(), experts));
     }
     MOERUN_ASSIGN_OR_RETURN(LayerMaps maps, FromLayerPlacement(*lp, current.num_routers()));
-    const int slots = static_cast<int>(maps.phy2log.size());
+    const int slots = static_cast<int>(lp->slots.size());  // (maps pads uneven ranks: empties)
     if (options.redundant != 0 && slots != experts + options.redundant) {
       return Status::InvalidArgument(fmt::format(
           "plan: --incremental keeps the placement's {} slots of layer {} ({} redundant), not {} "

@@ -217,6 +217,14 @@ TEST(PlacementPlanTest, GivenRankSlots) {
   o.rank_slots = {{2, 1}};
   o.incremental = true;
   EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
+  // The incremental mode from that uneven placement, its 10 slots (2 redundant) kept.
+  o.rank_slots.clear();
+  auto from_uneven = MakePlan(loads, *table, 0, o);
+  ASSERT_TRUE(from_uneven.ok()) << from_uneven.status().ToString();
+  auto next = Placement::FromJson(from_uneven->placement_json, "plan");
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->Layer(0)->slots.size(), 10u);
+  EXPECT_EQ(next->Layer(0)->rank_slots[2].size(), 1u);
   o.incremental = false;
   o.policy = PlannerPolicy::kNodeLocal;
   EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
