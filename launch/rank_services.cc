@@ -298,9 +298,10 @@ void RankServices::Refresh(const PeerHealth* health, int64_t queued_requests,
     uint64_t rows = 0, off_rows = 0, off_token_nodes = 0;
     for (RouterLayer* l : ep_layers_) {
       const EpStats& st = l->stats();
-      rows += st.rows_sent * static_cast<uint64_t>(l->weights().spec.hidden) * sizeof(float);
-      off_rows += st.off_node_row_bytes;
-      off_token_nodes += st.off_node_token_node_bytes;
+      const uint64_t row_bytes = static_cast<uint64_t>(l->weights().spec.hidden) * sizeof(float);
+      rows += st.rows_sent * row_bytes;
+      off_rows += st.off_node_rows * row_bytes;
+      off_token_nodes += st.off_node_token_nodes * row_bytes;
     }
     dispatch_bytes_->rows.store(rows);
     dispatch_bytes_->off_node_rows.store(off_rows);

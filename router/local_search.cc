@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
 #include <utility>
 
 namespace moerun {
@@ -465,6 +466,16 @@ LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log) {
   }
   maps.phy2log = std::move(phy2log);
   return maps;
+}
+
+bool HoldsTwice(const LayerMaps& maps, int num_ranks) {
+  const size_t per_rank = maps.phy2log.size() / static_cast<size_t>(num_ranks);
+  std::set<std::pair<size_t, int>> seen;
+  for (size_t s = 0; s < maps.phy2log.size(); ++s) {
+    if (maps.phy2log[s] == kEmptySlot) continue;
+    if (!seen.insert({s / per_rank, maps.phy2log[s]}).second) return true;
+  }
+  return false;
 }
 
 SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start, int num_ranks,

@@ -63,4 +63,8 @@ SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start
 // Maps from phy2log alone: log2phy in slot order.
 LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log);
 
+// Whether a rank of `maps` (num_ranks divides its slots) holds two slots of one expert, which a
+// placement table cannot (empty slots never count).
+bool HoldsTwice(const LayerMaps& maps, int num_ranks);
+
 }  // namespace moerun

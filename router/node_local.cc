@@ -11,18 +11,6 @@
 namespace moerun {
 namespace {
 
-// Whether a rank of `m` holds an expert twice (a placement table cannot).
-bool HoldsTwice(const LayerMaps& m, int ranks) {
-  const size_t per = m.phy2log.size() / static_cast<size_t>(ranks);
-  for (size_t r = 0; r < static_cast<size_t>(ranks); ++r) {
-    std::vector<int> here(m.phy2log.begin() + static_cast<std::ptrdiff_t>(r * per),
-                          m.phy2log.begin() + static_cast<std::ptrdiff_t>((r + 1) * per));
-    std::sort(here.begin(), here.end());
-    if (std::adjacent_find(here.begin(), here.end()) != here.end()) return true;
-  }
-  return false;
-}
-
 // One layer with `keep` redundant slots kept for copies inside the nodes.
 Result<LayerMaps> PlanLayerKeeping(const PlannerInput& in, size_t layer,
                                    const std::vector<double>& load0, int keep) {

@@ -175,17 +175,6 @@ std::vector<double> RankLoads(const std::vector<double>& load, const std::vector
   return rank_load;
 }
 
-// Whether a rank holds two slots of one expert.
-bool HoldsTwice(const LayerMaps& maps, int num_ranks) {
-  const size_t per_rank = maps.phy2log.size() / static_cast<size_t>(num_ranks);
-  std::set<std::pair<size_t, int>> seen;
-  for (size_t s = 0; s < maps.phy2log.size(); ++s) {
-    if (maps.phy2log[s] == kEmptySlot) continue;
-    if (!seen.insert({s / per_rank, maps.phy2log[s]}).second) return true;
-  }
-  return false;
-}
-
 // A plan the placement table can hold: every second copy of an expert on one rank goes to the
 // expert with the most load per copy that this rank does not hold yet (ties: lower index).
 LayerMaps Repair(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {

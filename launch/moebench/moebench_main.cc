@@ -295,8 +295,9 @@ int main(int argc, char** argv) {
         ->default_val(rf.copy_prior);
     replay
         ->add_option("--spill", rf.spill,
-                     "Routers prefer copies on their own node, within (1 + S) x the least "
-                     "loaded copy's load + 1 (negative: no preference)")
+                     "Routers prefer copies on their own node while that rank's load is within "
+                     "its node's mean + S x the mean with every row kept on the node (the "
+                     "runtime's dispatch.spill; negative: no preference)")
         ->default_val(rf.spill);
     replay
         ->add_option("--activated-batch", rf.activated_batch,

@@ -363,12 +363,8 @@ Status RouterLayer::Dispatch(Stage& st, const float* x, int64_t t0, int64_t toke
   st.plan.Build(st.gating.ids().data(), tokens, k, lp, st.rows_to,
                 nodes_known ? &locality : nullptr);  // rows_to: load after
   if (nodes_known) {
-    const auto row_bytes = static_cast<uint64_t>(hidden) * sizeof(float);
     stats_.off_node_rows += static_cast<uint64_t>(st.plan.off_node_rows);
     stats_.off_node_token_nodes += static_cast<uint64_t>(st.plan.off_node_token_nodes);
-    stats_.off_node_row_bytes += static_cast<uint64_t>(st.plan.off_node_rows) * row_bytes;
-    stats_.off_node_token_node_bytes +=
-        static_cast<uint64_t>(st.plan.off_node_token_nodes) * row_bytes;
   }
   if (routing_observer_) routing_observer_(st.gating.ids().data(), tokens, k);
   for (int d = 0; d < ranks; ++d) {

@@ -63,11 +63,9 @@ struct EpStats {
   uint64_t rows_sent = 0;
   std::vector<uint64_t> rows_per_rank;  // assignments sent to each rank, cumulative
   // With EpOptions::rank_node: rows sent to ranks on other nodes, and (token, other node) pairs
-  // (what a transport that sends a token once per node would send), and their bytes.
+  // (what a transport that sends a token once per node would send); a row is hidden floats.
   uint64_t off_node_rows = 0;
   uint64_t off_node_token_nodes = 0;
-  uint64_t off_node_row_bytes = 0;
-  uint64_t off_node_token_node_bytes = 0;
 };
 
 class RouterLayer {
