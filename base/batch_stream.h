@@ -66,6 +66,9 @@ struct BatchTiming {
   std::chrono::steady_clock::time_point replaced_wait_from{}, replaced_wait_to{};
 };
 inline constexpr int kMaxTracedMicrobatches = 64;
+// At most this many RankTimes per batch (the first ones: a trace of a job of many ranks names
+// the expert ranks of its first microbatches).
+inline constexpr int kMaxTracedRankTimes = 4096;
 
 class BatchStream {
  public:

@@ -89,6 +89,11 @@ RouterLayer::RouterLayer(Transport* transport, std::shared_ptr<const Placement> 
   rank_timing_.assign(static_cast<size_t>(pl.num_ranks()), RankTiming{});
   timed_.reserve(static_cast<size_t>(pl.num_ranks()));
   mb_times_.reserve(kMaxTracedMicrobatches);
+  // One RankTimes per traced microbatch and rank, at most kMaxTracedRankTimes: reserved, so
+  // that a batch with more of them than any before it allocates nothing.
+  rank_times_.reserve(
+      std::min(static_cast<size_t>(kMaxTracedRankTimes),
+               static_cast<size_t>(kMaxTracedMicrobatches) * static_cast<size_t>(pl.num_ranks())));
   clock_.assign(static_cast<size_t>(pl.num_ranks()), ClockOffset{});
 }
 
@@ -627,7 +632,7 @@ void RouterLayer::RecordRankTimes(const Stage& st, int d, int64_t rows, const Ep
       c.best_delay = INT64_MAX;
     }
   }
-  if (!Traced(st)) return;
+  if (!Traced(st) || rank_times_.size() == rank_times_.capacity()) return;
   RankTimes& r = rank_times_.emplace_back();
   r.microbatch = st.mb_index;
   r.rank = d;

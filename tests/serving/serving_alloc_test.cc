@@ -118,7 +118,10 @@ TEST(AllocationTest, ServingPathPerRequest) {
   // other.
   while (!serving) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   std::unique_ptr<ServeConnection> conns[2];
-  for (int attempt = 0; attempt < 100 && !conns[1]; ++attempt) {
+  // (Both: the first may be refused while the endpoint starts and the second, a moment later,
+  // taken.)
+  const auto both = [&] { return conns[0] && conns[1]; };
+  for (int attempt = 0; attempt < 100 && !both(); ++attempt) {
     for (auto& c : conns) {
       if (c) continue;
       ClientOptions co;
@@ -126,9 +129,15 @@ TEST(AllocationTest, ServingPathPerRequest) {
       auto made = ServeConnection::Connect("127.0.0.1:" + std::to_string(port), co);
       if (made.ok()) c = std::move(made).value();
     }
-    if (!conns[1]) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (!both()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ASSERT_TRUE(conns[0] && conns[1]) << "the serving endpoint does not listen on " << port;
+  if (!both()) {
+    // Stop and join the ranks before failing (a joinable thread left behind would terminate).
+    stop = true;
+    for (auto& t : ranks) t.join();
+    SetThreadNotCounted(false);
+    FAIL() << "the serving endpoint does not listen on " << port;
+  }
   const int64_t hidden = 64;
   auto client = [&](int c, int n, uint64_t* ok) {
     SetThreadNotCounted(true);
