@@ -30,6 +30,11 @@ void DeadExpertRanks(const std::vector<PeerView>& peers, int routers, std::vecto
     (*skip)[i] = p.dead;
   }
 }
+
+// An expert rank's own speed: rows computed per second computing (0 before any).
+double MeasuredSpeed(const PeerView& p) {
+  return p.busy_us == 0 ? 0.0 : static_cast<double>(p.rows) * 1e6 / static_cast<double>(p.busy_us);
+}
 }  // namespace
 
 Result<std::unique_ptr<RankServices>> RankServices::Start(
@@ -408,6 +413,16 @@ moerun::v1::StatusResponse RankServices::Status() const {
     const bool is_router = r < placement->num_routers();
     rs->set_role(is_router ? "router" : "expert");
     if (static_cast<size_t>(r) < nodes.size()) rs->set_node(nodes[static_cast<size_t>(r)]);
+    if (!is_router) {  // its capacity in use: the most slots any layer gives it
+      size_t most = 0;
+      for (int layer : layers_) {
+        const LayerPlacement* lp = placement->Layer(layer);
+        if (lp != nullptr && static_cast<size_t>(r) < lp->rank_slots.size()) {
+          most = std::max(most, lp->rank_slots[static_cast<size_t>(r)].size());
+        }
+      }
+      rs->set_slots(static_cast<int32_t>(most));
+    }
     if (r == rank_) {
       rs->set_host(HostName());
       rs->set_pid(::getpid());
@@ -423,6 +438,8 @@ moerun::v1::StatusResponse RankServices::Status() const {
       rs->set_host(p.host);
       rs->set_pid(static_cast<int64_t>(p.pid));
       rs->set_rows_served(p.rows);
+      rs->set_busy_s(static_cast<double>(p.busy_us) / 1e6);
+      rs->set_speed(MeasuredSpeed(p));
       rs->set_resident_bytes(p.resident_bytes);
       rs->set_last_seen_s(p.last_seen_s);
       if (p.cache_budget_bytes > 0) {
@@ -512,6 +529,7 @@ moerun::v1::PlanResponse PlanToProto(const PlanReport& rep) {
   r.set_slots_per_rank(rep.slots_per_rank);
   r.set_min_slots_per_rank(rep.min_slots_per_rank);
   r.set_plan_ms_per_layer(rep.plan_ms_per_layer);
+  for (const auto& [rank, speed] : rep.rank_speed) (*r.mutable_rank_speed())[rank] = speed;
   for (const LayerPlanReport& l : rep.layers) {
     moerun::v1::LayerPlan* lp = r.add_layers();
     lp->set_layer(l.layer);
@@ -576,7 +594,24 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
   if (request.has_local_share()) o.local_share = request.local_share();
   if (request.has_copy_prior()) o.copy_prior = request.copy_prior();
   for (const auto& [rank, n] : request.rank_slots()) o.rank_slots[rank] = n;
+  for (const auto& [rank, v] : request.rank_speed()) o.rank_speed[rank] = v;
   const int routers = Current()->num_routers();  // (takes mu_)
+  if (request.speed_measured()) {
+    if (!o.rank_speed.empty()) {
+      return Status::InvalidArgument("plan: give speeds or measure them, not both");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const PeerView& p : peers_) {
+      if (p.rank < routers || p.dead) continue;
+      if (p.busy_us == 0 || p.rows == 0) {
+        return Status::Unavailable(fmt::format(
+            "plan: expert rank {} has computed nothing yet: no measured speed (send traffic "
+            "first, or give --rank-speed)",
+            p.rank));
+      }
+      o.rank_speed[p.rank] = MeasuredSpeed(p);
+    }
+  }
   const int64_t one = expert_bytes_.load();
   {
     std::lock_guard<std::mutex> lock(mu_);

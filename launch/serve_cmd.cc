@@ -186,6 +186,7 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   o.source.intermediate = c.intermediate;
   MOERUN_ASSIGN_OR_RETURN(o.source.dtype, ParseWeightDType(c.dtype));
   o.threads = c.threads;
+  o.rank_threads = c.rank_threads;
   MOERUN_ASSIGN_OR_RETURN(o.isa, ChooseIsa(c.isa));
   // A rank silent for the expert-parallel deadline is dead (as one that misses it with a
   // microbatch): the job serves on without it.

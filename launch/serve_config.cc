@@ -389,6 +389,32 @@ Status ReadNodes(const Reader& r, ServeConfig* c) {
   return Status::Ok();
 }
 
+// rank_threads: {RANK: N}: a thread count (1..1024) of its own for each rank named.
+Status ReadRankThreads(const Reader& r, ServeConfig* c) {
+  const YAML::Node n = r.node()["rank_threads"];
+  if (!n) return Status::Ok();
+  if (!n.IsMap()) {
+    return Status::InvalidArgument(r.Where("rank_threads") +
+                                   " must be a mapping of rank numbers to thread counts");
+  }
+  for (const auto& kv : n) {
+    int rank = -1, threads = 0;
+    try {
+      rank = kv.first.as<int>();
+      threads = kv.second.as<int>();
+    } catch (const YAML::Exception&) {
+      rank = -1;
+    }
+    if (rank < 0 || rank > 65535 || threads < 1 || threads > 1024) {
+      return Status::InvalidArgument(r.Where("rank_threads") +
+                                     " must map rank numbers (0..65535) to thread counts "
+                                     "(1..1024)");
+    }
+    c->rank_threads[rank] = threads;
+  }
+  return Status::Ok();
+}
+
 // The top level. "model" is resolved and "files" read once both model and preset are known.
 std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::string& base) {
   using C = ServeConfig;
@@ -435,6 +461,7 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
       Section<C, DispatchConfig>("dispatch", source, DispatchKeys,
                                  [](C* c) { return &c->dispatch; }),
       {"nodes", ReadNodes},
+      {"rank_threads", ReadRankThreads},
       Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
       {"expert_cache_policy",
        [](const Reader& r, C* c) {

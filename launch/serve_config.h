@@ -93,6 +93,8 @@ struct ServeConfig {
   int64_t deadline_ms = 30000;
   int64_t startup_timeout_s = 600;
   int threads = 0;
+  // rank_threads: {RANK: N}: ranks with a thread count of their own (over `threads`).
+  std::map<int, int> rank_threads;
   std::string isa;
   BatcherOptions batching;
   ServingConfig serving;

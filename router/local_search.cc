@@ -31,8 +31,10 @@ struct Move {
 
 class Search {
  public:
-  // Experts from `pinned` on never move and never get a slot (the empty slots' voids).
-  Search(const std::vector<double>& load, const std::vector<int>& p2l, int num_ranks, int pinned)
+  // Experts from `pinned` on never move and never get a slot (the empty slots' voids); inv: each
+  // rank's time factor (InverseSpeeds).
+  Search(const std::vector<double>& load, const std::vector<int>& p2l, int num_ranks, int pinned,
+         std::vector<double> inv)
       : pinned_(pinned),
         load_(load),
         num_log_(static_cast<int>(load.size())),
@@ -44,6 +46,7 @@ class Search {
         held_(static_cast<size_t>(num_ranks) * load.size(), 0),
         slots_of_(load.size()),
         rank_load_(static_cast<size_t>(num_ranks), 0.0),
+        rows_(static_cast<size_t>(num_ranks), 0.0),
         w_(load.size()),
         w_less_(load.size()),
         w_more_(load.size()),
@@ -51,7 +54,12 @@ class Search {
         w_max_(static_cast<size_t>(num_ranks)),
         new_load_(static_cast<size_t>(num_ranks), 0.0),
         mark_(static_cast<size_t>(num_ranks), 0),
-        gain_(load.size()) {
+        gain_(load.size()),
+        inv_(std::move(inv)) {
+    // A perfect split's time is the total load ÷ the total speed (in units of the fastest
+    // rank's; the rank count itself when all are equal, as mean ÷ max computes it).
+    speed_sum_ = 0;
+    for (double f : inv_) speed_sum_ += 1 / f;
     for (int s = 0; s < slots_; ++s) {
       ++cnt_[Ex(p2l_[Sz(s)])];
       ++Held(s / per_rank_, p2l_[Sz(s)]);
@@ -134,7 +142,8 @@ class Search {
       lo = std::min(lo, w);
       hi = std::max(hi, w);
     }
-    rank_load_[Sz(r)] = load;
+    rows_[Sz(r)] = load;
+    rank_load_[Sz(r)] = load * inv_[Sz(r)];
     w_min_[Sz(r)] = lo;
     w_max_[Sz(r)] = hi;
   }
@@ -143,7 +152,8 @@ class Search {
   void Reorder() {
     now_ = Key{};
     total_ = 0;
-    for (double v : rank_load_) now_.max = std::max(now_.max, v), now_.sumsq += v * v, total_ += v;
+    for (double v : rank_load_) now_.max = std::max(now_.max, v), now_.sumsq += v * v;
+    for (double v : rows_) total_ += v;
     auto before = [&](int x, int y) {
       const double lx = rank_load_[Sz(x)], ly = rank_load_[Sz(y)];
       return lx > ly || (lx == ly && x < y);
@@ -163,7 +173,7 @@ class Search {
     if (to >= 0) v.insert(std::lower_bound(v.begin(), v.end(), to), to);
   }
 
-  double Balancedness() const { return now_.max <= 0 ? 1.0 : total_ / ranks_ / now_.max; }
+  double Balancedness() const { return now_.max <= 0 ? 1.0 : total_ / speed_sum_ / now_.max; }
 
   // The highest load among the ranks not marked with the current stamp (0 if all are).
   double MaxUnmarked() const {
@@ -226,8 +236,8 @@ class Search {
     NewStamp();
     const int a = i / per_rank_, b = j / per_rank_;
     const double wi = w_[Ex(p2l_[Sz(i)])], wj = w_[Ex(p2l_[Sz(j)])];
-    Touch(a, rank_load_[Sz(a)] + (wj - wi));
-    Touch(b, rank_load_[Sz(b)] + (wi - wj));
+    Touch(a, rank_load_[Sz(a)] + (wj - wi) * inv_[Sz(a)]);
+    Touch(b, rank_load_[Sz(b)] + (wi - wj) * inv_[Sz(b)]);
     return KeyOfTouched();
   }
 
@@ -243,7 +253,7 @@ class Search {
         const int x = s == j ? e : p2l_[Sz(s)];
         v += x == f ? wf2 : x == e ? we2 : w_[Ex(x)];
       }
-      Touch(r, v);
+      Touch(r, v * inv_[Sz(r)]);
     };
     for (int s : slots_of_[Ex(f)]) resum(s / per_rank_);
     for (int s : slots_of_[Ex(e)]) resum(s / per_rank_);
@@ -285,8 +295,8 @@ class Search {
       for (int b = 0; b < ranks_; ++b) {
         if (b == a || Held(b, ei) > 0) continue;
         // The lightest and heaviest slot of b bound every swap with it the same way.
-        if (rank_load_[Sz(b)] - (w_max_[Sz(b)] - wi) > Bound(best) ||
-            rank_load_[Sz(a)] + (w_min_[Sz(b)] - wi) > Bound(best)) {
+        if (rank_load_[Sz(b)] - (w_max_[Sz(b)] - wi) * inv_[Sz(b)] > Bound(best) ||
+            rank_load_[Sz(a)] + (w_min_[Sz(b)] - wi) * inv_[Sz(a)] > Bound(best)) {
           continue;
         }
         for (int j = b * per_rank_; j < (b + 1) * per_rank_; ++j) {
@@ -294,7 +304,10 @@ class Search {
           if (ej >= pinned_) continue;
           // The new loads of ranks a and b bound the new max from below.
           const double d = w_[Ex(ej)] - wi;
-          if (rank_load_[Sz(b)] - d > Bound(best) || rank_load_[Sz(a)] + d > Bound(best)) continue;
+          if (rank_load_[Sz(b)] - d * inv_[Sz(b)] > Bound(best) ||
+              rank_load_[Sz(a)] + d * inv_[Sz(a)] > Bound(best)) {
+            continue;
+          }
           if (Held(a, ej) > 0) continue;
           Take(SwapKey(i, j), Move{Kind::kSwap, i, j, -1}, max_copies, &best, &best_move);
         }
@@ -311,7 +324,9 @@ class Search {
     std::vector<int>& relieve_a = scratch3_;
     relieve_a.clear();
     for (int e : on_a) {
-      if (rank_load_[Sz(a)] - w_[Ex(e)] + w_more_[Ex(e)] <= Bound(best)) relieve_a.push_back(e);
+      if (rank_load_[Sz(a)] + (w_more_[Ex(e)] - w_[Ex(e)]) * inv_[Sz(a)] <= Bound(best)) {
+        relieve_a.push_back(e);
+      }
     }
     // Per expert of several replicas: the first of its slots (in slot order) whose rank gains
     // most from one replica fewer, and the first such among the slots on other ranks than that
@@ -323,12 +338,12 @@ class Search {
       double v1 = 0, v2 = 0;
       for (int s : slots_of_[Ex(f)]) {
         const int r = s / per_rank_;
-        const double v = rank_load_[Sz(r)] + w_less_[Ex(f)] - w_[Ex(f)];
+        const double v = rank_load_[Sz(r)] + (w_less_[Ex(f)] - w_[Ex(f)]) * inv_[Sz(r)];
         if (r1 < 0 || v > v1) r1 = r, v1 = v;
       }
       for (int s : slots_of_[Ex(f)]) {
         const int r = s / per_rank_;
-        const double v = rank_load_[Sz(r)] + w_less_[Ex(f)] - w_[Ex(f)];
+        const double v = rank_load_[Sz(r)] + (w_less_[Ex(f)] - w_[Ex(f)]) * inv_[Sz(r)];
         if (r != r1 && (r2 < 0 || v > v2)) r2 = r, v2 = v;
       }
       gain_[Ex(f)] = Gain{r1, r2, v1, v2};
@@ -339,12 +354,13 @@ class Search {
       // Bounds on the new max whatever e is: rank b's new load (less what b's other replicas of
       // f gain), the new load of the rank r that gains most from f's lost replica (less what e's
       // replicas lose, where r holds e: then no bound).
-      const double b_less_f = rank_load_[Sz(b)] - w_[Ex(f)];
+      const double b_load = rank_load_[Sz(b)], inv_b = inv_[Sz(b)];
       const Gain& g = gain_[Ex(f)];
       const int r_f = g.r1 != b ? g.r1 : g.r2;
       const double r_f_load = g.r1 != b ? g.v1 : g.v2;
       auto consider = [&](int e) {
-        if (e >= pinned_ || e == f || Held(b, e) > 0 || b_less_f + w_more_[Ex(e)] > Bound(best)) {
+        if (e >= pinned_ || e == f || Held(b, e) > 0 ||
+            b_load + (w_more_[Ex(e)] - w_[Ex(f)]) * inv_b > Bound(best)) {
           return;
         }
         if (r_f >= 0 && r_f_load > Bound(best) && Held(r_f, e) == 0) return;
@@ -383,12 +399,16 @@ class Search {
       const int b = j / per_rank_, ej = p2l_[Sz(j)];
       if (ej >= pinned_ || b == a || ej == e || Held(b, e) > 0 || Held(a, ej) > 0) continue;
       const double d = w_[Ex(ej)] - wi;
-      if (rank_load_[Sz(b)] - d > bound() || rank_load_[Sz(a)] + d > bound()) continue;
+      if (rank_load_[Sz(b)] - d * inv_[Sz(b)] > bound() ||
+          rank_load_[Sz(a)] + d * inv_[Sz(a)] > bound()) {
+        continue;
+      }
       take(SwapKey(i, j), Move{Kind::kSwap, i, j, -1});
     }
-    const double a_less_e = rank_load_[Sz(a)] - wi;
     for (int g = 0; g < pinned_; ++g) {
-      if (Held(a, g) > 0 || a_less_e + w_more_[Ex(g)] > bound()) continue;
+      if (Held(a, g) > 0 || rank_load_[Sz(a)] + (w_more_[Ex(g)] - wi) * inv_[Sz(a)] > bound()) {
+        continue;
+      }
       take(AssignKey(i, g), Move{Kind::kAssign, -1, i, g});
     }
     return best_move;
@@ -428,7 +448,8 @@ class Search {
   std::vector<int> p2l_, cnt_;
   std::vector<int> held_, start_;  // [rank * experts + expert]: copies now, and at the start
   std::vector<std::vector<int>> slots_of_;
-  std::vector<double> rank_load_;
+  std::vector<double> rank_load_;  // per rank: its time (its rows × inv_)
+  std::vector<double> rows_;       // per rank: its rows
   // Per expert: its load per replica now, with one replica fewer (0 for a single one), one more.
   std::vector<double> w_, w_less_, w_more_;
   std::vector<double> w_min_, w_max_;  // per rank: its lightest and heaviest slot
@@ -449,6 +470,8 @@ class Search {
     double v1 = 0, v2 = 0;
   };
   std::vector<Gain> gain_;
+  std::vector<double> inv_;  // per rank: its time factor (1 for every rank without speeds)
+  double speed_sum_ = 0;     // the ranks' speeds ÷ the fastest's, summed
   int64_t moves_ = 0, copies_ = 0;
 };
 
@@ -478,12 +501,21 @@ bool HoldsTwice(const LayerMaps& maps, int num_ranks) {
   return false;
 }
 
+std::vector<double> InverseSpeeds(const std::vector<double>& rank_speed, int num_ranks) {
+  std::vector<double> inv(static_cast<size_t>(num_ranks), 1.0);
+  if (rank_speed.size() != inv.size()) return inv;
+  const double fastest = *std::max_element(rank_speed.begin(), rank_speed.end());
+  for (size_t r = 0; r < inv.size(); ++r) inv[r] = fastest / rank_speed[r];
+  return inv;
+}
+
 SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
-                         const SearchLimits& limits) {
+                         const SearchLimits& limits, const std::vector<double>& rank_speed) {
   const int experts = static_cast<int>(load.size());
+  std::vector<double> inv = InverseSpeeds(rank_speed, num_ranks);
   const auto empties = std::count(start.phy2log.begin(), start.phy2log.end(), kEmptySlot);
   if (empties == 0) {
-    Search search(load, start.phy2log, num_ranks, experts);
+    Search search(load, start.phy2log, num_ranks, experts, std::move(inv));
     search.Balance(limits);
     if (limits.lift_twice) search.LiftTwice();
     return search.Result();
@@ -496,7 +528,7 @@ SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start
   for (int& e : p2l) {
     if (e == kEmptySlot) e = next++;
   }
-  Search search(padded, p2l, num_ranks, experts);
+  Search search(padded, p2l, num_ranks, experts, std::move(inv));
   search.Balance(limits);
   if (limits.lift_twice) search.LiftTwice();
   SearchResult r = search.Result();

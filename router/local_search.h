@@ -21,7 +21,10 @@
 // the swap or re-assignment that keeps the max rank load lowest without raising it.
 //
 // Each rank's load: every expert's load split evenly over its slots; slot s on rank s / (slots per
-// rank). Pure: calls share no state and may run concurrently.
+// rank). With ranks of different speed (rank_speed), what is balanced is each rank's time, its
+// load ÷ its speed (speeds scaled so that the fastest is 1: a time is then in rows at the fastest
+// rank's pace); without, the load itself, bit for bit as before speeds were known (every factor
+// is then exactly 1). Pure: calls share no state and may run concurrently.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +38,8 @@ struct SearchLimits {
   // Expert copies the moves may add, counted against the start: (rank, expert) pairs of the
   // result that the start does not have (a swap adds up to 2, a re-assignment up to 1). -1: none.
   int64_t max_copies = -1;
-  // Stop once mean ÷ max of the rank loads reaches this (0: search until no move helps).
+  // Stop once the balance reaches this (0: search until no move helps): mean ÷ max of the rank
+  // loads; with speeds, the time of a perfect split (total load ÷ total speed) ÷ the max time.
   double target_balance = 0;
   // Rounds at most; 0: 50 × slots.
   int64_t max_rounds = 0;
@@ -56,9 +60,14 @@ struct SearchResult {
   int64_t copies = 0;  // (rank, expert) pairs of the result that the start does not have
 };
 
-// The search from `start` (its phy2log; num_ranks divides its slots) on one layer's loads.
+// The search from `start` (its phy2log; num_ranks divides its slots) on one layer's loads;
+// rank_speed: each rank's speed (> 0, finite; any unit), or empty: all the same.
 SearchResult LocalSearch(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
-                         const SearchLimits& limits);
+                         const SearchLimits& limits, const std::vector<double>& rank_speed = {});
+
+// Each rank's time factor for rank_speed: the fastest rank's speed ÷ the rank's (1 for all where
+// rank_speed is empty or its speeds are all equal). Speeds must be finite and > 0.
+std::vector<double> InverseSpeeds(const std::vector<double>& rank_speed, int num_ranks);
 
 // Maps from phy2log alone: log2phy in slot order.
 LayerMaps MapsFromSlots(std::vector<int> phy2log, int num_log);

@@ -129,6 +129,10 @@ Result<LayerMaps> PlanLayerKeeping(const PlannerInput& in, size_t layer,
     for (int e : here) sub.load[0].push_back(per_copy(e));
     sub.num_slots = slots_per_node;
     sub.num_ranks = in.num_ranks / nodes;
+    if (!in.rank_speed.empty()) {  // the node's ranks balanced by time among themselves
+      const auto first = in.rank_speed.begin() + static_cast<std::ptrdiff_t>(n * sub.num_ranks);
+      sub.rank_speed.assign(first, first + static_cast<std::ptrdiff_t>(sub.num_ranks));
+    }
     sub.threads = 1;
     MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan,
                             PlanPlacement(sub, PlannerPolicy::kDefault));

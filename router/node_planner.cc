@@ -354,6 +354,10 @@ Result<LayerMaps> PlanLayer(const PlannerInput& in, size_t layer) {
     for (int e : mine) sub.load[0].push_back(load[static_cast<size_t>(e)]);
     sub.num_slots = slots_per_node;
     sub.num_ranks = ranks_per_node;
+    if (!in.rank_speed.empty()) {  // the node's ranks balanced by time among themselves
+      const auto first = in.rank_speed.begin() + static_cast<std::ptrdiff_t>(n * ranks_per_node);
+      sub.rank_speed.assign(first, first + static_cast<std::ptrdiff_t>(ranks_per_node));
+    }
     MOERUN_ASSIGN_OR_RETURN(std::vector<LayerMaps> plan,
                             PlanPlacement(sub, PlannerPolicy::kDefault));
     for (int s = 0; s < slots_per_node; ++s) {

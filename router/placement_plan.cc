@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "router/cache_plan.h"
+#include "router/local_search.h"
 
 namespace moerun {
 namespace {
@@ -138,6 +140,40 @@ Result<std::vector<int>> GivenRankSlots(const PlanOptions& options, const std::v
   return caps;
 }
 
+// Each planned rank's speed (planned rank i is live[i]; those not named 1) where
+// options.rank_speed names some; empty where none is named.
+Result<std::vector<double>> LiveSpeeds(const PlanOptions& options, const std::vector<int>& live) {
+  if (options.rank_speed.empty()) return std::vector<double>();
+  std::vector<double> speed(live.size(), 1.0);
+  for (const auto& [rank, v] : options.rank_speed) {
+    const auto at = std::find(live.begin(), live.end(), rank);
+    if (at == live.end()) {
+      return Status::InvalidArgument(
+          fmt::format("plan: --rank-speed names rank {}, which is not a live expert rank ({})",
+                      rank, fmt::join(live, ",")));
+    }
+    if (!(v > 0) || !std::isfinite(v)) {
+      return Status::InvalidArgument(fmt::format(
+          "plan: rank {} has speed {}; a speed must be a finite number above 0", rank, v));
+    }
+    speed[static_cast<size_t>(at - live.begin())] = v;
+  }
+  return speed;
+}
+
+// The time balance of rank loads on ranks of these speeds: a perfect split's time (total load ÷
+// total speed) ÷ the most loaded rank's (router/planner.h PredictedBalancedness).
+double TimeBalancedness(const std::vector<double>& rank_load, const std::vector<double>& speed) {
+  const std::vector<double> inv = InverseSpeeds(speed, static_cast<int>(rank_load.size()));
+  double sum = 0, max = 0, speeds = 0;
+  for (size_t r = 0; r < rank_load.size(); ++r) {
+    sum += rank_load[r];
+    max = std::max(max, rank_load[r] * inv[r]);
+    speeds += 1 / inv[r];
+  }
+  return max <= 0 ? 1.0 : sum / speeds / max;
+}
+
 Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& loads,
                                      const Placement& current, const PlanOptions& options,
                                      const std::vector<int>& live, const std::string& left_out) {
@@ -180,6 +216,9 @@ Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& l
     }
     in.rank_slots = EvenRankSlots(slots, ranks);
   }
+  MOERUN_ASSIGN_OR_RETURN(in.rank_speed, LiveSpeeds(options, live));
+  // Counts that memory does not fix (none given) may follow the speeds.
+  in.speed_slots = options.rank_slots.empty();
   in.num_groups = options.groups < 1 ? 1 : options.groups;
   in.num_nodes = options.nodes < 1 ? 1 : options.nodes;
   in.local_share = options.local_share;
@@ -266,9 +305,9 @@ std::vector<double> RankLoadAfter(const std::vector<double>& l, const LayerMaps&
 
 // What the reports of all layers share.
 struct ReportContext {
-  const std::vector<int>& live;   // planned rank i is live[i]
-  const std::vector<int>& cache;  // per planned rank: its expert-cache size
-  int per_rank;                   // slots per rank
+  const std::vector<int>& live;      // planned rank i is live[i]
+  const std::vector<int>& cache;     // per planned rank: its expert-cache size
+  const std::vector<double>& speed;  // per planned rank (empty: none given)
   int routers;
   int64_t expert_bytes;
   const PlanOptions& options;
@@ -281,18 +320,25 @@ LayerPlanReport ReportLayer(int layer, const std::vector<double>& l, const Layer
   const int ranks = static_cast<int>(live.size());
   const int routers = ctx.routers;
   const PlanOptions& options = ctx.options;
+  // (Slots per rank: this layer's; with speeds, layers may differ.)
+  const int per_rank = static_cast<int>(maps.phy2log.size()) / ranks;
   LayerPlanReport r;
   r.layer = layer;
   for (double v : l) r.load += static_cast<uint64_t>(std::llround(v));
-  r.balancedness_before = PlacementBalancedness(l, cur, routers, options.exclude);
-  r.balancedness_after = PredictedBalancedness(l, maps, ranks);
   r.hit_rate_before = PlacementHitRate(l, cur, routers, options.cache_experts, options.exclude);
   r.hit_rate_after = PredictedHitRate(l, maps, ranks, ctx.cache);
-  r.experts_to_load = CopiesToLoad(cur, maps, live, ctx.per_rank);
+  r.experts_to_load = CopiesToLoad(cur, maps, live, per_rank);
   r.bytes_to_move = static_cast<int64_t>(r.experts_to_load) * ctx.expert_bytes;
   r.ranks = live;
   r.rank_load_before = RankLoadBefore(l, cur, live);
-  r.rank_load_after = RankLoadAfter(l, maps, live.size(), ctx.per_rank);
+  r.rank_load_after = RankLoadAfter(l, maps, live.size(), per_rank);
+  if (ctx.speed.empty()) {
+    r.balancedness_before = PlacementBalancedness(l, cur, routers, options.exclude);
+    r.balancedness_after = PredictedBalancedness(l, maps, ranks);
+  } else {
+    r.balancedness_before = TimeBalancedness(r.rank_load_before, ctx.speed);
+    r.balancedness_after = PredictedBalancedness(l, maps, ranks, ctx.speed);
+  }
   return r;
 }
 
@@ -311,7 +357,8 @@ std::string SlotsJson(const LayerPlacement& lp, const std::vector<int>& live, in
 Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<double>>& loads,
                                                 const Placement& current,
                                                 const PlanOptions& options, int ranks,
-                                                int64_t expert_bytes) {
+                                                int64_t expert_bytes,
+                                                const std::vector<double>& speed) {
   if (!options.exclude.empty()) {
     return Status::InvalidArgument(fmt::format(
         "plan: --incremental starts from the running placement, which uses rank(s) {} (left out: "
@@ -353,6 +400,7 @@ Result<std::vector<LayerMaps>> IncrementalPlans(const std::map<int, std::vector<
       io.max_moves = io.max_moves > 0 ? std::min<int64_t>(io.max_moves, fit) : fit;
     }
     io.target_balance = options.target_balance;
+    io.rank_speed = speed;
     MOERUN_ASSIGN_OR_RETURN(IncrementalPlan p, PlanIncremental(l, maps, ranks, io));
     plan.push_back(std::move(p.maps));
   }
@@ -466,19 +514,25 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
           ? std::string()
           : fmt::format(" (rank(s) {} left out: dead)", fmt::join(options.exclude, ","));
   const std::vector<int> cache = LiveCaches(live, routers, options.cache_experts);
+  // (live is final here: JobNodes may have reordered it by node.)
+  MOERUN_ASSIGN_OR_RETURN(const std::vector<double> speed, LiveSpeeds(options, live));
   const auto start = std::chrono::steady_clock::now();
   std::vector<LayerMaps> plan;
   if (options.incremental) {
     MOERUN_RETURN_IF_ERROR(CheckCacheExperts(options.cache_experts, current.num_ranks() - routers,
                                              "plan: cache_experts"));
-    MOERUN_ASSIGN_OR_RETURN(plan, IncrementalPlans(loads, current, options, ranks, expert_bytes));
+    MOERUN_ASSIGN_OR_RETURN(plan,
+                            IncrementalPlans(loads, current, options, ranks, expert_bytes, speed));
   } else {
     MOERUN_ASSIGN_OR_RETURN(const PlannerInput in,
                             PlannerInputFor(loads, current, opts, live, left_out));
     MOERUN_ASSIGN_OR_RETURN(plan, PlanPlacement(in, options.policy));
     // With expert caches, keep hot experts resident where that does not raise the max rank load
-    // (ranks of the same slot count only).
-    if (AnyCache(cache) && in.rank_slots.empty()) {
+    // (ranks of the same slot count and speed only: the refinement balances load).
+    const bool even = std::none_of(plan.begin(), plan.end(), [](const LayerMaps& m) {
+      return std::count(m.phy2log.begin(), m.phy2log.end(), kEmptySlot) > 0;
+    });
+    if (AnyCache(cache) && in.rank_slots.empty() && speed.empty() && even) {
       for (size_t k = 0; k < plan.size(); ++k) {
         plan[k] = ImproveForCache(in.load[k], plan[k], ranks, cache);
       }
@@ -489,17 +543,23 @@ Result<PlanReport> MakePlan(const std::map<int, std::vector<double>>& loads,
 
   PlanReport report;
   report.policy = options.incremental ? "incremental" : PlannerPolicyName(options.policy);
-  report.slots_per_rank = static_cast<int>(plan[0].phy2log.size()) / ranks;
-  report.min_slots_per_rank = report.slots_per_rank;
-  for (int r = 0; r < ranks; ++r) {
-    int used = 0;
-    for (int x = r * report.slots_per_rank; x < (r + 1) * report.slots_per_rank; ++x) {
-      used += plan[0].phy2log[static_cast<size_t>(x)] != kEmptySlot ? 1 : 0;
+  // The most and fewest slots an expert rank holds, over the layers (with speeds, layers may
+  // differ).
+  report.min_slots_per_rank = std::numeric_limits<int>::max();
+  for (const LayerMaps& m : plan) {
+    const int per = static_cast<int>(m.phy2log.size()) / ranks;
+    report.slots_per_rank = std::max(report.slots_per_rank, per);
+    for (int r = 0; r < ranks; ++r) {
+      int used = 0;
+      for (int x = r * per; x < (r + 1) * per; ++x) {
+        used += m.phy2log[static_cast<size_t>(x)] != kEmptySlot ? 1 : 0;
+      }
+      report.min_slots_per_rank = std::min(report.min_slots_per_rank, used);
     }
-    report.min_slots_per_rank = std::min(report.min_slots_per_rank, used);
   }
+  for (size_t k = 0; k < speed.size(); ++k) report.rank_speed[live[k]] = speed[k];
   report.plan_ms_per_layer = ms / static_cast<double>(plan.size());
-  const ReportContext ctx{live, cache, report.slots_per_rank, routers, expert_bytes, options};
+  const ReportContext ctx{live, cache, speed, routers, expert_bytes, options};
   std::string layers_json;
   size_t i = 0;
   for (const auto& [layer, l] : loads) {

@@ -38,6 +38,12 @@ struct PlanOptions {
   // that is not a live expert rank, a count above the experts or below 0, or counts that leave
   // the others fewer than 0 slots (or some when none is left to take them). Not with incremental.
   std::map<int, int> rank_slots;
+  // Speeds of named expert ranks (rank number -> rows per second, or any unit the same for all;
+  // live expert ranks not named: 1): the plan balances time, each rank's load ÷ its speed
+  // (router/planner.h PlannerInput::rank_speed), and, without rank_slots, may give the faster
+  // ranks more slots. InvalidArgument for a rank that is not a live expert rank, or a speed that
+  // is not a finite number above 0; refused by the EPLB policies (they balance load).
+  std::map<int, double> rank_speed;
   double local_share = 0.75;  // node-local's knobs (router/node_local.h)
   double copy_prior = 0;
   // Expert ranks left out (dead): the plan's slots go to the others, none to these.
@@ -96,6 +102,9 @@ struct PlanReport {
   std::string note;            // why there is no table, when there is none
   RebalanceCost cost;          // of moving from the current placement to the table
   int64_t max_bytes = 0;       // the budget it was planned within (0: none)
+  // The speed of every live expert rank the plan balanced time with (empty: none given); the
+  // balancedness figures are then in time (the time of a perfect split ÷ the most loaded rank's).
+  std::map<int, double> rank_speed;
 };
 
 // loads: per served layer, assignments per logical expert. expert_bytes: the weights of one

@@ -268,6 +268,14 @@ Status CheckInput(const PlannerInput& in, PlannerPolicy policy) {
           PlannerPolicyName(policy)));
     }
   }
+  MOERUN_RETURN_IF_ERROR(CheckRankSpeeds(in.rank_speed, in.num_ranks));
+  if (!in.rank_speed.empty() &&
+      (policy == PlannerPolicy::kEplbGlobal || policy == PlannerPolicy::kEplbHierarchical)) {
+    return Status::InvalidArgument(fmt::format(
+        "planner: {} balances load, not time; ranks of different speed are planned by default, "
+        "node-aware or node-local",
+        PlannerPolicyName(policy)));
+  }
   if (in.num_groups < 1 || num_log % in.num_groups != 0) {
     return Status::InvalidArgument(fmt::format(
         "planner: {} expert groups do not divide the {} experts", in.num_groups, num_log));
@@ -324,52 +332,28 @@ PlannerPolicy EplbAutoPolicy(const PlannerInput& input) {
 namespace {
 
 // The default policy's full local search from one start (see local_search.h).
-LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
+LayerMaps Improve(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
+                  const std::vector<double>& speed) {
   SearchLimits limits;
   limits.stall_rounds = 0;  // stop on a plateau of the max (local_search.h)
-  return LocalSearch(load, start, num_ranks, limits).maps;
+  return LocalSearch(load, start, num_ranks, limits, speed).maps;
 }
 
 // The best of `candidates` the placement table can hold (no expert twice on a rank); only if
-// there is none, the best of all; the first among equals.
+// there is none, the best of all; the first among equals. In time where speeds are given.
 LayerMaps BestForTable(const std::vector<double>& load, std::vector<LayerMaps> candidates,
-                       int num_ranks) {
+                       int num_ranks, const std::vector<double>& speed) {
   size_t best = 0;
-  double best_b = PredictedBalancedness(load, candidates[0], num_ranks);
+  double best_b = PredictedBalancedness(load, candidates[0], num_ranks, speed);
   bool best_twice = HoldsTwice(candidates[0], num_ranks);
   for (size_t c = 1; c < candidates.size(); ++c) {
-    const double b = PredictedBalancedness(load, candidates[c], num_ranks);
+    const double b = PredictedBalancedness(load, candidates[c], num_ranks, speed);
     const bool twice = HoldsTwice(candidates[c], num_ranks);
     if ((best_twice && !twice) || (twice == best_twice && b > best_b)) {
       best = c, best_b = b, best_twice = twice;
     }
   }
   return std::move(candidates[best]);
-}
-
-// kDefault on one layer (see planner.h): the EPLB plans, each improved, the best that the
-// placement table can hold.
-LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) {
-  std::vector<LayerMaps> candidates;
-  if (in.num_groups % in.num_nodes == 0) {
-    candidates.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
-  }
-  candidates.push_back(EplbLayer(load, in.num_slots, 1, 1, in.num_ranks));
-  const size_t eplb_plans = candidates.size();
-  for (size_t c = 0; c < eplb_plans; ++c) {
-    candidates.push_back(Improve(load, candidates[c], in.num_ranks));
-  }
-  // Plans that hold an expert twice on a rank cannot be applied: add their repaired forms.
-  const size_t plans = candidates.size();
-  for (size_t c = 0; c < plans; ++c) {
-    if (HoldsTwice(candidates[c], in.num_ranks)) {
-      LayerMaps fixed = Repair(load, candidates[c], in.num_ranks);
-      if (!HoldsTwice(fixed, in.num_ranks)) {
-        candidates.push_back(Improve(load, fixed, in.num_ranks));
-      }
-    }
-  }
-  return BestForTable(load, std::move(candidates), in.num_ranks);
 }
 
 // EPLB's global plan for ranks of `caps` slots (uneven; slot s on rank s / the most): the plan of
@@ -437,17 +421,62 @@ LayerMaps EplbUneven(const std::vector<double>& load, const std::vector<int>& ca
 // kDefault and kEplbGlobal for ranks of uneven slot counts: EplbUneven, and (kDefault) that plan
 // improved by the local search (which never moves an empty slot); the better one the table can
 // hold.
-LayerMaps UnevenLayer(const std::vector<double>& load, const PlannerInput& in,
-                      PlannerPolicy policy) {
-  LayerMaps start = EplbUneven(load, in.rank_slots);
+LayerMaps UnevenLayer(const std::vector<double>& load, const PlannerInput& in, PlannerPolicy policy,
+                      const std::vector<int>& caps) {
+  LayerMaps start = EplbUneven(load, caps);
   if (policy == PlannerPolicy::kEplbGlobal) return start;
   std::vector<LayerMaps> candidates;
-  candidates.push_back(Improve(load, start, in.num_ranks));
+  candidates.push_back(Improve(load, start, in.num_ranks, in.rank_speed));
   if (HoldsTwice(start, in.num_ranks)) {
-    candidates.push_back(Improve(load, Repair(load, start, in.num_ranks), in.num_ranks));
+    candidates.push_back(
+        Improve(load, Repair(load, start, in.num_ranks), in.num_ranks, in.rank_speed));
   }
   candidates.push_back(std::move(start));
-  return BestForTable(load, std::move(candidates), in.num_ranks);
+  return BestForTable(load, std::move(candidates), in.num_ranks, in.rank_speed);
+}
+
+// Ranks of different speed whose counts are free (PlannerInput::speed_slots): `plan`, or the
+// plan for slot counts in proportion to the speeds where it balances time better.
+LayerMaps WithSpeedSlots(const std::vector<double>& load, const PlannerInput& in, LayerMaps plan) {
+  if (!in.speed_slots || in.rank_speed.empty()) return plan;
+  const std::vector<int> caps =
+      SpeedRankSlots(in.num_slots, in.rank_speed, static_cast<int>(load.size()));
+  int64_t sum = 0;
+  for (int c : caps) sum += c;
+  if (sum != in.num_slots || caps == in.rank_slots ||
+      std::all_of(caps.begin(), caps.end(), [&](int c) { return c == caps[0]; })) {
+    return plan;
+  }
+  std::vector<LayerMaps> candidates;
+  candidates.push_back(std::move(plan));
+  candidates.push_back(UnevenLayer(load, in, PlannerPolicy::kDefault, caps));
+  return BestForTable(load, std::move(candidates), in.num_ranks, in.rank_speed);
+}
+
+// kDefault on one layer (see planner.h): the EPLB plans, each improved, the best that the
+// placement table can hold.
+LayerMaps DefaultLayer(const std::vector<double>& load, const PlannerInput& in) {
+  std::vector<LayerMaps> candidates;
+  if (in.num_groups % in.num_nodes == 0) {
+    candidates.push_back(EplbLayer(load, in.num_slots, in.num_groups, in.num_nodes, in.num_ranks));
+  }
+  candidates.push_back(EplbLayer(load, in.num_slots, 1, 1, in.num_ranks));
+  const size_t eplb_plans = candidates.size();
+  for (size_t c = 0; c < eplb_plans; ++c) {
+    candidates.push_back(Improve(load, candidates[c], in.num_ranks, in.rank_speed));
+  }
+  // Plans that hold an expert twice on a rank cannot be applied: add their repaired forms.
+  const size_t plans = candidates.size();
+  for (size_t c = 0; c < plans; ++c) {
+    if (HoldsTwice(candidates[c], in.num_ranks)) {
+      LayerMaps fixed = Repair(load, candidates[c], in.num_ranks);
+      if (!HoldsTwice(fixed, in.num_ranks)) {
+        candidates.push_back(Improve(load, fixed, in.num_ranks, in.rank_speed));
+      }
+    }
+  }
+  return WithSpeedSlots(load, in,
+                        BestForTable(load, std::move(candidates), in.num_ranks, in.rank_speed));
 }
 
 }  // namespace
@@ -456,6 +485,63 @@ std::vector<int> EvenRankSlots(int slots, int ranks) {
   std::vector<int> out;
   for (int r = 0; r < ranks; ++r) out.push_back(slots / ranks + (r < slots % ranks ? 1 : 0));
   return out;
+}
+
+std::vector<int> SpeedRankSlots(int slots, const std::vector<double>& speed, int max_per_rank) {
+  const int ranks = static_cast<int>(speed.size());
+  if (ranks == 0) return {};
+  if (slots < ranks) return EvenRankSlots(slots, ranks);
+  // Each rank's share of the slots left after its 1, with the room under max_per_rank as a cap:
+  // water-filling (a rank at its cap takes no more; the rest share what is left by speed).
+  std::vector<int> out(static_cast<size_t>(ranks), 1);
+  int left = slots - ranks;
+  while (left > 0) {
+    double sum = 0;
+    for (int r = 0; r < ranks; ++r) {
+      if (out[static_cast<size_t>(r)] < max_per_rank) sum += speed[static_cast<size_t>(r)];
+    }
+    if (sum <= 0) break;
+    // Largest remainders of this round's shares (ties: the lower rank).
+    std::vector<std::pair<double, int>> rem;
+    int given = 0;
+    for (int r = 0; r < ranks; ++r) {
+      int& c = out[static_cast<size_t>(r)];
+      if (c >= max_per_rank) continue;
+      const double share = left * speed[static_cast<size_t>(r)] / sum;
+      const int whole = std::min(static_cast<int>(share), max_per_rank - c);
+      c += whole;
+      given += whole;
+      if (c < max_per_rank) rem.push_back({share - std::floor(share), r});
+    }
+    left -= given;
+    if (given == 0) {
+      std::stable_sort(rem.begin(), rem.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      for (const auto& [frac, r] : rem) {
+        if (left == 0) break;
+        ++out[static_cast<size_t>(r)];
+        --left;
+      }
+      if (rem.empty()) break;
+    }
+  }
+  return out;
+}
+
+Status CheckRankSpeeds(const std::vector<double>& speed, int num_ranks) {
+  if (speed.empty()) return Status::Ok();
+  if (speed.size() != static_cast<size_t>(num_ranks)) {
+    return Status::InvalidArgument(
+        fmt::format("planner: speeds given for {} expert ranks, not {}", speed.size(), num_ranks));
+  }
+  for (size_t r = 0; r < speed.size(); ++r) {
+    if (!(speed[r] > 0) || !std::isfinite(speed[r])) {
+      return Status::InvalidArgument(fmt::format(
+          "planner: expert rank {} has speed {}; a speed must be a finite number above 0", r,
+          speed[r]));
+    }
+  }
+  return Status::Ok();
 }
 
 Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPolicy policy) {
@@ -471,7 +557,8 @@ Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& in, PlannerPoli
     const std::vector<double>& load = in.load[static_cast<size_t>(l)];
     LayerMaps& out = plan[static_cast<size_t>(l)];
     if (uneven) {
-      out = UnevenLayer(load, in, policy);
+      out = UnevenLayer(load, in, policy, in.rank_slots);
+      if (policy == PlannerPolicy::kDefault) out = WithSpeedSlots(load, in, std::move(out));
       return;
     }
     switch (policy) {
@@ -522,6 +609,7 @@ Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const L
     return Status::InvalidArgument(
         fmt::format("planner: target balancedness {} is not in [0, 1]", options.target_balance));
   }
+  MOERUN_RETURN_IF_ERROR(CheckRankSpeeds(options.rank_speed, num_ranks));
   MOERUN_RETURN_IF_ERROR(ToLayerPlacement(current, num_ranks, 0).status());
   if (current.log2phy.size() != load.size()) {
     return Status::InvalidArgument(fmt::format("planner: {} expert loads for a placement of {}",
@@ -531,7 +619,7 @@ Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const L
   limits.max_copies = options.max_moves > 0 ? options.max_moves : -1;
   limits.target_balance = options.target_balance;
   limits.lift_twice = false;
-  SearchResult r = LocalSearch(load, current, num_ranks, limits);
+  SearchResult r = LocalSearch(load, current, num_ranks, limits, options.rank_speed);
   IncrementalPlan plan;
   plan.maps = std::move(r.maps);
   plan.moves = r.moves;
@@ -540,13 +628,24 @@ Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const L
 }
 
 double PredictedBalancedness(const std::vector<double>& layer_load, const LayerMaps& maps,
-                             int num_ranks) {
+                             int num_ranks, const std::vector<double>& rank_speed) {
   if (num_ranks < 1 || maps.phy2log.empty()) return 1.0;
   std::vector<int> cnt(layer_load.size(), 0);
   for (int e : maps.phy2log) {
     if (e != kEmptySlot) ++cnt[static_cast<size_t>(e)];
   }
   const std::vector<double> rank_load = RankLoads(layer_load, maps.phy2log, cnt, num_ranks);
+  if (rank_speed.size() == static_cast<size_t>(num_ranks)) {
+    const std::vector<double> inv = InverseSpeeds(rank_speed, num_ranks);
+    double sum = 0, max = 0, speeds = 0;
+    for (size_t r = 0; r < rank_load.size(); ++r) {
+      sum += rank_load[r];
+      max = std::max(max, rank_load[r] * inv[r]);
+      speeds += 1 / inv[r];
+    }
+    if (max <= 0) return 1.0;
+    return sum / speeds / max;
+  }
   double sum = 0, max = 0;
   for (double v : rank_load) sum += v, max = std::max(max, v);
   if (max <= 0) return 1.0;

@@ -93,6 +93,16 @@ struct PlannerInput {
   // Uneven counts: kDefault and kEplbGlobal only (EPLB's packing into those capacities, then the
   // local search, which never moves an empty slot).
   std::vector<int> rank_slots;
+  // Each expert rank's speed (rows per second, or any unit the same for all: measured, calibrated
+  // or configured), each finite and > 0; empty: all the same. kDefault (and the node policies,
+  // which plan each node by it) then balances time (each rank's load ÷ its speed), not load: the
+  // local search's key and every candidate's balance are in time. The EPLB ports balance load
+  // only: speeds given to them are refused.
+  std::vector<double> rank_speed;
+  // With rank_speed and no rank_slots (kDefault): also plan slot counts proportional to the speeds
+  // (SpeedRankSlots) and keep whichever plan balances time better (the same counts on every rank
+  // among equals). Counts are capacities too: leave this off where memory fixes them.
+  bool speed_slots = false;
 };
 
 struct LayerMaps {
@@ -116,9 +126,14 @@ Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& input, PlannerP
 // more): PlannerInput::rank_slots where the slots do not divide.
 std::vector<int> EvenRankSlots(int slots, int ranks);
 
+// `slots` spread over the ranks in proportion to `speed` (largest remainders; ties: the lower
+// rank), each rank at least 1 and at most `max_per_rank` (the experts: one copy of each).
+std::vector<int> SpeedRankSlots(int slots, const std::vector<double>& speed, int max_per_rank);
+
 struct IncrementalOptions {
-  int64_t max_moves = 0;      // expert copies (rank, expert) the plan may load; 0: no limit
-  double target_balance = 0;  // stop once PredictedBalancedness reaches this; 0: no target
+  int64_t max_moves = 0;           // expert copies (rank, expert) the plan may load; 0: no limit
+  double target_balance = 0;       // stop once PredictedBalancedness reaches this; 0: no target
+  std::vector<double> rank_speed;  // as PlannerInput's: balance time, not load
 };
 
 struct IncrementalPlan {
@@ -137,9 +152,15 @@ Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const L
                                         int num_ranks, const IncrementalOptions& options);
 
 // Each expert's load split evenly over its slots; mean ÷ max of the ranks' loads (1 = perfect;
-// 1 where all loads are zero).
+// 1 where all loads are zero). With rank_speed (as PlannerInput's), in time: the time of a perfect
+// split (total load ÷ total speed) ÷ the most loaded rank's (its load ÷ its speed); the same as
+// without where the speeds are equal.
 double PredictedBalancedness(const std::vector<double>& layer_load, const LayerMaps& maps,
-                             int num_ranks);
+                             int num_ranks, const std::vector<double>& rank_speed = {});
+
+// InvalidArgument unless `speed` is empty or has one finite speed > 0 per rank (`what` names
+// them in the message).
+Status CheckRankSpeeds(const std::vector<double>& speed, int num_ranks);
 
 // Bytes of expert weights to load when going from `from` to `to`: expert_bytes for every
 // (rank, logical expert) that `to` places on a rank that holds no copy of it in `from`.

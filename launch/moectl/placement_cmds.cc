@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -41,6 +42,8 @@ struct PlannerFlags {
   double max_mib = 0;                        // --max-mib: the rebalance's byte budget (0: none)
   double local_share = -1, copy_prior = -1;  // --local-share, --copy-prior (< 0: unset)
   std::string rank_slots;                    // --rank-slots RANK:N[,RANK:N...]
+  std::string rank_speed;                    // --rank-speed RANK:S[,RANK:S...]
+  bool speed_measured = false;               // --speed-measured
 };
 
 struct PlanFlags {  // placement plan
@@ -63,6 +66,7 @@ struct MigrateFlags {      // placement apply/import/progress, rebalance
 };
 
 Result<std::map<int, int>> ParseRankSlots(const std::string& text);
+Result<std::map<int, double>> ParseRankSpeeds(const std::string& text);
 
 void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   pr->set_redundant(f.redundant);
@@ -78,6 +82,10 @@ void SetPlanRequest(const PlannerFlags& f, v1::PlanRequest* pr) {
   if (auto slots = ParseRankSlots(f.rank_slots); !f.rank_slots.empty() && slots.ok()) {
     for (const auto& [rank, n] : *slots) (*pr->mutable_rank_slots())[rank] = n;
   }
+  if (auto speeds = ParseRankSpeeds(f.rank_speed); !f.rank_speed.empty() && speeds.ok()) {
+    for (const auto& [rank, v] : *speeds) (*pr->mutable_rank_speed())[rank] = v;
+  }
+  pr->set_speed_measured(f.speed_measured);
 }
 
 // --loads FILE: {"layers": {"0": [loads...], ...}} or [[loads of layer 0], [layer 1], ...].
@@ -150,6 +158,43 @@ const CLI::Validator kRankSlots(
       return v.ok() ? std::string() : v.status().message();
     },
     "RANK:N[,RANK:N...]");
+
+// --rank-speed RANK:S[,RANK:S...]: the speeds of named expert ranks (finite, above 0).
+Result<std::map<int, double>> ParseRankSpeeds(const std::string& text) {
+  std::map<int, double> out;
+  size_t start = 0;
+  const auto bad = [&] {
+    return Status::InvalidArgument(fmt::format(
+        "must be RANK:SPEED pairs (a rank number, a finite speed above 0; each rank once), "
+        "comma-separated, not {}",
+        text));
+  };
+  while (true) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) return bad();
+    int rank = -1;
+    double v = 0;
+    const auto [e1, c1] = std::from_chars(item.data(), item.data() + colon, rank);
+    const auto [e2, c2] = std::from_chars(item.data() + colon + 1, item.data() + item.size(), v);
+    if (c1 != std::errc() || e1 != item.data() + colon || c2 != std::errc() ||
+        e2 != item.data() + item.size() || rank < 0 || !(v > 0) || !std::isfinite(v) ||
+        !out.emplace(rank, v).second) {
+      return bad();
+    }
+    if (comma == text.size()) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+const CLI::Validator kRankSpeeds(
+    [](std::string& text) -> std::string {
+      auto v = ParseRankSpeeds(text);
+      return v.ok() ? std::string() : v.status().message();
+    },
+    "RANK:S[,RANK:S...]");
 
 // --cache-experts N[,N...]: experts of each layer every expert rank's cache holds (0: no cache).
 Result<std::vector<int>> ParseCacheExperts(const std::string& text) {
@@ -278,6 +323,14 @@ int PlanOffline(const PlanFlags& f) {
     if (!slots.ok()) return Fail("--rank-slots " + slots.status().message(), 2);
     o.rank_slots = *slots;
   }
+  if (f.planner.speed_measured) {
+    return Fail("--speed-measured needs a running job (offline, give --rank-speed)", 2);
+  }
+  if (!f.planner.rank_speed.empty()) {
+    auto speeds = ParseRankSpeeds(f.planner.rank_speed);
+    if (!speeds.ok()) return Fail("--rank-speed " + speeds.status().message(), 2);
+    o.rank_speed = *speeds;
+  }
   if (!f.cache_experts.empty()) {
     auto cache = ParseCacheExperts(f.cache_experts);
     if (!cache.ok())
@@ -345,6 +398,16 @@ std::vector<CLI::Option*> AddIncrementalOptions(CLI::App* sub, PlannerFlags& f) 
                   "Slots of named expert ranks (what each one's memory holds), RANK:N[,RANK:N...]; "
                   "the others share the rest evenly (default and eplb-global)")
       ->check(kRankSlots);
+  CLI::Option* speed =
+      sub->add_option("--rank-speed", f.rank_speed,
+                      "Speeds of named expert ranks (rows per second, or any unit the same for "
+                      "all), RANK:S[,RANK:S...]; the others 1: the plan balances each rank's "
+                      "time (load / speed), not its load, and may give faster ranks more slots")
+          ->check(kRankSpeeds);
+  sub->add_flag("--speed-measured", f.speed_measured,
+                "Balance time with each expert rank's measured speed (rows computed per second "
+                "computing, moectl status's speed column)")
+      ->excludes(speed);
   return {inc, moves, target};
 }
 

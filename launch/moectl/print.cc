@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <nlohmann/json.hpp>
 
 namespace moerun::moectl {
@@ -59,8 +60,9 @@ void PrintStatus(const v1::StatusResponse& s) {
         l.layer(), static_cast<unsigned long long>(l.assignments()), l.balancedness(), l.window_s(),
         static_cast<unsigned long long>(l.window_assignments()), l.window_balancedness());
   }
-  std::printf("%-5s %-7s %-20s %-12s %-8s %-22s %12s %12s %9s %s\n", "rank", "role", "host", "node",
-              "pid", "state", "assignments", "rows_served", "rss_mib", "experts");
+  std::printf("%-5s %-7s %-20s %-12s %-8s %-22s %12s %12s %10s %6s %9s %s\n", "rank", "role",
+              "host", "node", "pid", "state", "assignments", "rows_served", "speed", "slots",
+              "rss_mib", "experts");
   for (const auto& r : s.ranks()) {
     std::string experts;
     for (const auto& le : r.layers()) {
@@ -69,12 +71,15 @@ void PrintStatus(const v1::StatusResponse& s) {
       for (int e : le.experts()) list += fmt::format("{}{}", list.empty() ? "" : ",", e);
       experts += fmt::format("{} ", list.empty() ? "-" : list);
     }
-    std::printf("%-5d %-7s %-20s %-12s %-8lld %-22s %12llu %12llu %9s %s\n", r.rank(),
+    // Speed: rows computed per second computing (expert ranks, once they computed any).
+    const std::string speed = r.speed() > 0 ? fmt::format("{:.0f}", r.speed()) : "-";
+    const std::string slots = r.role() == "expert" ? std::to_string(r.slots()) : "-";
+    std::printf("%-5d %-7s %-20s %-12s %-8lld %-22s %12llu %12llu %10s %6s %9s %s\n", r.rank(),
                 r.role().c_str(), r.host().empty() ? "?" : r.host().c_str(),
                 r.node().empty() ? "?" : r.node().c_str(), static_cast<long long>(r.pid()),
                 r.state().c_str(), static_cast<unsigned long long>(r.assignments()),
-                static_cast<unsigned long long>(r.rows_served()), Mib(r.resident_bytes()).c_str(),
-                experts.c_str());
+                static_cast<unsigned long long>(r.rows_served()), speed.c_str(), slots.c_str(),
+                Mib(r.resident_bytes()).c_str(), experts.c_str());
   }
   bool any_cache = false;
   for (const auto& r : s.ranks()) any_cache = any_cache || r.has_cache();
@@ -110,6 +115,14 @@ void PrintPlan(const v1::PlanResponse& p) {
       p.policy().c_str(), slots.c_str(),
       p.window_s() > 0 ? fmt::format(", loads of the last {:.0f} s", p.window_s()).c_str() : "",
       p.plan_ms_per_layer());
+  if (!p.rank_speed().empty()) {
+    std::map<int, double> speeds(p.rank_speed().begin(), p.rank_speed().end());
+    std::string list;
+    for (const auto& [rank, v] : speeds) {
+      list += fmt::format("{}{}: {:.4g}", list.empty() ? "" : ", ", rank, v);
+    }
+    std::printf("balanced by time (load / speed), expert ranks' speeds %s\n", list.c_str());
+  }
   // The predicted expert-cache hit rates, where any expert rank has a cache.
   bool cache = false;
   for (const auto& l : p.layers()) {

@@ -279,6 +279,7 @@ Status ExpertServer::Pong(int router, uint32_t seq) {
   rs.pong.seq = seq;
   rs.pong.microbatches = served_;
   rs.pong.rows = rows_served_;
+  rs.pong.busy_us = busy_us_;
   rs.pong.resident_bytes = static_cast<uint64_t>(ProcessResidentBytes());
   rs.pong.pid = static_cast<uint64_t>(::getpid());
   ::gethostname(rs.pong.host, sizeof rs.pong.host - 1);
@@ -468,6 +469,7 @@ Status ExpertServer::Handle(int router, const EpHeaderFixed& h, const EpEntry* e
                           t_->Isend(router, kTagResult, out, bytes + sizeof(EpResultTrailer)));
   ++served_;
   rows_served_ += static_cast<uint64_t>(rows);
+  busy_us_ += answer.compute_us - std::min(answer.compute_us, answer.cache_wait_us);
   return Status::Ok();
 }
 

@@ -187,6 +187,7 @@ class ExpertServer {
   int64_t last_cache_wait_us_ = 0;  // the microbatch being handled: its wait for cache loads
   uint64_t served_ = 0;
   uint64_t rows_served_ = 0;
+  uint64_t busy_us_ = 0;  // computing those rows (their microbatches' compute less cache waits)
   std::function<void(int, int, int64_t)> rows_observer_;
   ExpertCompute compute_;
   std::vector<int32_t> group_expert_;

@@ -267,6 +267,7 @@ void PeerHealth::Refresh() {
     v.last_seen_s = std::chrono::duration<double>(now - s.last_pong).count();
     v.microbatches = s.pong.microbatches;
     v.rows = s.pong.rows;
+    v.busy_us = s.pong.busy_us;
     v.resident_bytes = s.pong.resident_bytes;
     v.pid = s.pong.pid;
     v.host.assign(s.pong.host, strnlen(s.pong.host, sizeof s.pong.host));

@@ -96,8 +96,9 @@ struct EpPong {
   uint64_t cache_misses = 0;
   uint32_t cache_hosted = 0;
   uint32_t cache_resident = 0;
+  uint64_t busy_us = 0;  // time computing its microbatches (cache waits left out), since the start
 };
-static_assert(sizeof(EpPong) == 144);
+static_assert(sizeof(EpPong) == 152);
 
 // Ends every result message (kTagResult), right after the rows: `code` 0 (StatusCode::kOk) when
 // the rows are the answer; otherwise the rows mean nothing and `message` says why (NUL-

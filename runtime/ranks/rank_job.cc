@@ -59,8 +59,17 @@ Result<std::unique_ptr<RankJob>> RankJob::Prepare(Transport* t, const JobOptions
   }
   job->placement_ = std::make_shared<const Placement>(std::move(made));
   job->header_bytes_ = HeaderBytes(*job->placement_, opts.layers);
-  job->threads_ =
-      opts.threads > 0 ? opts.threads : DefaultThreads(t->rank(), t->size(), opts.routers);
+  for (const auto& [rank, n] : opts.rank_threads) {
+    if (rank < 0 || rank >= t->size() || n < 1) {
+      return Status::InvalidArgument(fmt::format(
+          "rank_threads: rank {} with {} thread(s): the job has ranks 0..{}, each with 1 or more",
+          rank, n, t->size() - 1));
+    }
+  }
+  const auto own = opts.rank_threads.find(t->rank());
+  job->threads_ = own != opts.rank_threads.end() ? own->second
+                  : opts.threads > 0             ? opts.threads
+                                     : DefaultThreads(t->rank(), t->size(), opts.routers);
   job->kernels_ = &KernelsFor(opts.isa);
   if (opts.cache.budget_bytes > 0) {
     for (int e : opts.cache_pinned) {

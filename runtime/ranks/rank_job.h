@@ -47,6 +47,9 @@ struct JobOptions {
   EpOptions ep;
   std::chrono::milliseconds startup_timeout{600000};
   int threads = 0;  // per rank; 0: cores / ranks on this host
+  // Ranks with a thread count of their own (rank -> threads), over `threads`: ranks of different
+  // speed in one job (the planner balances their time with moectl --speed-measured).
+  std::map<int, int> rank_threads;
   Isa isa = Isa::kScalar;
   RouterRankOptions router;  // what a router rank has besides its layers
   // An expert rank that joined a running job (moerun serve --join) in place of a dead one: it

@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moerun {
@@ -228,6 +231,48 @@ TEST(PlacementPlanTest, GivenRankSlots) {
   o.incremental = false;
   o.policy = PlannerPolicy::kNodeLocal;
   EXPECT_FALSE(MakePlan(loads, *current, 0, o).ok());
+}
+
+// Speeds named by rank number: the report's balancedness is in time, the plan balances it, and
+// bad speeds or ranks are refused with the rank's number.
+TEST(PlacementPlanTest, RankSpeedsBalanceTime) {
+  auto current = Placement::Linear(16, 3, 1);  // experts 0-7 on rank 1, 8-15 on rank 2
+  ASSERT_TRUE(current.ok());
+  const std::map<int, std::vector<double>> loads = {{0, std::vector<double>(16, 50.0)}};
+  PlanOptions o;
+  o.rank_speed = {{2, 3.0}};  // rank 1: 1 (not named)
+  auto rep = MakePlan(loads, *current, 1000, o);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  EXPECT_EQ(rep->rank_speed, (std::map<int, double>{{1, 1.0}, {2, 3.0}}));
+  const LayerPlanReport& l = rep->layers[0];
+  // Now: 400 rows each; times 400 (slow) and 133; a perfect split's time 800 / 4 = 200.
+  EXPECT_NEAR(l.balancedness_before, 0.5, 1e-12);
+  EXPECT_NEAR(l.balancedness_after, 1.0, 1e-12);  // 4 and 12 experts
+  EXPECT_EQ(rep->min_slots_per_rank, 4);
+  EXPECT_EQ(rep->slots_per_rank, 12);
+  auto planned = Placement::FromJson(rep->placement_json, "plan");
+  ASSERT_TRUE(planned.ok()) << planned.status().ToString();
+  EXPECT_EQ(planned->Layer(0)->rank_slots[1].size(), 4u);
+  EXPECT_EQ(planned->Layer(0)->rank_slots[2].size(), 12u);
+  // Given counts keep their counts.
+  o.rank_slots = {{1, 8}, {2, 8}};
+  auto kept = MakePlan(loads, *current, 1000, o);
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  EXPECT_EQ(kept->slots_per_rank, 8);
+  EXPECT_EQ(kept->min_slots_per_rank, 8);
+  o.rank_slots.clear();
+  for (const auto& [speeds, what] : std::vector<std::pair<std::map<int, double>, std::string>>{
+           {{{0, 1.0}}, "names rank 0, which is not a live expert rank"},
+           {{{2, 0.0}}, "rank 2 has speed 0"},
+           {{{1, std::nan("")}}, "rank 1 has speed nan"}}) {
+    o.rank_speed = speeds;
+    auto bad = MakePlan(loads, *current, 1000, o);
+    ASSERT_FALSE(bad.ok()) << what;
+    EXPECT_NE(bad.status().message().find(what), std::string::npos) << bad.status().message();
+  }
+  o.rank_speed = {{2, 3.0}};
+  o.policy = PlannerPolicy::kEplbGlobal;
+  EXPECT_FALSE(MakePlan(loads, *current, 1000, o).ok());
 }
 
 }  // namespace

@@ -353,13 +353,18 @@ TEST(PlannerTest, PlacementRoundTrip) {
 
 // The default policy's local search as it was before router/local_search.cc (every candidate
 // re-evaluated from scratch): the reference the fast search is tested against.
+// With inv (each rank's fastest speed ÷ its own; empty: none), each rank's time instead.
 std::vector<double> RefRankLoads(const std::vector<double>& load, const std::vector<int>& phy2log,
-                                 const std::vector<int>& cnt, int num_ranks) {
+                                 const std::vector<int>& cnt, int num_ranks,
+                                 const std::vector<double>& inv = {}) {
   std::vector<double> rank_load(static_cast<size_t>(num_ranks), 0.0);
   const size_t per_rank = phy2log.size() / static_cast<size_t>(num_ranks);
   for (size_t s = 0; s < phy2log.size(); ++s) {
     const size_t e = static_cast<size_t>(phy2log[s]);
     rank_load[s / per_rank] += load[e] / cnt[e];
+  }
+  if (!inv.empty()) {
+    for (size_t r = 0; r < rank_load.size(); ++r) rank_load[r] *= inv[r];
   }
   return rank_load;
 }
@@ -378,7 +383,10 @@ RefKey RefKeyOf(const std::vector<double>& rank_load) {
 }
 
 // The default policy's local search (see planner.h).
-LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& start, int num_ranks) {
+// With rank speeds (inv, as RefRankLoads's), balancing time: the moves' keys are in time.
+LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& start, int num_ranks,
+                           const std::vector<double>& inv = {}) {
+  const auto factor = [&](size_t r) { return inv.empty() ? 1.0 : inv[r]; };
   const int num_log = static_cast<int>(load.size());
   std::vector<int> p2l = start.phy2log;
   const size_t slots = p2l.size();
@@ -392,7 +400,7 @@ LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& sta
   for (size_t iter = 0; iter < 50 * slots; ++iter) {
     std::fill(holds.begin(), holds.end(), 0);
     for (size_t s = 0; s < slots; ++s) ++held(s / per_rank, p2l[s]);
-    std::vector<double> rank_load = RefRankLoads(load, p2l, cnt, num_ranks);
+    std::vector<double> rank_load = RefRankLoads(load, p2l, cnt, num_ranks, inv);
     const RefKey now = RefKeyOf(rank_load);
     const size_t a = static_cast<size_t>(std::max_element(rank_load.begin(), rank_load.end()) -
                                          rank_load.begin());
@@ -409,8 +417,8 @@ LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& sta
         if (b == a || ei == ej || held(b, ei) > 0 || held(a, ej) > 0) continue;
         const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
         std::vector<double> trial = rank_load;
-        trial[a] += wj - wi;
-        trial[b] += wi - wj;
+        trial[a] += (wj - wi) * factor(a);
+        trial[b] += (wi - wj) * factor(b);
         const RefKey k = RefKeyOf(trial);
         if (k < best) best = k, kind = 1, bi = i, bj = j;
       }
@@ -431,7 +439,7 @@ LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& sta
         std::vector<int> trial_cnt = cnt;
         ++trial_cnt[static_cast<size_t>(e)];
         --trial_cnt[static_cast<size_t>(f)];
-        const RefKey k = RefKeyOf(RefRankLoads(load, trial_p2l, trial_cnt, num_ranks));
+        const RefKey k = RefKeyOf(RefRankLoads(load, trial_p2l, trial_cnt, num_ranks, inv));
         if (k < best) best = k, kind = 2, bj = j, be = e;
       }
     }
@@ -454,7 +462,7 @@ LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& sta
       if (held(s / per_rank, p2l[s]) > 1) i = s;
     }
     if (i == slots) break;
-    const std::vector<double> rank_load = RefRankLoads(load, p2l, cnt, num_ranks);
+    const std::vector<double> rank_load = RefRankLoads(load, p2l, cnt, num_ranks, inv);
     const RefKey now = RefKeyOf(rank_load);
     const size_t a = i / per_rank;
     const int e = p2l[i];
@@ -468,8 +476,8 @@ LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& sta
       std::vector<double> trial = rank_load;
       const double wi = load[static_cast<size_t>(e)] / cnt[static_cast<size_t>(e)];
       const double wj = load[static_cast<size_t>(ej)] / cnt[static_cast<size_t>(ej)];
-      trial[a] += wj - wi;
-      trial[b] += wi - wj;
+      trial[a] += (wj - wi) * factor(a);
+      trial[b] += (wi - wj) * factor(b);
       const RefKey k = RefKeyOf(trial);
       if (k.max <= now.max && k < best) best = k, bj = j, bg = -1;
     }
@@ -480,7 +488,7 @@ LayerMaps ReferenceImprove(const std::vector<double>& load, const LayerMaps& sta
       std::vector<int> trial_cnt = cnt;
       ++trial_cnt[static_cast<size_t>(g)];
       --trial_cnt[static_cast<size_t>(e)];
-      const RefKey k = RefKeyOf(RefRankLoads(load, trial_p2l, trial_cnt, num_ranks));
+      const RefKey k = RefKeyOf(RefRankLoads(load, trial_p2l, trial_cnt, num_ranks, inv));
       if (k.max <= now.max && k < best) best = k, bj = slots, bg = g;
     }
     if (bg >= 0) {
@@ -921,6 +929,182 @@ TEST(UnevenSlotsTest, BadCapacitiesAreRefused) {
   in.num_slots = 7;  // fewer slots than experts
   in.rank_slots = {3, 2, 2};
   EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());
+}
+
+// ---- Ranks of different speed: the planner balances time (load ÷ speed).
+
+// Each rank's time under a plan (empty slots hold nothing; the ranks' speeds as given).
+std::vector<double> RankTimesOf(const std::vector<double>& load, const LayerMaps& m,
+                                const std::vector<double>& speed) {
+  const size_t ranks = speed.size();
+  std::vector<double> out(ranks, 0.0);
+  const size_t per = m.phy2log.size() / ranks;
+  for (size_t s = 0; s < m.phy2log.size(); ++s) {
+    if (m.phy2log[s] == kEmptySlot) continue;
+    const size_t e = static_cast<size_t>(m.phy2log[s]);
+    out[s / per] += load[e] / m.logcnt[e] / speed[s / per];
+  }
+  return out;
+}
+
+std::vector<double> RandomSpeeds(std::mt19937* rng, int ranks) {
+  std::uniform_real_distribution<double> u(0.4, 3.0);
+  std::vector<double> speed(static_cast<size_t>(ranks));
+  for (double& v : speed) v = u(*rng);
+  return speed;
+}
+
+// With speeds the fast search makes the reference's moves, keys in time, bit for bit.
+TEST(SpeedPlanTest, TheSearchMakesTheReferencesMovesInTime) {
+  std::mt19937 rng(1234);
+  const std::vector<std::array<int, 3>> shapes = {
+      {16, 16, 4}, {16, 24, 4}, {32, 40, 8}, {64, 80, 16}, {48, 64, 8}};
+  for (const auto& [experts, slots, ranks] : shapes) {
+    for (int trial = 0; trial < 6; ++trial) {
+      SCOPED_TRACE(::testing::Message() << experts << " experts, " << slots << " slots, " << ranks
+                                        << " ranks, trial " << trial);
+      PlannerInput in{{RandomLoad(&rng, experts)}, slots, 1, 1, ranks};
+      const std::vector<double> speed = RandomSpeeds(&rng, ranks);
+      const LayerMaps start = Plan(in, PlannerPolicy::kEplbGlobal)[0];
+      const LayerMaps ref = ReferenceImprove(in.load[0], start, ranks, InverseSpeeds(speed, ranks));
+      const SearchResult fast = LocalSearch(in.load[0], start, ranks, SearchLimits{}, speed);
+      EXPECT_EQ(fast.maps.phy2log, ref.phy2log);
+      CheckMaps(fast.maps, static_cast<size_t>(experts), static_cast<size_t>(slots));
+    }
+  }
+}
+
+// Equal speeds, whatever their value, plan exactly as no speeds do.
+TEST(SpeedPlanTest, EqualSpeedsPlanAsNone) {
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 4; ++trial) {
+    PlannerInput in{{RandomLoad(&rng, 32), RandomLoad(&rng, 32)}, 40, 1, 1, 8};
+    const auto plain = Plan(in, PlannerPolicy::kDefault);
+    in.rank_speed.assign(8, 2.5);
+    in.speed_slots = true;
+    const auto same = Plan(in, PlannerPolicy::kDefault);
+    ASSERT_EQ(plain.size(), same.size());
+    for (size_t l = 0; l < plain.size(); ++l) EXPECT_EQ(plain[l].phy2log, same[l].phy2log);
+    EXPECT_EQ(PredictedBalancedness(in.load[0], plain[0], 8),
+              PredictedBalancedness(in.load[0], plain[0], 8, in.rank_speed));
+  }
+}
+
+// Real loads (DeepSeek-R1, 32 expert ranks, half of them twice as fast): the plan made with the
+// speeds balances time far better than the plan made for load alone, and the slowest rank's time
+// is the balance's: a perfect split's time ÷ the slowest rank's.
+TEST(SpeedPlanTest, BalancesTimeOnDeepSeek) {
+  const auto rows = DeepSeekLoads("decode_in1000out1000.json");
+  ASSERT_EQ(rows.size(), 58u);
+  std::vector<double> speed(32, 1.0);
+  for (size_t r = 0; r < 32; r += 2) speed[r] = 2.0;
+  for (size_t l : {size_t{0}, size_t{30}, size_t{57}}) {
+    SCOPED_TRACE(::testing::Message() << "layer " << l);
+    PlannerInput in{{rows[l]}, 256 + 32, 8, 4, 32};
+    const LayerMaps by_load = Plan(in, PlannerPolicy::kDefault)[0];
+    in.rank_speed = speed;
+    const LayerMaps by_time = Plan(in, PlannerPolicy::kDefault)[0];
+    EXPECT_TRUE(ToLayerPlacement(by_time, 32, 0).ok());
+    const double load_plan = PredictedBalancedness(rows[l], by_load, 32, speed);
+    const double time_plan = PredictedBalancedness(rows[l], by_time, 32, speed);
+    EXPECT_LT(load_plan, 0.8);  // the slow ranks carry as much as the fast ones
+    EXPECT_GT(time_plan, 0.97);
+    const std::vector<double> t = RankTimesOf(rows[l], by_time, speed);
+    double total = 0, speeds = 0;
+    for (double v : rows[l]) total += v;
+    for (double v : speed) speeds += v;
+    EXPECT_NEAR(time_plan, total / speeds / *std::max_element(t.begin(), t.end()), 1e-9);
+  }
+}
+
+// Counts left free (speed_slots) follow the speeds where loads alone cannot: 16 experts of equal
+// load on a rank three times as fast as the other.
+TEST(SpeedPlanTest, FreeCountsFollowTheSpeeds) {
+  PlannerInput in{{std::vector<double>(16, 100.0)}, 16, 1, 1, 2};
+  in.rank_speed = {1.0, 3.0};
+  const LayerMaps even = Plan(in, PlannerPolicy::kDefault)[0];
+  EXPECT_NEAR(PredictedBalancedness(in.load[0], even, 2, in.rank_speed), 0.5, 1e-12);
+  in.speed_slots = true;
+  const LayerMaps free = Plan(in, PlannerPolicy::kDefault)[0];
+  EXPECT_NEAR(PredictedBalancedness(in.load[0], free, 2, in.rank_speed), 1.0, 1e-12);
+  auto lp = ToLayerPlacement(free, 2, 0);
+  ASSERT_TRUE(lp.ok()) << lp.status().ToString();
+  EXPECT_EQ(lp->rank_slots[0].size(), 4u);
+  EXPECT_EQ(lp->rank_slots[1].size(), 12u);
+  // With given counts (speed_slots off: moectl's --rank-slots) the counts stay.
+  in.speed_slots = false;
+  in.rank_slots = {8, 8};
+  const LayerMaps given = Plan(in, PlannerPolicy::kDefault)[0];
+  EXPECT_EQ(given.phy2log.size(), 16u);
+  EXPECT_EQ(std::count(given.phy2log.begin(), given.phy2log.end(), kEmptySlot), 0);
+}
+
+TEST(SpeedPlanTest, SpeedRankSlotsSplitsByLargestRemainders) {
+  EXPECT_EQ(SpeedRankSlots(16, {1, 3}, 16), (std::vector<int>{4, 12}));
+  EXPECT_EQ(SpeedRankSlots(10, {1, 1, 1}, 10), (std::vector<int>{4, 3, 3}));
+  // Capped at one copy of each expert; the rest go to the others.
+  EXPECT_EQ(SpeedRankSlots(20, {1, 9}, 16), (std::vector<int>{4, 16}));
+  // At least one each.
+  EXPECT_EQ(SpeedRankSlots(8, {1, 1000}, 8), (std::vector<int>{1, 7}));
+  for (int slots : {7, 19, 33, 64}) {
+    const std::vector<int> c = SpeedRankSlots(slots, {0.5, 1.7, 2.2, 1.0, 0.9}, 32);
+    int sum = 0;
+    for (int v : c) {
+      sum += v;
+      EXPECT_GE(v, 1);
+      EXPECT_LE(v, 32);
+    }
+    EXPECT_EQ(sum, slots);
+  }
+}
+
+TEST(SpeedPlanTest, BadSpeedsAreRefused) {
+  PlannerInput in{{std::vector<double>(8, 1.0)}, 8, 1, 1, 2};
+  for (double bad : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    in.rank_speed = {1.0, bad};
+    auto r = PlanPlacement(in, PlannerPolicy::kDefault);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("expert rank 1 has speed"), std::string::npos)
+        << r.status().message();
+  }
+  in.rank_speed = {1.0, 2.0, 3.0};
+  EXPECT_FALSE(PlanPlacement(in, PlannerPolicy::kDefault).ok());
+  in.rank_speed = {1.0, 2.0};
+  for (PlannerPolicy p : {PlannerPolicy::kEplbGlobal, PlannerPolicy::kEplbHierarchical}) {
+    auto r = PlanPlacement(in, p);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("balances load, not time"), std::string::npos);
+  }
+  // The incremental mode too, and nothing else is wrong with the request.
+  const LayerMaps start =
+      Plan(PlannerInput{{std::vector<double>(8, 1.0)}, 8, 1, 1, 2}, PlannerPolicy::kDefault)[0];
+  IncrementalOptions io;
+  io.rank_speed = {std::nan(""), 1.0};
+  EXPECT_FALSE(PlanIncremental(std::vector<double>(8, 1.0), start, 2, io).ok());
+}
+
+// The incremental mode from a placement made for load: its moves raise the time balance.
+TEST(SpeedPlanTest, IncrementalMovesBalanceTime) {
+  const auto rows = DeepSeekLoads("prefill_in1024.json");
+  ASSERT_FALSE(rows.empty());
+  std::vector<double> speed(16, 1.0);
+  for (size_t r = 0; r < 4; ++r) speed[r] = 3.0;
+  PlannerInput in{{rows[10]}, 256 + 16, 1, 1, 16};
+  const LayerMaps start = Plan(in, PlannerPolicy::kDefault)[0];
+  IncrementalOptions io;
+  io.rank_speed = speed;
+  auto r = PlanIncremental(rows[10], start, 16, io);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const double before = PredictedBalancedness(rows[10], start, 16, speed);
+  const double after = PredictedBalancedness(rows[10], r->maps, 16, speed);
+  // A fresh plan with the speeds and the same 17 slots on every rank, for scale.
+  in.rank_speed = speed;
+  const double fresh =
+      PredictedBalancedness(rows[10], Plan(in, PlannerPolicy::kDefault)[0], 16, speed);
+  std::printf("incremental in time: %.4f -> %.4f (a fresh plan: %.4f)\n", before, after, fresh);
+  EXPECT_LT(before, 0.7);
+  EXPECT_GT(after, 0.85);
+  EXPECT_GT(after, fresh - 0.05);
 }
 
 }  // namespace
