@@ -126,48 +126,15 @@ Result<std::map<int, std::vector<double>>> ReadLoads(const std::string& path) {
   return loads;
 }
 
-// --rank-slots RANK:N[,RANK:N...]: the slots of named expert ranks.
-Result<std::map<int, int>> ParseRankSlots(const std::string& text) {
-  std::map<int, int> out;
+// RANK:V[,RANK:V...] (each rank once; `valid` checks each value), or `bad_pairs` in an error.
+template <typename V, typename Valid>
+Result<std::map<int, V>> ParseRankPairs(const std::string& text, const char* bad_pairs,
+                                        Valid valid) {
+  std::map<int, V> out;
   size_t start = 0;
   const auto bad = [&] {
-    return Status::InvalidArgument(fmt::format(
-        "must be RANK:SLOTS pairs (whole numbers, each rank once), comma-separated, not {}", text));
-  };
-  while (true) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    const std::string item = text.substr(start, comma - start);
-    const size_t colon = item.find(':');
-    if (colon == std::string::npos) return bad();
-    int rank = -1, n = -1;
-    const auto [e1, c1] = std::from_chars(item.data(), item.data() + colon, rank);
-    const auto [e2, c2] = std::from_chars(item.data() + colon + 1, item.data() + item.size(), n);
-    if (c1 != std::errc() || e1 != item.data() + colon || c2 != std::errc() ||
-        e2 != item.data() + item.size() || rank < 0 || n < 0 || !out.emplace(rank, n).second) {
-      return bad();
-    }
-    if (comma == text.size()) break;
-    start = comma + 1;
-  }
-  return out;
-}
-
-const CLI::Validator kRankSlots(
-    [](std::string& text) -> std::string {
-      auto v = ParseRankSlots(text);
-      return v.ok() ? std::string() : v.status().message();
-    },
-    "RANK:N[,RANK:N...]");
-
-// --rank-speed RANK:S[,RANK:S...]: the speeds of named expert ranks (finite, above 0).
-Result<std::map<int, double>> ParseRankSpeeds(const std::string& text) {
-  std::map<int, double> out;
-  size_t start = 0;
-  const auto bad = [&] {
-    return Status::InvalidArgument(fmt::format(
-        "must be RANK:SPEED pairs (a rank number, a finite speed above 0; each rank once), "
-        "comma-separated, not {}",
-        text));
+    return Status::InvalidArgument(
+        fmt::format("must be {}, comma-separated, not {}", bad_pairs, text));
   };
   while (true) {
     const size_t comma = std::min(text.find(',', start), text.size());
@@ -175,12 +142,11 @@ Result<std::map<int, double>> ParseRankSpeeds(const std::string& text) {
     const size_t colon = item.find(':');
     if (colon == std::string::npos) return bad();
     int rank = -1;
-    double v = 0;
+    V v{};
     const auto [e1, c1] = std::from_chars(item.data(), item.data() + colon, rank);
     const auto [e2, c2] = std::from_chars(item.data() + colon + 1, item.data() + item.size(), v);
     if (c1 != std::errc() || e1 != item.data() + colon || c2 != std::errc() ||
-        e2 != item.data() + item.size() || rank < 0 || !(v > 0) || !std::isfinite(v) ||
-        !out.emplace(rank, v).second) {
+        e2 != item.data() + item.size() || rank < 0 || !valid(v) || !out.emplace(rank, v).second) {
       return bad();
     }
     if (comma == text.size()) break;
@@ -189,12 +155,31 @@ Result<std::map<int, double>> ParseRankSpeeds(const std::string& text) {
   return out;
 }
 
-const CLI::Validator kRankSpeeds(
-    [](std::string& text) -> std::string {
-      auto v = ParseRankSpeeds(text);
-      return v.ok() ? std::string() : v.status().message();
-    },
-    "RANK:S[,RANK:S...]");
+// --rank-slots RANK:N[,RANK:N...]: the slots of named expert ranks.
+Result<std::map<int, int>> ParseRankSlots(const std::string& text) {
+  return ParseRankPairs<int>(text, "RANK:SLOTS pairs (whole numbers, each rank once)",
+                             [](int n) { return n >= 0; });
+}
+
+// --rank-speed RANK:S[,RANK:S...]: the speeds of named expert ranks (finite, above 0).
+Result<std::map<int, double>> ParseRankSpeeds(const std::string& text) {
+  return ParseRankPairs<double>(
+      text, "RANK:SPEED pairs (a rank number, a finite speed above 0; each rank once)",
+      [](double v) { return v > 0 && std::isfinite(v); });
+}
+
+// The validators of --rank-slots and --rank-speed.
+template <typename Parse>
+CLI::Validator PairsValidator(Parse parse, const char* form) {
+  return CLI::Validator(
+      [parse](std::string& text) -> std::string {
+        auto v = parse(text);
+        return v.ok() ? std::string() : v.status().message();
+      },
+      form);
+}
+const CLI::Validator kRankSlots = PairsValidator(ParseRankSlots, "RANK:N[,RANK:N...]");
+const CLI::Validator kRankSpeeds = PairsValidator(ParseRankSpeeds, "RANK:S[,RANK:S...]");
 
 // --cache-experts N[,N...]: experts of each layer every expert rank's cache holds (0: no cache).
 Result<std::vector<int>> ParseCacheExperts(const std::string& text) {
