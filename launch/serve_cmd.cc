@@ -188,6 +188,9 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   o.threads = c.threads;
   o.rank_threads = c.rank_threads;
   MOERUN_ASSIGN_OR_RETURN(o.isa, ChooseIsa(c.isa));
+  for (const auto& [rank, name] : c.rank_isa) {
+    MOERUN_ASSIGN_OR_RETURN(o.rank_isa[rank], ChooseIsa(name));
+  }
   // A rank silent for the expert-parallel deadline is dead (as one that misses it with a
   // microbatch): the job serves on without it.
   o.router.health = PeerHealthOptions{std::chrono::milliseconds(c.serving.probe_interval_ms),

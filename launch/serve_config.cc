@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "base/log.h"
+#include "experts/cpu/isa.h"
 #include "runtime/cache/expert_cache.h"
 #include "runtime/model/preset.h"
 #include "runtime/serving/tracing_options.h"
@@ -415,6 +416,31 @@ Status ReadRankThreads(const Reader& r, ServeConfig* c) {
   return Status::Ok();
 }
 
+// rank_isa: {RANK: scalar|avx2|avx512}: kernels of its own for each rank named (whether this
+// CPU has them is checked at start, as `isa` is).
+Status ReadRankIsa(const Reader& r, ServeConfig* c) {
+  const YAML::Node n = r.node()["rank_isa"];
+  if (!n) return Status::Ok();
+  const auto bad = [&] {
+    return Status::InvalidArgument(r.Where("rank_isa") +
+                                   " must map rank numbers (0..65535) to scalar, avx2 or avx512");
+  };
+  if (!n.IsMap()) return bad();
+  for (const auto& kv : n) {
+    int rank = -1;
+    std::string isa;
+    try {
+      rank = kv.first.as<int>();
+      isa = kv.second.as<std::string>();
+    } catch (const YAML::Exception&) {
+      return bad();
+    }
+    if (rank < 0 || rank > 65535 || !ParseIsa(isa)) return bad();
+    c->rank_isa[rank] = isa;
+  }
+  return Status::Ok();
+}
+
 // The top level. "model" is resolved and "files" read once both model and preset are known.
 std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::string& base) {
   using C = ServeConfig;
@@ -462,6 +488,7 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
                                  [](C* c) { return &c->dispatch; }),
       {"nodes", ReadNodes},
       {"rank_threads", ReadRankThreads},
+      {"rank_isa", ReadRankIsa},
       Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
       {"expert_cache_policy",
        [](const Reader& r, C* c) {

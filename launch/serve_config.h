@@ -96,6 +96,8 @@ struct ServeConfig {
   // rank_threads: {RANK: N}: ranks with a thread count of their own (over `threads`).
   std::map<int, int> rank_threads;
   std::string isa;
+  // rank_isa: {RANK: scalar|avx2|avx512}: ranks with kernels of their own (over `isa`).
+  std::map<int, std::string> rank_isa;
   BatcherOptions batching;
   ServingConfig serving;
   RebalanceConfig rebalance;

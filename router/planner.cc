@@ -490,11 +490,10 @@ std::vector<int> EvenRankSlots(int slots, int ranks) {
 std::vector<int> SpeedRankSlots(int slots, const std::vector<double>& speed, int max_per_rank) {
   const int ranks = static_cast<int>(speed.size());
   if (ranks == 0) return {};
-  if (slots < ranks) return EvenRankSlots(slots, ranks);
-  // Each rank's share of the slots left after its 1, with the room under max_per_rank as a cap:
-  // water-filling (a rank at its cap takes no more; the rest share what is left by speed).
-  std::vector<int> out(static_cast<size_t>(ranks), 1);
-  int left = slots - ranks;
+  // Each rank's share of the slots, with the room under max_per_rank as a cap: water-filling (a
+  // rank at its cap takes no more; the rest share what is left by speed).
+  std::vector<int> out(static_cast<size_t>(ranks), 0);
+  int left = slots;
   while (left > 0) {
     double sum = 0;
     for (int r = 0; r < ranks; ++r) {

@@ -127,7 +127,8 @@ Result<std::vector<LayerMaps>> PlanPlacement(const PlannerInput& input, PlannerP
 std::vector<int> EvenRankSlots(int slots, int ranks);
 
 // `slots` spread over the ranks in proportion to `speed` (largest remainders; ties: the lower
-// rank), each rank at least 1 and at most `max_per_rank` (the experts: one copy of each).
+// rank), each rank at most `max_per_rank` (the experts: one copy of each). A rank far slower than
+// the others may get none (its share under half a slot): it then computes nothing.
 std::vector<int> SpeedRankSlots(int slots, const std::vector<double>& speed, int max_per_rank);
 
 struct IncrementalOptions {

@@ -66,11 +66,18 @@ Result<std::unique_ptr<RankJob>> RankJob::Prepare(Transport* t, const JobOptions
           rank, n, t->size() - 1));
     }
   }
+  for (const auto& [rank, isa] : opts.rank_isa) {
+    if (rank < 0 || rank >= t->size()) {
+      return Status::InvalidArgument(fmt::format("rank_isa: rank {} ({}): the job has ranks 0..{}",
+                                                 rank, IsaName(isa), t->size() - 1));
+    }
+  }
   const auto own = opts.rank_threads.find(t->rank());
   job->threads_ = own != opts.rank_threads.end() ? own->second
                   : opts.threads > 0             ? opts.threads
                                      : DefaultThreads(t->rank(), t->size(), opts.routers);
-  job->kernels_ = &KernelsFor(opts.isa);
+  const auto own_isa = opts.rank_isa.find(t->rank());
+  job->kernels_ = &KernelsFor(own_isa != opts.rank_isa.end() ? own_isa->second : opts.isa);
   if (opts.cache.budget_bytes > 0) {
     for (int e : opts.cache_pinned) {
       if (e < 0 || e >= job->spec_.num_experts) {

@@ -51,6 +51,9 @@ struct JobOptions {
   // speed in one job (the planner balances their time with moectl --speed-measured).
   std::map<int, int> rank_threads;
   Isa isa = Isa::kScalar;
+  // Ranks with kernels of their own (rank -> ISA), over `isa` (the variants agree bitwise): a
+  // rank as slow as an older host's, in one job.
+  std::map<int, Isa> rank_isa;
   RouterRankOptions router;  // what a router rank has besides its layers
   // An expert rank that joined a running job (moerun serve --join) in place of a dead one: it
   // loads no experts (the placement in use holds none on it; a rebalance brings them) and waits

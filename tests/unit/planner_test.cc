@@ -1044,14 +1044,15 @@ TEST(SpeedPlanTest, SpeedRankSlotsSplitsByLargestRemainders) {
   EXPECT_EQ(SpeedRankSlots(10, {1, 1, 1}, 10), (std::vector<int>{4, 3, 3}));
   // Capped at one copy of each expert; the rest go to the others.
   EXPECT_EQ(SpeedRankSlots(20, {1, 9}, 16), (std::vector<int>{4, 16}));
-  // At least one each.
-  EXPECT_EQ(SpeedRankSlots(8, {1, 1000}, 8), (std::vector<int>{1, 7}));
+  // A rank far slower than the others may get none.
+  EXPECT_EQ(SpeedRankSlots(8, {1, 1000}, 8), (std::vector<int>{0, 8}));
+  EXPECT_EQ(SpeedRankSlots(9, {1, 1000}, 8), (std::vector<int>{1, 8}));
   for (int slots : {7, 19, 33, 64}) {
     const std::vector<int> c = SpeedRankSlots(slots, {0.5, 1.7, 2.2, 1.0, 0.9}, 32);
     int sum = 0;
     for (int v : c) {
       sum += v;
-      EXPECT_GE(v, 1);
+      EXPECT_GE(v, 0);
       EXPECT_LE(v, 32);
     }
     EXPECT_EQ(sum, slots);
