@@ -31,6 +31,15 @@ void DeadExpertRanks(const std::vector<PeerView>& peers, int routers, std::vecto
   }
 }
 
+// The most slots per layer an expert rank's memory holds (0: no limit): its budget ÷ one expert's
+// bytes ÷ the layers served.
+int CapacitySlots(const PeerView& p, int64_t expert_bytes, size_t layers) {
+  if (p.memory_budget_bytes == 0 || expert_bytes <= 0) return 0;
+  const uint64_t per_layer =
+      p.memory_budget_bytes / static_cast<uint64_t>(expert_bytes) / std::max<size_t>(1, layers);
+  return static_cast<int>(std::min<uint64_t>(per_layer, INT32_MAX));
+}
+
 // An expert rank's own speed: rows computed per second computing (0 before any).
 double MeasuredSpeed(const PeerView& p) {
   return p.busy_us == 0 ? 0.0 : static_cast<double>(p.rows) * 1e6 / static_cast<double>(p.busy_us);
@@ -440,6 +449,10 @@ moerun::v1::StatusResponse RankServices::Status() const {
       rs->set_rows_served(p.rows);
       rs->set_busy_s(static_cast<double>(p.busy_us) / 1e6);
       rs->set_speed(MeasuredSpeed(p));
+      if (p.memory_budget_bytes > 0) {  // (-1: under one expert: no slot fits)
+        const int cap = CapacitySlots(p, expert_bytes_.load(), layers_.size());
+        rs->set_capacity_slots(cap > 0 ? cap : -1);
+      }
       rs->set_resident_bytes(p.resident_bytes);
       rs->set_last_seen_s(p.last_seen_s);
       if (p.cache_budget_bytes > 0) {
@@ -626,6 +639,11 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
       const uint64_t per_layer =
           p.cache_budget_bytes / static_cast<uint64_t>(one) / std::max<uint64_t>(1, layers_.size());
       o.cache_experts[i] = static_cast<int>(std::max<uint64_t>(1, per_layer));
+    }
+    // Each expert rank's memory: the most slots it may get.
+    for (const PeerView& p : peers_) {
+      if (p.rank < routers || p.dead || p.memory_budget_bytes == 0 || one <= 0) continue;
+      o.rank_capacity[p.rank] = CapacitySlots(p, one, layers_.size());
     }
   }
   std::map<int, std::vector<double>> loads;

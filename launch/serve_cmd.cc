@@ -45,7 +45,8 @@ struct ServeFlags {
   std::string serving_key_file;             // --serving-key-file: overrides serving.key_file
   std::string tls_cert_file, tls_key_file;  // --tls-cert-file/--tls-key-file: serving.tls
   std::string join;  // router 0's control endpoint: take over a dead expert rank of that job
-  int64_t expert_cache_mib = -1;  // -1: the config's
+  int64_t expert_cache_mib = -1;   // -1: the config's
+  int64_t expert_memory_mib = -1;  // -1: the config's
   std::string expert_cache_policy;
   std::string trace_endpoint;  // --trace-endpoint etc.: tracing.*
   double trace_sample = -1;
@@ -130,6 +131,10 @@ Result<ServeSetup> Configure(const ServeFlags& f) {
   if (!f.tls_cert_file.empty()) c.serving.tls.cert_file = f.tls_cert_file;
   if (!f.tls_key_file.empty()) c.serving.tls.key_file = f.tls_key_file;
   if (f.expert_cache_mib >= 0) c.expert_cache_mib = f.expert_cache_mib;
+  if (f.expert_memory_mib >= 0) {  // this process's: over the config's, its own rank's entry too
+    c.expert_memory_mib = f.expert_memory_mib;
+    c.rank_expert_memory_mib.clear();
+  }
   if (!f.expert_cache_policy.empty()) c.expert_cache_policy = f.expert_cache_policy;
   if (!f.trace_endpoint.empty()) {
     MOERUN_RETURN_IF_ERROR(
@@ -187,6 +192,10 @@ Result<JobOptions> JobOptionsFor(const ServeConfig& c) {
   MOERUN_ASSIGN_OR_RETURN(o.source.dtype, ParseWeightDType(c.dtype));
   o.threads = c.threads;
   o.rank_threads = c.rank_threads;
+  o.expert_memory_bytes = static_cast<uint64_t>(c.expert_memory_mib) << 20;
+  for (const auto& [rank, mib] : c.rank_expert_memory_mib) {
+    o.rank_expert_memory_bytes[rank] = static_cast<uint64_t>(mib) << 20;
+  }
   MOERUN_ASSIGN_OR_RETURN(o.isa, ChooseIsa(c.isa));
   for (const auto& [rank, name] : c.rank_isa) {
     MOERUN_ASSIGN_OR_RETURN(o.rank_isa[rank], ChooseIsa(name));
@@ -463,6 +472,11 @@ std::function<int()> AddServeCommand(CLI::App& app) {
   cmd->add_option("--expert-cache-mib", flags->expert_cache_mib,
                   "Expert cache of each expert rank in MiB (0: every hosted expert resident; "
                   "overrides expert_cache_mib)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--expert-memory-mib", flags->expert_memory_mib,
+                  "The most expert weights this process's expert rank(s) may hold, in MiB (0: no "
+                  "limit; a joiner on a smaller host): the planner gives them no more slots than "
+                  "fit (overrides expert_memory_mib and rank_expert_memory_mib)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--expert-cache-policy", flags->expert_cache_policy,
                   "Expert cache eviction: adaptive (as whichever of cycle, lru and lfu its "

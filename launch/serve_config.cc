@@ -441,6 +441,30 @@ Status ReadRankIsa(const Reader& r, ServeConfig* c) {
   return Status::Ok();
 }
 
+// rank_expert_memory_mib: {RANK: MiB}: a budget of its own for each expert rank named.
+Status ReadRankMemory(const Reader& r, ServeConfig* c) {
+  const YAML::Node n = r.node()["rank_expert_memory_mib"];
+  if (!n) return Status::Ok();
+  const auto bad = [&] {
+    return Status::InvalidArgument(r.Where("rank_expert_memory_mib") +
+                                   " must map rank numbers (0..65535) to MiB (1..1073741824)");
+  };
+  if (!n.IsMap()) return bad();
+  for (const auto& kv : n) {
+    int rank = -1;
+    int64_t mib = 0;
+    try {
+      rank = kv.first.as<int>();
+      mib = kv.second.as<int64_t>();
+    } catch (const YAML::Exception&) {
+      return bad();
+    }
+    if (rank < 0 || rank > 65535 || mib < 1 || mib > (int64_t{1} << 30)) return bad();
+    c->rank_expert_memory_mib[rank] = mib;
+  }
+  return Status::Ok();
+}
+
 // The top level. "model" is resolved and "files" read once both model and preset are known.
 std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::string& base) {
   using C = ServeConfig;
@@ -489,6 +513,8 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
       {"nodes", ReadNodes},
       {"rank_threads", ReadRankThreads},
       {"rank_isa", ReadRankIsa},
+      Number("expert_memory_mib", &C::expert_memory_mib, int64_t{0}, int64_t{1} << 30),
+      {"rank_expert_memory_mib", ReadRankMemory},
       Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
       {"expert_cache_policy",
        [](const Reader& r, C* c) {

@@ -98,6 +98,10 @@ struct ServeConfig {
   std::string isa;
   // rank_isa: {RANK: scalar|avx2|avx512}: ranks with kernels of their own (over `isa`).
   std::map<int, std::string> rank_isa;
+  // expert_memory_mib: the most expert weights an expert rank may hold (0: no limit), and
+  // rank_expert_memory_mib: {RANK: MiB} for ranks with a budget of their own.
+  int64_t expert_memory_mib = 0;
+  std::map<int, int64_t> rank_expert_memory_mib;
   BatcherOptions batching;
   ServingConfig serving;
   RebalanceConfig rebalance;

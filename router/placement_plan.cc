@@ -92,15 +92,34 @@ Result<int> JobNodes(const PlanOptions& options, std::vector<int>* live) {
 
 // The planner's input for the loads over `ranks` live expert ranks, or InvalidArgument for options
 // or loads the placement cannot take (`left_out` names the excluded ranks in the messages).
-// Each planned rank's slots (planned rank i is live[i]) where options.rank_slots names some;
-// empty where none is named (then the slots spread evenly, PlannerInputFor).
+// Each planned rank's capacity (planned rank i is live[i]): one copy of every expert, or what its
+// memory holds (options.rank_capacity) where that is fewer.
+std::vector<int> LiveCapacities(const PlanOptions& options, const std::vector<int>& live,
+                                int experts) {
+  std::vector<int> caps(live.size(), experts);
+  for (size_t k = 0; k < live.size(); ++k) {
+    const auto it = options.rank_capacity.find(live[k]);
+    if (it != options.rank_capacity.end()) caps[k] = std::clamp(it->second, 0, experts);
+  }
+  return caps;
+}
+
+// Each planned rank's slots (planned rank i is live[i]) where options.rank_slots names some or a
+// rank's capacity is under its even share; empty where neither (then the slots spread evenly,
+// PlannerInputFor). The ranks not named share what the named ones leave as evenly as counts
+// allow, each at most its capacity (the others then share the rest).
 Result<std::vector<int>> GivenRankSlots(const PlanOptions& options, const std::vector<int>& live,
                                         int slots, int experts) {
-  if (options.rank_slots.empty()) return std::vector<int>();
   if (options.incremental) {
+    if (options.rank_slots.empty()) return std::vector<int>();
     return Status::InvalidArgument(
         "plan: --rank-slots plans afresh; --incremental keeps each rank's slots");
   }
+  const std::vector<int> cap = LiveCapacities(options, live, experts);
+  const auto memory = [&](size_t k) {
+    const auto it = options.rank_capacity.find(live[k]);
+    return it != options.rank_capacity.end() && it->second < experts;
+  };
   std::vector<int> caps(live.size(), -1);
   int given = 0;
   for (const auto& [rank, n] : options.rank_slots) {
@@ -110,33 +129,63 @@ Result<std::vector<int>> GivenRankSlots(const PlanOptions& options, const std::v
           fmt::format("plan: --rank-slots names rank {}, which is not a live expert rank ({})",
                       rank, fmt::join(live, ",")));
     }
-    if (n < 0 || n > experts) {
-      return Status::InvalidArgument(fmt::format(
-          "plan: --rank-slots gives rank {} {} slots; a rank holds 0 to {} (one per expert)", rank,
-          n, experts));
+    const size_t k = static_cast<size_t>(at - live.begin());
+    if (n < 0 || n > cap[k]) {
+      return Status::InvalidArgument(
+          memory(k) && n >= 0
+              ? fmt::format("plan: --rank-slots gives rank {} {} slots; its memory holds {} "
+                            "(expert_memory_mib)",
+                            rank, n, cap[k])
+              : fmt::format("plan: --rank-slots gives rank {} {} slots; a rank holds 0 to {} "
+                            "(one per expert)",
+                            rank, n, experts));
     }
-    caps[static_cast<size_t>(at - live.begin())] = n;
+    caps[k] = n;
     given += n;
   }
-  const int others = static_cast<int>(std::count(caps.begin(), caps.end(), -1));
-  const int rest = slots - given;
-  if (rest < 0 || (others == 0 && rest != 0)) {
+  if (given > slots) {
     return Status::InvalidArgument(fmt::format(
-        "plan: --rank-slots gives {} slots, the plan has {} (experts + redundant){}", given, slots,
-        others == 0 ? "" : fmt::format(" for {} rank(s) in all", live.size())));
+        "plan: --rank-slots gives {} slots, the plan has {} (experts + redundant)", given, slots));
   }
-  const std::vector<int> share = EvenRankSlots(rest, std::max(others, 1));
-  int k = 0;
-  for (int& c : caps) {
-    if (c >= 0) continue;
-    c = share[static_cast<size_t>(k++)];
-    if (c > experts) {
-      return Status::InvalidArgument(fmt::format(
-          "plan: the ranks not named in --rank-slots would hold {} slots each, more than the {} "
-          "experts; give more --redundant to the named ones or fewer in all",
-          c, experts));
+  // The others: an even share each, capped (water-filling: a rank whose share exceeds its
+  // capacity gets its capacity, and the rest is shared again).
+  std::vector<bool> fixed(live.size(), false);
+  int left = slots - given;
+  while (true) {
+    std::vector<size_t> free;
+    for (size_t k = 0; k < live.size(); ++k) {
+      if (caps[k] < 0 && !fixed[k]) free.push_back(k);
     }
+    if (free.empty()) break;
+    const std::vector<int> share = EvenRankSlots(std::max(left, 0), static_cast<int>(free.size()));
+    bool capped = false;
+    for (size_t i = 0; i < free.size(); ++i) {
+      if (share[i] > cap[free[i]]) fixed[free[i]] = true, left -= cap[free[i]], capped = true;
+    }
+    if (capped) continue;
+    for (size_t i = 0; i < free.size(); ++i) caps[free[i]] = share[i];
+    left = 0;
+    break;
   }
+  for (size_t k = 0; k < live.size(); ++k) {
+    if (fixed[k]) caps[k] = cap[k];
+  }
+  if (left != 0) {
+    std::string held;
+    for (size_t k = 0; k < live.size(); ++k) {
+      if (memory(k) || options.rank_slots.count(live[k]) > 0) {
+        held += fmt::format("{}rank {}: {}", held.empty() ? "" : ", ", live[k], caps[k]);
+      }
+    }
+    return Status::InvalidArgument(fmt::format(
+        "plan: the plan has {} slots (experts + redundant), the live expert ranks hold {} "
+        "({}{}); give fewer --redundant{}",
+        slots, slots - left, held.empty() ? "one copy of each expert" : held,
+        held.empty() ? "" : ", the others one copy of each expert at most",
+        options.rank_slots.empty() ? "" : " or change --rank-slots"));
+  }
+  const bool any_memory = std::any_of(fixed.begin(), fixed.end(), [](bool f) { return f; });
+  if (options.rank_slots.empty() && !any_memory) return std::vector<int>();
   return caps;
 }
 
@@ -199,8 +248,8 @@ Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& l
   if (!in.rank_slots.empty() && options.policy != PlannerPolicy::kDefault &&
       options.policy != PlannerPolicy::kEplbGlobal) {
     return Status::InvalidArgument(fmt::format(
-        "plan: {} needs the same number of slots on every rank; --rank-slots plans with default "
-        "or eplb-global",
+        "plan: {} needs the same number of slots on every rank; ranks of different slot counts "
+        "(--rank-slots, or a rank's memory: expert_memory_mib) plan with default or eplb-global",
         PlannerPolicyName(options.policy)));
   }
   // Slots that do not divide: as evenly as counts allow (the first ranks one more).
@@ -217,8 +266,8 @@ Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& l
     in.rank_slots = EvenRankSlots(slots, ranks);
   }
   MOERUN_ASSIGN_OR_RETURN(in.rank_speed, LiveSpeeds(options, live));
-  // Counts that memory does not fix (none given) may follow the speeds.
-  in.speed_slots = options.rank_slots.empty();
+  // Counts that neither the operator nor memory fixes may follow the speeds.
+  in.speed_slots = options.rank_slots.empty() && options.rank_capacity.empty();
   in.num_groups = options.groups < 1 ? 1 : options.groups;
   in.num_nodes = options.nodes < 1 ? 1 : options.nodes;
   in.local_share = options.local_share;

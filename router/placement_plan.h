@@ -44,6 +44,13 @@ struct PlanOptions {
   // ranks more slots. InvalidArgument for a rank that is not a live expert rank, or a speed that
   // is not a finite number above 0; refused by the EPLB policies (they balance load).
   std::map<int, double> rank_speed;
+  // The most slots per layer named expert ranks may hold (rank number -> count: what each one's
+  // memory holds, expert_memory_mib; ranks not named: no limit). Where the even share does not
+  // fit a rank, it gets what fits and the others share the rest as evenly as counts allow;
+  // rank_slots above a rank's capacity, or more slots than all of them hold together:
+  // InvalidArgument. Ranks not live are ignored. Not with incremental (it keeps each rank's
+  // slots).
+  std::map<int, int> rank_capacity;
   double local_share = 0.75;  // node-local's knobs (router/node_local.h)
   double copy_prior = 0;
   // Expert ranks left out (dead): the plan's slots go to the others, none to these.

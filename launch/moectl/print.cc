@@ -73,7 +73,11 @@ void PrintStatus(const v1::StatusResponse& s) {
     }
     // Speed: rows computed per second computing (expert ranks, once they computed any).
     const std::string speed = r.speed() > 0 ? fmt::format("{:.0f}", r.speed()) : "-";
-    const std::string slots = r.role() == "expert" ? std::to_string(r.slots()) : "-";
+    // Slots: those in use, / what its memory holds where it has a budget (expert_memory_mib).
+    const std::string slots = r.role() != "expert" ? std::string("-")
+                              : r.capacity_slots() != 0
+                                  ? fmt::format("{}/{}", r.slots(), std::max(r.capacity_slots(), 0))
+                                  : fmt::format("{}", r.slots());
     std::printf("%-5d %-7s %-20s %-12s %-8lld %-22s %12llu %12llu %10s %6s %9s %s\n", r.rank(),
                 r.role().c_str(), r.host().empty() ? "?" : r.host().c_str(),
                 r.node().empty() ? "?" : r.node().c_str(), static_cast<long long>(r.pid()),

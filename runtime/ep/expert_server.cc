@@ -280,6 +280,7 @@ Status ExpertServer::Pong(int router, uint32_t seq) {
   rs.pong.microbatches = served_;
   rs.pong.rows = rows_served_;
   rs.pong.busy_us = busy_us_;
+  rs.pong.memory_budget_bytes = opts_.memory_budget_bytes;
   rs.pong.resident_bytes = static_cast<uint64_t>(ProcessResidentBytes());
   rs.pong.pid = static_cast<uint64_t>(::getpid());
   ::gethostname(rs.pong.host, sizeof rs.pong.host - 1);

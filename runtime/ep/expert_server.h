@@ -73,6 +73,9 @@ class ExpertCompute {
 struct ExpertServerOptions {
   // How long a payload may take to follow its header before the router is declared gone.
   std::chrono::milliseconds deadline{30000};
+  // The most expert weights the rank may hold (expert_memory_mib; 0: no limit): told to the
+  // routers in every pong, so that router 0's planner gives it no more slots than fit.
+  uint64_t memory_budget_bytes = 0;
 };
 
 class ExpertServer {

@@ -268,6 +268,7 @@ void PeerHealth::Refresh() {
     v.microbatches = s.pong.microbatches;
     v.rows = s.pong.rows;
     v.busy_us = s.pong.busy_us;
+    v.memory_budget_bytes = s.pong.memory_budget_bytes;
     v.resident_bytes = s.pong.resident_bytes;
     v.pid = s.pong.pid;
     v.host.assign(s.pong.host, strnlen(s.pong.host, sizeof s.pong.host));

@@ -60,7 +60,8 @@ struct PeerView {
   double last_seen_s = 0;     // since its last pong (or since start, before the first)
   uint64_t microbatches = 0;  // as it reported
   uint64_t rows = 0;
-  uint64_t busy_us = 0;  // its time computing them (EpPong::busy_us)
+  uint64_t busy_us = 0;              // its time computing them (EpPong::busy_us)
+  uint64_t memory_budget_bytes = 0;  // the most expert weights it may hold (0: no limit)
   uint64_t resident_bytes = 0;
   uint64_t pid = 0;
   std::string host;

@@ -97,8 +97,9 @@ struct EpPong {
   uint32_t cache_hosted = 0;
   uint32_t cache_resident = 0;
   uint64_t busy_us = 0;  // time computing its microbatches (cache waits left out), since the start
+  uint64_t memory_budget_bytes = 0;  // the most expert weights it may hold (0: no limit)
 };
-static_assert(sizeof(EpPong) == 152);
+static_assert(sizeof(EpPong) == 160);
 
 // Ends every result message (kTagResult), right after the rows: `code` 0 (StatusCode::kOk) when
 // the rows are the answer; otherwise the rows mean nothing and `message` says why (NUL-

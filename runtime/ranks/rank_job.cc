@@ -289,6 +289,10 @@ Result<std::unique_ptr<ExpertRank>> RankJob::MakeExpert(ExpertCompute compute) {
   if (is_router()) return Status::Internal("rank " + std::to_string(rank()) + " is a router");
   ExpertRankOptions o;
   o.deadline = opts_.ep.deadline;
+  const auto own_memory = opts_.rank_expert_memory_bytes.find(rank());
+  o.memory_budget_bytes = own_memory != opts_.rank_expert_memory_bytes.end()
+                              ? own_memory->second
+                              : opts_.expert_memory_bytes;
   auto host = std::make_unique<ExpertRank>(t_, *placement_, weights_, *kernels_, pool_.get(), o);
   if (compute && reader_) {
     return Status::Unsupported(

@@ -54,6 +54,11 @@ struct JobOptions {
   // Ranks with kernels of their own (rank -> ISA), over `isa` (the variants agree bitwise): a
   // rank as slow as an older host's, in one job.
   std::map<int, Isa> rank_isa;
+  // Expert ranks: the most expert weights each may hold (expert_memory_mib; 0: no limit), and
+  // ranks with a budget of their own (rank_expert_memory_mib). Router 0's planner gives a rank no
+  // more slots per layer than budget ÷ one expert's bytes ÷ the layers served.
+  uint64_t expert_memory_bytes = 0;
+  std::map<int, uint64_t> rank_expert_memory_bytes;
   RouterRankOptions router;  // what a router rank has besides its layers
   // An expert rank that joined a running job (moerun serve --join) in place of a dead one: it
   // loads no experts (the placement in use holds none on it; a rebalance brings them) and waits

@@ -43,3 +43,12 @@ wait_exit_within() {
   done
   return 124
 }
+
+# Waits up to $3 seconds for a line matching the extended regex $2 in file $1 (1 if none came).
+wait_line() {
+  local t=$SECONDS
+  until grep -Eq "$2" "$1" 2>/dev/null; do
+    (( SECONDS - t > $3 )) && return 1
+    sleep 0.1
+  done
+}

@@ -90,13 +90,6 @@ serving:
 EOC
 }
 now() { date +%s.%N; }
-wait_line() {  # FILE REGEX SECONDS
-  local t=$SECONDS
-  until grep -Eq "$2" "$1" 2>/dev/null; do
-    (( SECONDS - t > $3 )) && return 1
-    sleep 0.1
-  done
-}
 
 start_serving write_config mpirun --enable-recovery --oversubscribe --bind-to none \
   --mca mpi_yield_when_idle 1 -np 5 "$MOERUN" serve --config "$WORK/serve.yaml" \

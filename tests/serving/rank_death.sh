@@ -158,14 +158,6 @@ make_hosts() {
 }
 
 now() { date +%s.%N; }
-# Waits up to $3 s for a line matching $2 in file $1.
-wait_line() {
-  local t=$SECONDS
-  until grep -Eq "$2" "$1" 2>/dev/null; do
-    (( SECONDS - t > $3 )) && return 1
-    sleep 0.1
-  done
-}
 # The Unix time of the first serve-log line matching $1 (its [HH:MM:SS.mmm] stamp, today, UTC).
 log_time() {
   python3 - "$WORK/serve.log" "$1" <<'PY'

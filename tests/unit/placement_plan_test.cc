@@ -275,5 +275,54 @@ TEST(PlacementPlanTest, RankSpeedsBalanceTime) {
   EXPECT_FALSE(MakePlan(loads, *current, 1000, o).ok());
 }
 
+// What each rank's memory holds (rank_capacity): a rank whose even share does not fit gets what
+// fits, the others share the rest as evenly as counts allow; more than all hold, or --rank-slots
+// above a rank's memory: refused.
+TEST(PlacementPlanTest, RankMemoryCapsItsSlots) {
+  auto current = Placement::Linear(16, 5, 1);  // 4 expert ranks of 4 experts each
+  ASSERT_TRUE(current.ok());
+  const std::map<int, std::vector<double>> loads = {
+      {0, {90, 80, 70, 60, 50, 40, 30, 20, 10, 9, 8, 7, 6, 5, 4, 3}}};
+  PlanOptions o;
+  o.redundant = 2;             // 18 slots: 5, 5, 4, 4 evenly
+  o.rank_capacity = {{4, 2}};  // rank 4 holds 2
+  auto rep = MakePlan(loads, *current, 1000, o);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  auto planned = Placement::FromJson(rep->placement_json, "plan");
+  ASSERT_TRUE(planned.ok()) << planned.status().ToString();
+  std::vector<size_t> held;
+  for (int r = 1; r <= 4; ++r)
+    held.push_back(planned->Layer(0)->rank_slots[static_cast<size_t>(r)].size());
+  EXPECT_EQ(held, (std::vector<size_t>{6, 5, 5, 2}));  // the 16 left over 3: the first one more
+  // A capacity the even share fits changes nothing.
+  o.rank_capacity = {{4, 5}};
+  auto even = MakePlan(loads, *current, 1000, o);
+  ASSERT_TRUE(even.ok()) << even.status().ToString();
+  EXPECT_EQ(even->slots_per_rank, 5);
+  EXPECT_EQ(even->min_slots_per_rank, 4);
+  // More than all of them hold: refused, saying what they hold.
+  o.redundant = 40;  // 56 slots; 16 + 16 + 16 + 2 = 50 fit
+  o.rank_capacity = {{4, 2}};
+  auto over = MakePlan(loads, *current, 1000, o);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("hold 50"), std::string::npos) << over.status().message();
+  EXPECT_NE(over.status().message().find("rank 4: 2"), std::string::npos);
+  // --rank-slots above a rank's memory.
+  o.redundant = 2;
+  o.rank_slots = {{4, 3}};
+  auto named = MakePlan(loads, *current, 1000, o);
+  ASSERT_FALSE(named.ok());
+  EXPECT_NE(named.status().message().find("its memory holds 2"), std::string::npos)
+      << named.status().message();
+  // A rank whose memory holds no expert gets none.
+  o.rank_slots.clear();
+  o.rank_capacity = {{4, 0}};
+  auto none = MakePlan(loads, *current, 1000, o);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  auto none_table = Placement::FromJson(none->placement_json, "plan");
+  ASSERT_TRUE(none_table.ok());
+  EXPECT_TRUE(none_table->Layer(0)->rank_slots[4].empty());
+}
+
 }  // namespace
 }  // namespace moerun
