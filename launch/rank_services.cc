@@ -613,17 +613,26 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
     if (!o.rank_speed.empty()) {
       return Status::InvalidArgument("plan: give speeds or measure them, not both");
     }
+    // Each live expert rank's own speed; one that computed nothing yet (a joiner before its
+    // first experts) plans at the mean of the others'.
     std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int> unmeasured;
+    double sum = 0;
     for (const PeerView& p : peers_) {
       if (p.rank < routers || p.dead) continue;
       if (p.busy_us == 0 || p.rows == 0) {
-        return Status::Unavailable(fmt::format(
-            "plan: expert rank {} has computed nothing yet: no measured speed (send traffic "
-            "first, or give --rank-speed)",
-            p.rank));
+        unmeasured.push_back(p.rank);
+        continue;
       }
       o.rank_speed[p.rank] = MeasuredSpeed(p);
+      sum += o.rank_speed[p.rank];
     }
+    if (o.rank_speed.empty()) {
+      return Status::Unavailable(
+          "plan: no expert rank has computed anything yet: no measured speed (send traffic "
+          "first, or give --rank-speed)");
+    }
+    for (int rank : unmeasured) o.rank_speed[rank] = sum / static_cast<double>(o.rank_speed.size());
   }
   const int64_t one = expert_bytes_.load();
   {
