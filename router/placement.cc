@@ -131,7 +131,11 @@ bool Placement::UsesAny(const std::vector<bool>& dead, const std::vector<int>& l
 }
 
 Result<Placement> Placement::WithoutRanks(const std::vector<bool>& dead, uint64_t version,
-                                          int* replaced) const {
+                                          int* replaced, const std::vector<int>& capacity) const {
+  auto has_room = [&](int rank, int count) {
+    return static_cast<size_t>(rank) >= capacity.size() ||
+           capacity[static_cast<size_t>(rank)] < 0 || count < capacity[static_cast<size_t>(rank)];
+  };
   auto is_dead = [&](int rank) {
     return static_cast<size_t>(rank) < dead.size() && dead[static_cast<size_t>(rank)];
   };
@@ -156,9 +160,13 @@ Result<Placement> Placement::WithoutRanks(const std::vector<bool>& dead, uint64_
     for (int e = 0; e < num_experts_; ++e) {
       if (held[static_cast<size_t>(e)]) continue;
       int best = -1;
-      for (int r = num_routers_; r < num_ranks_; ++r) {
-        if (is_dead(r)) continue;
-        if (best < 0 || count[static_cast<size_t>(r)] < count[static_cast<size_t>(best)]) best = r;
+      for (bool any_room : {false, true}) {  // the survivors with room first, else any
+        for (int r = num_routers_; r < num_ranks_; ++r) {
+          if (is_dead(r) || (!any_room && !has_room(r, count[static_cast<size_t>(r)]))) continue;
+          if (best < 0 || count[static_cast<size_t>(r)] < count[static_cast<size_t>(best)])
+            best = r;
+        }
+        if (best >= 0) break;
       }
       slots.push_back(Slot{best, e});
       ++count[static_cast<size_t>(best)];

@@ -60,10 +60,13 @@ class Placement {
   // A copy, with `version`, in which the ranks `dead` marks (indexed by rank) hold nothing: their
   // slots are dropped, and an expert left with no copy gets one on the surviving expert rank with
   // the fewest slots in that layer (the lowest rank among equals), so that the survivors share the
-  // orphans evenly. *replaced, if given, counts those new copies over all layer entries. Fails
-  // when no expert rank survives.
+  // orphans evenly; with `capacity` (by rank: the most slots per layer its memory holds, < 0: no
+  // limit), among the survivors with room (only where none has room, among all: an expert must
+  // keep a copy). *replaced, if given, counts those new copies over all layer entries. Fails when
+  // no expert rank survives.
   Result<Placement> WithoutRanks(const std::vector<bool>& dead, uint64_t version,
-                                 int* replaced = nullptr) const;
+                                 int* replaced = nullptr,
+                                 const std::vector<int>& capacity = {}) const;
   // Whether a slot of any layer entry (or, given `layers`, of the entries those layers use) is on
   // a rank `dead` marks.
   bool UsesAny(const std::vector<bool>& dead) const;

@@ -118,6 +118,22 @@ void RankMembership::MarkLost(int rank, const Status& why) {
   dead_[static_cast<size_t>(rank)] = true;
 }
 
+std::vector<int> RankMembership::Capacities() const {
+  std::vector<int> capacity;
+  if (health_ == nullptr || expert_bytes_ <= 0) return capacity;
+  for (const PeerView& p : health_->Snapshot()) {
+    if (p.memory_budget_bytes == 0) continue;
+    if (capacity.size() <= static_cast<size_t>(p.rank)) {
+      capacity.resize(static_cast<size_t>(p.rank) + 1, -1);
+    }
+    const uint64_t per_layer = p.memory_budget_bytes / static_cast<uint64_t>(expert_bytes_) /
+                               std::max<uint64_t>(1, served_.size());
+    capacity[static_cast<size_t>(p.rank)] =
+        static_cast<int>(std::min<uint64_t>(per_layer, INT32_MAX));
+  }
+  return capacity;
+}
+
 Status RankMembership::CheckAlive(const Placement& target) const {
   if (target.UsesAny(dead_, served_)) {
     return Status::InvalidArgument("the placement puts experts on dead or retired rank(s) " +
@@ -281,7 +297,8 @@ Status RankMembership::Recover(const MigrationView* last, const StartMigration& 
     return Status::Ok();
   }
   int replaced = 0;
-  Result<Placement> target = placement.WithoutRanks(dead_, placement.version() + 1, &replaced);
+  Result<Placement> target =
+      placement.WithoutRanks(dead_, placement.version() + 1, &replaced, Capacities());
   if (!target.ok()) {
     recovered_generation_ = dead_generation_;
     spdlog::error("recovery: {}", target.status().ToString());
@@ -364,7 +381,8 @@ Result<MigrationView> RankMembership::Retire(int rank, const MigrationOptions& o
   }
   std::vector<bool> out = dead_;
   out[r] = true;
-  MOERUN_ASSIGN_OR_RETURN(Placement target, placement.WithoutRanks(out, placement.version() + 1));
+  MOERUN_ASSIGN_OR_RETURN(Placement target, placement.WithoutRanks(out, placement.version() + 1,
+                                                                   nullptr, Capacities()));
   MigrationOptions o = options;
   o.trigger = "retire";
   o.note = fmt::format("retire rank {}: its experts re-placed on the other expert ranks", rank);

@@ -108,6 +108,9 @@ class RankMembership {
   void RecoveryEnded(const MigrationView& last);
   // Router 0: every router marks `rank` retired and sends it its shutdown.
   Status CompleteRetire(int rank);
+  // By rank: the most slots per layer its memory holds (its probes' budget ÷ one expert's bytes ÷
+  // the layers served; -1: no limit or not known), for the copies a recovery or retire adds.
+  std::vector<int> Capacities() const;
 
   Transport* t_;
   ControlLink* link_;

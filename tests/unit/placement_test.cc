@@ -482,6 +482,34 @@ TEST(PlacementTest, MakeBySpecAndFromFile) {
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
 }
 
+// With capacities, an orphan goes to the survivor with the fewest slots among those with room;
+// where none has room, to the fewest among all (an expert keeps a copy).
+TEST(PlacementTest, WithoutRanksKeepsToTheSurvivorsMemory) {
+  // Expert ranks 1..3; 6 experts (1: 0,3  2: 1  3: 2,4,5).
+  const std::string doc = R"({"format": "moerun-placement-v1", "version": 1, "num_experts": 6,
+    "num_ranks": 4, "num_routers": 1,
+    "layers": {"*": [[1,0],[2,1],[3,2],[1,3],[3,4],[3,5]]}})";
+  const Result<Placement> p = Placement::FromJson(doc, "test");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  const std::vector<bool> dead = {false, false, false, true};
+  // Without capacities: 2, 4, 5 to ranks 2, 1, 2 (the fewest first).
+  const Result<Placement> plain = p->WithoutRanks(dead, 2);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->Layer(0)->rank_slots[2].size(), 3u);
+  // Rank 2's memory holds 1 slot (it has it): all three orphans go to rank 1.
+  int replaced = 0;
+  const Result<Placement> capped = p->WithoutRanks(dead, 2, &replaced, {-1, -1, 1, -1});
+  ASSERT_TRUE(capped.ok()) << capped.status().ToString();
+  EXPECT_EQ(replaced, 3);
+  EXPECT_EQ(capped->Layer(0)->rank_slots[1].size(), 5u);
+  EXPECT_EQ(capped->Layer(0)->rank_slots[2].size(), 1u);
+  // Neither has room: still placed (on the fewest), no expert lost.
+  const Result<Placement> full = p->WithoutRanks(dead, 2, nullptr, {-1, 2, 1, -1});
+  ASSERT_TRUE(full.ok());
+  for (int e = 0; e < 6; ++e)
+    EXPECT_FALSE(full->Layer(0)->replicas[static_cast<size_t>(e)].empty());
+}
+
 // The placement without dead ranks: their slots go; an expert with a surviving replica keeps
 // only it; an orphan goes to the survivor with the fewest slots (lowest rank among equals).
 TEST(PlacementTest, WithoutRanksReplacesOrphansOnTheLeastLoaded) {
