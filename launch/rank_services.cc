@@ -35,9 +35,8 @@ void DeadExpertRanks(const std::vector<PeerView>& peers, int routers, std::vecto
 // bytes ÷ the layers served.
 int CapacitySlots(const PeerView& p, int64_t expert_bytes, size_t layers) {
   if (p.memory_budget_bytes == 0 || expert_bytes <= 0) return 0;
-  const uint64_t per_layer =
-      p.memory_budget_bytes / static_cast<uint64_t>(expert_bytes) / std::max<size_t>(1, layers);
-  return static_cast<int>(std::min<uint64_t>(per_layer, INT32_MAX));
+  return static_cast<int>(
+      std::min<uint64_t>(ExpertsPerLayer(p.memory_budget_bytes, expert_bytes, layers), INT32_MAX));
 }
 
 // An expert rank's own speed: rows computed per second computing (0 before any).
@@ -645,9 +644,8 @@ Result<moerun::v1::PlanResponse> RankServices::Plan(const moerun::v1::PlanReques
       if (p.rank < routers || p.cache_budget_bytes == 0 || one <= 0) continue;
       const size_t i = static_cast<size_t>(p.rank - routers);
       if (o.cache_experts.size() <= i) o.cache_experts.resize(i + 1, 0);
-      const uint64_t per_layer =
-          p.cache_budget_bytes / static_cast<uint64_t>(one) / std::max<uint64_t>(1, layers_.size());
-      o.cache_experts[i] = static_cast<int>(std::max<uint64_t>(1, per_layer));
+      o.cache_experts[i] = static_cast<int>(
+          std::max<uint64_t>(1, ExpertsPerLayer(p.cache_budget_bytes, one, layers_.size())));
     }
     // Each expert rank's memory: the most slots it may get.
     for (const PeerView& p : peers_) {

@@ -390,77 +390,28 @@ Status ReadNodes(const Reader& r, ServeConfig* c) {
   return Status::Ok();
 }
 
-// rank_threads: {RANK: N}: a thread count (1..1024) of its own for each rank named.
-Status ReadRankThreads(const Reader& r, ServeConfig* c) {
-  const YAML::Node n = r.node()["rank_threads"];
-  if (!n) return Status::Ok();
-  if (!n.IsMap()) {
-    return Status::InvalidArgument(r.Where("rank_threads") +
-                                   " must be a mapping of rank numbers to thread counts");
-  }
-  for (const auto& kv : n) {
-    int rank = -1, threads = 0;
-    try {
-      rank = kv.first.as<int>();
-      threads = kv.second.as<int>();
-    } catch (const YAML::Exception&) {
-      rank = -1;
-    }
-    if (rank < 0 || rank > 65535 || threads < 1 || threads > 1024) {
-      return Status::InvalidArgument(r.Where("rank_threads") +
-                                     " must map rank numbers (0..65535) to thread counts "
-                                     "(1..1024)");
-    }
-    c->rank_threads[rank] = threads;
-  }
-  return Status::Ok();
-}
-
-// rank_isa: {RANK: scalar|avx2|avx512}: kernels of its own for each rank named (whether this
-// CPU has them is checked at start, as `isa` is).
-Status ReadRankIsa(const Reader& r, ServeConfig* c) {
-  const YAML::Node n = r.node()["rank_isa"];
+// KEY: {RANK: V, ...} into *out: rank numbers 0..65535, each value one `valid` accepts (`values`
+// names them in the error).
+template <typename V, typename Valid>
+Status ReadRankMap(const Reader& r, const char* key, const char* values, Valid valid,
+                   std::map<int, V>* out) {
+  const YAML::Node n = r.node()[key];
   if (!n) return Status::Ok();
   const auto bad = [&] {
-    return Status::InvalidArgument(r.Where("rank_isa") +
-                                   " must map rank numbers (0..65535) to scalar, avx2 or avx512");
+    return Status::InvalidArgument(r.Where(key) + " must map rank numbers (0..65535) to " + values);
   };
   if (!n.IsMap()) return bad();
   for (const auto& kv : n) {
     int rank = -1;
-    std::string isa;
+    V v{};
     try {
       rank = kv.first.as<int>();
-      isa = kv.second.as<std::string>();
+      v = kv.second.as<V>();
     } catch (const YAML::Exception&) {
       return bad();
     }
-    if (rank < 0 || rank > 65535 || !ParseIsa(isa)) return bad();
-    c->rank_isa[rank] = isa;
-  }
-  return Status::Ok();
-}
-
-// rank_expert_memory_mib: {RANK: MiB}: a budget of its own for each expert rank named.
-Status ReadRankMemory(const Reader& r, ServeConfig* c) {
-  const YAML::Node n = r.node()["rank_expert_memory_mib"];
-  if (!n) return Status::Ok();
-  const auto bad = [&] {
-    return Status::InvalidArgument(r.Where("rank_expert_memory_mib") +
-                                   " must map rank numbers (0..65535) to MiB (1..1073741824)");
-  };
-  if (!n.IsMap()) return bad();
-  for (const auto& kv : n) {
-    int rank = -1;
-    int64_t mib = 0;
-    try {
-      rank = kv.first.as<int>();
-      mib = kv.second.as<int64_t>();
-    } catch (const YAML::Exception&) {
-      return bad();
-    }
-    if (rank < 0 || rank > 65535 || mib < 1 || mib > (int64_t{1} << 30)) return bad();
-    c->rank_expert_memory_mib[rank] = mib;
+    if (rank < 0 || rank > 65535 || !valid(v)) return bad();
+    (*out)[rank] = v;
   }
   return Status::Ok();
 }
@@ -511,10 +462,27 @@ std::vector<Key<ServeConfig>> TopKeys(const std::string& source, const std::stri
       Section<C, DispatchConfig>("dispatch", source, DispatchKeys,
                                  [](C* c) { return &c->dispatch; }),
       {"nodes", ReadNodes},
-      {"rank_threads", ReadRankThreads},
-      {"rank_isa", ReadRankIsa},
+      // Ranks with threads, kernels or a memory budget of their own.
+      {"rank_threads",
+       [](const Reader& r, C* c) {
+         return ReadRankMap<int>(
+             r, "rank_threads", "thread counts (1..1024)",
+             [](int n) { return n >= 1 && n <= 1024; }, &c->rank_threads);
+       }},
+      {"rank_isa",
+       [](const Reader& r, C* c) {
+         return ReadRankMap<std::string>(
+             r, "rank_isa", "scalar, avx2 or avx512",
+             [](const std::string& isa) { return ParseIsa(isa).has_value(); }, &c->rank_isa);
+       }},
       Number("expert_memory_mib", &C::expert_memory_mib, int64_t{0}, int64_t{1} << 30),
-      {"rank_expert_memory_mib", ReadRankMemory},
+      {"rank_expert_memory_mib",
+       [](const Reader& r, C* c) {
+         return ReadRankMap<int64_t>(
+             r, "rank_expert_memory_mib", "MiB (1..1073741824)",
+             [](int64_t mib) { return mib >= 1 && mib <= (int64_t{1} << 30); },
+             &c->rank_expert_memory_mib);
+       }},
       Number("expert_cache_mib", &C::expert_cache_mib, int64_t{0}, int64_t{1} << 30),
       {"expert_cache_policy",
        [](const Reader& r, C* c) {

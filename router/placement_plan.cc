@@ -10,7 +10,6 @@
 #include <set>
 
 #include "router/cache_plan.h"
-#include "router/local_search.h"
 
 namespace moerun {
 namespace {
@@ -208,19 +207,6 @@ Result<std::vector<double>> LiveSpeeds(const PlanOptions& options, const std::ve
     speed[static_cast<size_t>(at - live.begin())] = v;
   }
   return speed;
-}
-
-// The time balance of rank loads on ranks of these speeds: a perfect split's time (total load ÷
-// total speed) ÷ the most loaded rank's (router/planner.h PredictedBalancedness).
-double TimeBalancedness(const std::vector<double>& rank_load, const std::vector<double>& speed) {
-  const std::vector<double> inv = InverseSpeeds(speed, static_cast<int>(rank_load.size()));
-  double sum = 0, max = 0, speeds = 0;
-  for (size_t r = 0; r < rank_load.size(); ++r) {
-    sum += rank_load[r];
-    max = std::max(max, rank_load[r] * inv[r]);
-    speeds += 1 / inv[r];
-  }
-  return max <= 0 ? 1.0 : sum / speeds / max;
 }
 
 Result<PlannerInput> PlannerInputFor(const std::map<int, std::vector<double>>& loads,

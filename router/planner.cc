@@ -635,20 +635,23 @@ double PredictedBalancedness(const std::vector<double>& layer_load, const LayerM
   }
   const std::vector<double> rank_load = RankLoads(layer_load, maps.phy2log, cnt, num_ranks);
   if (rank_speed.size() == static_cast<size_t>(num_ranks)) {
-    const std::vector<double> inv = InverseSpeeds(rank_speed, num_ranks);
-    double sum = 0, max = 0, speeds = 0;
-    for (size_t r = 0; r < rank_load.size(); ++r) {
-      sum += rank_load[r];
-      max = std::max(max, rank_load[r] * inv[r]);
-      speeds += 1 / inv[r];
-    }
-    if (max <= 0) return 1.0;
-    return sum / speeds / max;
+    return TimeBalancedness(rank_load, rank_speed);
   }
   double sum = 0, max = 0;
   for (double v : rank_load) sum += v, max = std::max(max, v);
   if (max <= 0) return 1.0;
   return sum / num_ranks / max;
+}
+
+double TimeBalancedness(const std::vector<double>& rank_load, const std::vector<double>& speed) {
+  const std::vector<double> inv = InverseSpeeds(speed, static_cast<int>(rank_load.size()));
+  double sum = 0, max = 0, speeds = 0;
+  for (size_t r = 0; r < rank_load.size(); ++r) {
+    sum += rank_load[r];
+    max = std::max(max, rank_load[r] * inv[r]);
+    speeds += 1 / inv[r];
+  }
+  return max <= 0 ? 1.0 : sum / speeds / max;
 }
 
 int64_t BytesToMove(const LayerMaps& from, const LayerMaps& to, int num_ranks,

@@ -159,8 +159,12 @@ Result<IncrementalPlan> PlanIncremental(const std::vector<double>& load, const L
 double PredictedBalancedness(const std::vector<double>& layer_load, const LayerMaps& maps,
                              int num_ranks, const std::vector<double>& rank_speed = {});
 
-// InvalidArgument unless `speed` is empty or has one finite speed > 0 per rank (`what` names
-// them in the message).
+// The time balance of rank loads on ranks of these speeds (one each, finite, > 0): a perfect
+// split's time (total load ÷ total speed) ÷ the most loaded rank's (load ÷ speed); 1 where all
+// loads are zero.
+double TimeBalancedness(const std::vector<double>& rank_load, const std::vector<double>& speed);
+
+// InvalidArgument unless `speed` is empty or has one finite speed > 0 per rank.
 Status CheckRankSpeeds(const std::vector<double>& speed, int num_ranks);
 
 // Bytes of expert weights to load when going from `from` to `to`: expert_bytes for every

@@ -26,6 +26,7 @@
 // transport); Snapshot, all_answering and dead_count may be called from any thread.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -48,6 +49,12 @@ struct PeerHealthOptions {
   // transport and MarkDead only).
   std::chrono::milliseconds dead_after{0};
 };
+
+// Experts of every served layer that a budget of `budget_bytes` holds: budget ÷ one expert's
+// bytes (> 0) ÷ the layers (at least 1).
+inline uint64_t ExpertsPerLayer(uint64_t budget_bytes, int64_t expert_bytes, size_t layers) {
+  return budget_bytes / static_cast<uint64_t>(expert_bytes) / std::max<uint64_t>(1, layers);
+}
 
 struct PeerView {
   int rank = 0;

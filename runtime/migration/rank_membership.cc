@@ -126,10 +126,8 @@ std::vector<int> RankMembership::Capacities() const {
     if (capacity.size() <= static_cast<size_t>(p.rank)) {
       capacity.resize(static_cast<size_t>(p.rank) + 1, -1);
     }
-    const uint64_t per_layer = p.memory_budget_bytes / static_cast<uint64_t>(expert_bytes_) /
-                               std::max<uint64_t>(1, served_.size());
-    capacity[static_cast<size_t>(p.rank)] =
-        static_cast<int>(std::min<uint64_t>(per_layer, INT32_MAX));
+    capacity[static_cast<size_t>(p.rank)] = static_cast<int>(std::min<uint64_t>(
+        ExpertsPerLayer(p.memory_budget_bytes, expert_bytes_, served_.size()), INT32_MAX));
   }
   return capacity;
 }

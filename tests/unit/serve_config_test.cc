@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "tests/unit/test_util.h"
 
 namespace moerun {
@@ -291,6 +296,36 @@ TEST(ServeConfigTest, NodesAndDispatch) {
       EXPECT_TRUE(m.find("nodes") != std::string::npos || m.find("dispatch") != std::string::npos)
           << bad << ": " << m;
     }
+  }
+}
+
+// Ranks with threads, kernels or a memory budget of their own; bad maps refused naming the key.
+TEST(ServeConfigTest, RankMaps) {
+  auto c = ParseServeConfig(
+      "preset: {name: deepseek-v3, experts: 16}\n"
+      "rank_threads: {2: 2, 3: 4}\n"
+      "rank_isa: {1: scalar}\n"
+      "expert_memory_mib: 512\n"
+      "rank_expert_memory_mib: {4: 20}\n",
+      "c.yaml", "");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rank_threads, (std::map<int, int>{{2, 2}, {3, 4}}));
+  EXPECT_EQ(c->rank_isa, (std::map<int, std::string>{{1, "scalar"}}));
+  EXPECT_EQ(c->expert_memory_mib, 512);
+  EXPECT_EQ(c->rank_expert_memory_mib, (std::map<int, int64_t>{{4, 20}}));
+  for (const auto& [bad, key] : std::vector<std::pair<std::string, std::string>>{
+           {"rank_threads: [1, 2]\n", "rank_threads"},
+           {"rank_threads: {1: 0}\n", "rank_threads"},
+           {"rank_threads: {-1: 2}\n", "rank_threads"},
+           {"rank_threads: {1: many}\n", "rank_threads"},
+           {"rank_isa: {1: sse}\n", "rank_isa"},
+           {"rank_expert_memory_mib: {1: 0}\n", "rank_expert_memory_mib"},
+           {"rank_expert_memory_mib: {x: 5}\n", "rank_expert_memory_mib"},
+           {"expert_memory_mib: -1\n", "expert_memory_mib"}}) {
+    auto e = ParseServeConfig("preset: {name: deepseek-v3}\n" + bad, "c.yaml", "");
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_NE(e.status().message().find(key), std::string::npos)
+        << bad << ": " << e.status().message();
   }
 }
 
